@@ -1,0 +1,169 @@
+"""Llama decoder in plain PyTorch: RMSNorm, RoPE (split halves), GQA through SDPA, SwiGLU.
+
+Parameter names equal Hugging Face `LlamaForCausalLM`'s, so checkpoints export without a rename table.
+Nothing here knows about parallelism: reshapes use -1 for head counts so tensor-parallel shards
+(fewer local heads) run the same code, and pipeline stages are this module with parts set to None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanotron.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like HF, then cast back, so bf16 runs keep their precision here.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """cos and sin tables, stacked as [2, max_seq_len, head_dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotates split halves (HF's rotate_half), x: [batch, heads, seq, head_dim]."""
+    cos, sin = rope[0, : x.shape[2]].to(x.dtype), rope[1, : x.shape[2]].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers keyed by global index, final norm. A pipeline stage keeps a subset."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("rope", rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.norm(h) if self.norm is not None else h
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids -> logits (or hidden states on a pipeline stage without the head)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model(x)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fills every parameter from (seed, parameter name) alone, so any layout gets the same weights.
+
+        Each full tensor is drawn on the CPU one at a time and only this rank's shard is kept; a DTensor
+        parameter (TP/FSDP) receives its local slice. The model may have been built on the meta device.
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        rope = rope_cache(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+        self.model.rope = rope.to(self.model.rope.device)
+        depth_scale = (2 * self.config.num_layers) ** -0.5
+        for name, param in self.named_parameters():
+            full = torch.empty(param.shape, dtype=torch.float32)
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                full.fill_(1.0)
+            else:
+                std = self.config.init_std * (depth_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
+                full.normal_(0.0, std, generator=torch.Generator().manual_seed(_name_seed(seed, name)))
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    """Parameter count from the config (no model needed): used for FLOPs and memory estimates."""
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    layer = 2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size + 2 * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return cfg.num_layers * layer + h + head + (cfg.vocab_size * h if include_embedding else 0)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (non-embedding params incl. lm_head) + causal-free attention 12·L·H·T.
+
+    The attention term counts QK^T and AV for forward (4·T·H per layer) times 3 for forward+backward,
+    as in the PaLM/Megatron MFU convention (no discount for the causal mask).
+    """
+    matmul_params = num_params(cfg, include_embedding=False)
+    if cfg.tie_word_embeddings:
+        matmul_params += cfg.vocab_size * cfg.hidden_size
+    return 6 * matmul_params + 12 * cfg.num_layers * cfg.hidden_size * seq_len

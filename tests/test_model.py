@@ -1,0 +1,70 @@
+"""The model is Hugging Face's Llama: same names, same logits for the same weights."""
+
+import pytest
+import torch
+
+from nanotron.config import ModelConfig
+from nanotron.models.llama import LlamaForCausalLM, flops_per_token, num_params
+
+transformers = pytest.importorskip("transformers")
+
+
+def small_config(**overrides) -> ModelConfig:
+    fields = dict(hidden_size=64, intermediate_size=160, num_layers=3, num_heads=8, num_kv_heads=2,
+                  vocab_size=300, max_seq_len=64, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def hf_twin(cfg: ModelConfig) -> "transformers.LlamaForCausalLM":
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, mlp_bias=False,
+    )
+    hf_cfg._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(hf_cfg).eval()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_transformers_llama_with_gqa(tied):
+    cfg = small_config(tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    model.init_weights(seed=0)
+    hf = hf_twin(cfg)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected
+    assert all("rotary_emb" in k for k in missing)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_parameter_names_are_hf_names():
+    names = set(LlamaForCausalLM(small_config()).state_dict())
+    hf_names = set(hf_twin(small_config()).state_dict())
+    assert names == {n for n in hf_names if "rotary_emb" not in n}
+
+
+def test_init_depends_only_on_seed_and_meta_init_matches_eager():
+    cfg = small_config()
+    eager = LlamaForCausalLM(cfg)
+    eager.init_weights(seed=3)
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg)
+    meta.to_empty(device="cpu")
+    meta.init_weights(seed=3)
+    for (name, a), (_, b) in zip(eager.state_dict().items(), meta.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert torch.equal(eager.model.rope, meta.model.rope)
+    other = LlamaForCausalLM(cfg)
+    other.init_weights(seed=4)
+    assert not torch.equal(other.lm_head.weight, eager.lm_head.weight)
+
+
+def test_param_count_and_flops_follow_the_config():
+    cfg = small_config()
+    assert num_params(cfg) == sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    non_embedding = num_params(cfg, include_embedding=False)
+    assert flops_per_token(cfg, seq_len=32) == 6 * non_embedding + 12 * cfg.num_layers * cfg.hidden_size * 32
