@@ -1,0 +1,72 @@
+"""AdamW with decay only on matrices, warmup + decay LR schedules, and global-norm grad clipping."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from nanotron.config import OptimizerConfig
+
+
+def build_optimizer(module: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+    """No weight decay on norms and embeddings: decaying them only hurts (they are scales and lookups)."""
+    decay, no_decay = [], []
+    for name, param in module.named_parameters():  # tied weights are yielded once
+        (no_decay if "norm" in name or "embed_tokens" in name else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Fused kernels exist for CUDA and CPU; they also take DTensor params.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             fused=cfg.fused and device.type in ("cuda", "cpu"))
+
+
+def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then the chosen decay to min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.decay_style == "constant":
+        return cfg.lr
+    decay_steps = cfg.decay_steps or max(total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    shape = {
+        "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+        "linear": 1 - progress,
+        "1-sqrt": 1 - math.sqrt(progress),
+    }[cfg.decay_style]
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):
+    base = cfg.lr if cfg.lr > 0 else 1.0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, total_steps) / base)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+    """Global L2 norm over every DTensor shard and every pipeline stage; clips when max_norm > 0.
+
+    Grads are grouped by (mesh, placements) so each group reduces its partial norms in one collective;
+    the stages' squared norms are then summed over the pp group.
+    """
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups[key].append(p.grad)
+    squared = torch.zeros((), dtype=torch.float32)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared = squared.to(norm.device) + norm.float() ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt().item()
+    if 0 < max_norm < total:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+    return total

@@ -1,0 +1,53 @@
+"""Turns the plain model into this rank's parallel pieces, in the order of DESIGN.md contract 3:
+pipeline split -> TP/SP plan -> activation checkpointing -> compile -> FSDP/replicate -> init."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanotron.config import Config
+from nanotron.distributed import ParallelContext
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.data import apply_data_parallel
+from nanotron.parallel.pipeline import split_model
+from nanotron.parallel.recompute import apply_recompute
+from nanotron.parallel.tensor import apply_tensor_parallel
+
+
+def async_tp_available(cfg: Config, device: torch.device) -> bool:
+    return device.type == "cuda" and cfg.training.compile and cfg.parallelism.tp > 1
+
+
+def enable_async_tp(ctx: ParallelContext) -> None:
+    """Lets inductor overlap TP collectives with matmuls (micro-pipelined TP over symmetric memory)."""
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(ctx.mesh["tp"].get_group().group_name)
+
+
+def build_model(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]]:
+    """(global pipeline stage index, module) for every stage this rank runs, initialised and on device.
+
+    The model is built on the meta device, so no rank ever holds more than its own shards plus one
+    full tensor at a time during init.
+    """
+    p = cfg.parallelism
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg.model)
+    stages = split_model(model, p, ctx.pp_rank, cfg.training.seq_len) if p.pp > 1 else [(0, model)]
+    for _, module in stages:
+        if p.tp > 1:
+            apply_tensor_parallel(module, ctx.mesh["tp"], sequence_parallel=p.tp_mode == "reduce_scatter")
+        if p.recompute_layer:
+            apply_recompute(module)
+        if cfg.training.compile:
+            for layer in module.model.layers.values():
+                layer.compile()
+        if p.dp > 1:
+            apply_data_parallel(module, ctx.mesh["dp"], p.zero_stage, cfg.training.dtype)
+        module.to_empty(device=ctx.device)
+        module.init_weights(cfg.job.seed)
+    return stages

@@ -1,0 +1,118 @@
+"""Pipeline parallelism with torch.distributed.pipelining: balanced stages, stable FQNs, schedules.
+
+A stage is a deep copy of the (meta-device) model with the layers of other stages deleted and
+embedding / final norm / head set to None where they don't belong, so parameter names never change.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from nanotron.config import ModelConfig, ParallelismConfig
+from nanotron.models.llama import LlamaForCausalLM
+
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "afab": ScheduleGPipe,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+MULTI_STAGE = {"interleaved_1f1b", "zero_bubble", "zbv"}
+
+
+def num_stages(p: ParallelismConfig) -> int:
+    return p.pp * (p.pp_stages_per_rank if p.pp_engine in MULTI_STAGE else 1)
+
+
+def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
+    """(embedding, layer, head) cost in forward FLOPs per token, used to balance stages.
+
+    The embedding does no matmul, but its backward scatter-add and optimizer update touch vocab x hidden
+    values, so it is counted as half the head.
+    """
+    h = cfg.hidden_size
+    layer = 2 * (2 * h * h + 2 * h * cfg.num_kv_heads * cfg.head_dim + 3 * h * cfg.intermediate_size) + 4 * h * seq_len
+    head = 2 * h * cfg.vocab_size
+    return head / 2, layer, head
+
+
+def split_layers(num_layers: int, n_stages: int, costs: tuple[float, float, float]) -> list[range]:
+    """Contiguous layer ranges, one per stage, minimising the costliest stage (every stage >= 1 layer).
+
+    Stage 0 also pays for the embedding and the last stage for the head, so they get fewer layers.
+    """
+    embed, layer, head = costs
+
+    def cost(stage: int, n: int) -> float:
+        return n * layer + (embed if stage == 0 else 0) + (head if stage == n_stages - 1 else 0)
+
+    # best[s][i]: the smallest max-cost splitting layers [0, i) into stages [0, s).
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, num_layers - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                candidate = max(best[s - 1][j], cost(s - 1, i - j))
+                if candidate < best[s][i]:
+                    best[s][i], cut[s][i] = candidate, j
+    bounds, i = [], num_layers
+    for s in range(n_stages, 0, -1):
+        bounds.append(range(cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
+def stage_indices(p: ParallelismConfig, pp_rank: int) -> list[int]:
+    """Which global stages this rank runs: loop order for interleaved schedules, a V for zbv."""
+    if p.pp_engine == "zbv":
+        return [pp_rank, 2 * p.pp - 1 - pp_rank]
+    return list(range(pp_rank, num_stages(p), p.pp))
+
+
+def build_stage(model: LlamaForCausalLM, layers: range, first: bool, last: bool) -> LlamaForCausalLM:
+    """A copy of `model` keeping only `layers` (and the embedding/head when first/last)."""
+    stage = copy.deepcopy(model)
+    for name in list(stage.model.layers):
+        if int(name) not in layers:
+            del stage.model.layers[name]
+    if not first:
+        stage.model.embed_tokens = None
+    if not last:
+        stage.model.norm = None
+        stage.lm_head = None
+    return stage
+
+
+def split_model(model: LlamaForCausalLM, p: ParallelismConfig, pp_rank: int, seq_len: int,
+                ) -> list[tuple[int, LlamaForCausalLM]]:
+    """(global stage index, stage module) pairs for this rank."""
+    n = num_stages(p)
+    ranges = split_layers(model.config.num_layers, n, stage_costs(model.config, seq_len))
+    return [(s, build_stage(model, ranges[s], s == 0, s == n - 1)) for s in stage_indices(p, pp_rank)]
+
+
+def build_schedule(stages: list[tuple[int, torch.nn.Module]], p: ParallelismConfig, pp_mesh: DeviceMesh,
+                   device: torch.device, n_microbatches: int, loss_fn: Callable):
+    """The `parallelism.pp_engine` schedule over this rank's stages; grads are averaged over microbatches."""
+    n = num_stages(p)
+    pipeline_stages = [PipelineStage(module, index, n, device, group=pp_mesh.get_group())
+                       for index, module in stages]
+    schedule_cls = SCHEDULES[p.pp_engine]
+    if p.pp_engine in MULTI_STAGE:
+        return schedule_cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return schedule_cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,57 @@
+"""Tensor and sequence parallelism as a DTensor plan applied to an unmodified model.
+
+all_reduce:     Megatron TP. q/k/v and gate/up column-sharded, o/down row-sharded (all-reduce out).
+reduce_scatter: sequence parallel on top. Norms and the residual stream are sharded on the sequence
+                dim; inputs of column linears are all-gathered, outputs of row linears reduce-scattered.
+In both modes the embedding and lm_head are vocab-parallel and logits stay sharded for loss_parallel.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from nanotron.models.llama import LlamaForCausalLM
+
+
+def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shards `model` (a whole model or one pipeline stage of it) over `tp_mesh` in place."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    norm_plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+    gather_plan = {
+        "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    }
+    layer_plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+        **(norm_plan | gather_plan if sequence_parallel else {}),
+    }
+    for layer in model.model.layers.values():
+        parallelize_module(layer, tp_mesh, layer_plan)
+
+    top_plan: dict[str, nn.Module] = {}
+    if model.model.embed_tokens is not None:
+        top_plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.model.norm is not None and sequence_parallel:
+        top_plan["model.norm"] = SequenceParallel()
+    if model.lm_head is not None:
+        # Logits stay vocab-sharded (Shard(-1)) as a DTensor: loss_parallel never gathers them.
+        top_plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, top_plan)
+    if model.config.tie_word_embeddings and model.lm_head is not None:
+        # Both plans shard the shared [vocab, hidden] weight on dim 0: re-tie the two DTensors.
+        model.lm_head.weight = model.model.embed_tokens.weight
