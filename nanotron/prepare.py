@@ -1,0 +1,105 @@
+"""Set-up helpers for the demo corpus: plain-text plays → JSONL corpus → byte-level BPE tokenizer dir.
+
+Called by `scripts/prepare_data.sh`; the tokenizer dir is written in Hugging Face layout by hand so that
+neither set-up nor training needs `transformers`, while `AutoTokenizer.from_pretrained` still loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THIS|THE) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
+_GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THIS|THE) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
+
+
+def strip_gutenberg(text: str) -> str:
+    """The work without Project Gutenberg's license header and footer, when the markers are present."""
+    if start := _GUTENBERG_START.search(text):
+        text = text[start.end() :]
+    if end := _GUTENBERG_END.search(text):
+        text = text[: end.start()]
+    return text.strip() + "\n"
+
+
+def _write_atomically(path: Path, content: str) -> None:
+    """A killed run never leaves a half-written file that the next run would take as done."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(content, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_corpus(text_files: Iterable[Path], out: Path) -> int:
+    """One JSON object {"text": ...} per file, in sorted file order; returns the number of documents."""
+    files = sorted(text_files)
+    lines = [json.dumps({"text": strip_gutenberg(f.read_text(encoding="utf-8", errors="replace"))}) for f in files]
+    _write_atomically(out, "\n".join(lines) + "\n")
+    return len(lines)
+
+
+def read_jsonl_texts(path: Path, text_column: str = "text") -> list[str]:
+    """Documents of a JSONL corpus, for training the tokenizer on the very text the model will read."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)[text_column] for line in f if line.strip()]
+
+
+def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 8192) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style: any byte encodable, exact decode) with one special token, EOS."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "model_max_length": 1_000_000,
+        "clean_up_tokenization_spaces": False,
+    }
+    _write_atomically(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    _write_atomically(out_dir / "special_tokens_map.json", json.dumps({"eos_token": EOS_TOKEN}, indent=2) + "\n")
+    _write_atomically(out_dir / "tokenizer.json", tokenizer.to_str())
+    return tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nanotron.prepare", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    corpus = sub.add_parser("corpus", help="text files (one document each) -> JSONL corpus")
+    corpus.add_argument("text_files", type=Path, nargs="+")
+    corpus.add_argument("--out", type=Path, required=True)
+    tok = sub.add_parser("tokenizer", help="JSONL corpus -> byte-level BPE tokenizer dir")
+    tok.add_argument("corpus", type=Path)
+    tok.add_argument("--out", type=Path, required=True)
+    tok.add_argument("--vocab-size", type=int, default=8192)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if args.command == "corpus":
+        docs = write_corpus(args.text_files, args.out)
+        size_mb = args.out.stat().st_size / 1e6
+        print(f"corpus: wrote {docs} documents ({size_mb:.1f} MB) to {args.out} in {time.perf_counter() - start:.1f} s")
+    else:
+        texts = read_jsonl_texts(args.corpus)
+        tokenizer = train_tokenizer(texts, args.out, args.vocab_size)
+        print(
+            f"tokenizer: trained byte-level BPE, vocab {tokenizer.get_vocab_size()}, eos {EOS_TOKEN!r}, "
+            f"on {len(texts)} documents, saved to {args.out}/ in {time.perf_counter() - start:.1f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()

