@@ -327,9 +327,19 @@ class StepSampler(Sampler[list[int]]):
 
 
 def build_train_loader(
-    corpus: Corpus, training: TrainingConfig, seed: int, dp: int, dp_rank: int, num_workers: int | None = None
+    corpus: Corpus,
+    training: TrainingConfig,
+    seed: int,
+    dp: int,
+    dp_rank: int,
+    num_workers: int | None = None,
+    start_step: int = 0,
 ) -> StatefulDataLoader:
-    """LongTensor [micro_batch_size, seq_len+1] microbatches forever, resumable via state_dict()."""
+    """LongTensor [micro_batch_size, seq_len+1] microbatches forever, resumable via state_dict().
+
+    `start_step` begins at that optimizer step's first microbatch: since the order is a pure function of
+    the global sample index, a run resumed at any dp size continues at the same global sample.
+    """
     if training.global_batch_size != training.micro_batch_size * training.grad_accum_steps * dp:
         raise ValueError("training.global_batch_size must equal micro_batch_size * grad_accum_steps * dp")
     if corpus.num_train_samples < training.global_batch_size:
@@ -341,6 +351,7 @@ def build_train_loader(
     if training.eval_interval > 0:
         _check_validation(corpus, training)
     sampler = StepSampler(corpus.num_train_samples, training, seed, dp, dp_rank)
+    sampler.microbatches = start_step * training.grad_accum_steps
     workers = corpus.num_workers if num_workers is None else num_workers
     with warnings.catch_warnings():  # torchdata 0.11 calls an API that torch 2.13 deprecates
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

@@ -14,13 +14,17 @@ from nanotron.config import OptimizerConfig
 
 
 def build_optimizer(module: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
-    """No weight decay on norms and embeddings: decaying them only hurts (they are scales and lookups)."""
-    decay, no_decay = [], []
+    """No weight decay on norms and embeddings: decaying them only hurts (they are scales and lookups).
+
+    Params are also grouped by their DTensor mesh: fused/foreach kernels can't mix plain tensors (e.g.
+    replicated norms under plain TP) with DTensors, nor DTensors of different meshes, in one call.
+    """
+    groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for name, param in module.named_parameters():  # tied weights are yielded once
-        (no_decay if "norm" in name or "embed_tokens" in name else decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # Fused kernels exist for CUDA and CPU; they also take DTensor params.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        decay = 0.0 if "norm" in name or "embed_tokens" in name else cfg.weight_decay
+        groups[decay, param.device_mesh if isinstance(param, DTensor) else None].append(param)
+    param_groups = [{"params": params, "weight_decay": decay} for (decay, _), params in groups.items()]
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=cfg.fused and device.type in ("cuda", "cpu"))
 
 

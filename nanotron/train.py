@@ -69,7 +69,6 @@ class Trainer:
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
         self.schedulers = [build_scheduler(opt, cfg.optimizer, t.steps) for opt in self.optimizers]
-        self.loader = build_train_loader(self.corpus, t, seed=cfg.job.seed, dp=p.dp, dp_rank=self.ctx.dp_rank)
         self.state = TrainState()
         self.checkpointer = checkpoint.Checkpointer(cfg, self.ctx, self)
 
@@ -182,6 +181,8 @@ class Trainer:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self.request_stop)
         self.checkpointer.resume()
+        self.loader = build_train_loader(self.corpus, t, seed=cfg.job.seed, dp=cfg.parallelism.dp,
+                                         dp_rank=self.ctx.dp_rank, start_step=self.state.step)
         self.loader_iter = iter(self.loader)
         self.announce()
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
@@ -192,8 +193,11 @@ class Trainer:
         flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
         window_start, window_steps, run_start, run_steps = time.perf_counter(), 0, time.perf_counter(), 0
         preempted = False
+        profiler = self.start_profiler()
         while self.state.step < t.steps:
             loss, grad_norm = self.train_step()
+            if profiler is not None:
+                profiler.step()
             self.state.step += 1
             self.state.consumed_samples += t.global_batch_size
             self.state.consumed_tokens += tokens_per_step
@@ -211,6 +215,8 @@ class Trainer:
                 break
             if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
                 self.checkpointer.save()
+        if profiler is not None:
+            profiler.stop()
         if preempted or cfg.checkpoint.save_final:
             self.checkpointer.save(final=True)
         self.checkpointer.wait()
@@ -218,6 +224,23 @@ class Trainer:
             self.metrics.info(f"preempted: stopped at step {self.state.step} after a stop signal; checkpoint saved "
                               f"in {cfg.checkpoint_dir}; rerun the same command to resume")
         self.metrics.close()
+
+    def start_profiler(self) -> torch.profiler.profile | None:
+        """torch.profiler traces (TensorBoard/Chrome JSON) of a few steps, on rank 0 and the logging rank."""
+        prof = self.cfg.profiler
+        if not prof.export_path or not (self.ctx.rank == 0 or self.is_logging_rank):
+            return None
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.ctx.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=prof.wait_steps, warmup=1, active=prof.active_steps, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(prof.export_path, worker_name=f"rank{self.ctx.rank}"),
+            record_shapes=True, profile_memory=True,
+        )
+        profiler.start()
+        return profiler
 
     def log_step(self, loss: float | None, grad_norm: float, step_time: float, tokens_per_step: int,
                  flops_per_step: float, eta: float) -> None:
