@@ -1,4 +1,4 @@
-"""`nanotron` console script: `nanotron train ...`, `nanotron launch ...`, `nanotron convert ...`, `nanotron generate ...`."""
+"""The `nanotron` console script: `nanotron {train,launch,convert,generate} ...`."""
 
 from __future__ import annotations
 

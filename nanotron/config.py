@@ -57,14 +57,42 @@ class ModelConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
-                 vocab_size=8192, max_seq_len=256),
-    "small": dict(hidden_size=768, intermediate_size=3072, num_layers=12, num_heads=12, num_kv_heads=12,
-                  vocab_size=32000, max_seq_len=2048),
-    "base": dict(hidden_size=2048, intermediate_size=8192, num_layers=24, num_heads=16, num_kv_heads=16,
-                 vocab_size=32000, max_seq_len=2048),
-    "large": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
-                  vocab_size=32000, max_seq_len=2048),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=8192,
+        max_seq_len=256,
+    ),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+    "base": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+    "large": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
 }
 PRESET_COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
@@ -74,14 +102,17 @@ class ParallelismConfig:
     dp: int = _opt(1, "data-parallel degree", min=1)
     tp: int = _opt(1, "tensor-parallel degree (innermost mesh dim)", min=1)
     pp: int = _opt(1, "pipeline-parallel degree", min=1)
-    pp_engine: str = _opt("1f1b", "pipeline schedule",
-                          ("1f1b", "afab", "interleaved_1f1b", "zero_bubble", "zbv"))
+    pp_engine: str = _opt("1f1b", "pipeline schedule", ("1f1b", "afab", "interleaved_1f1b", "zero_bubble", "zbv"))
     pp_stages_per_rank: int = _opt(2, "virtual stages per rank for interleaved_1f1b/zero_bubble", min=1)
-    tp_mode: str = _opt("reduce_scatter", "all_reduce (Megatron TP) or reduce_scatter (sequence parallel)",
-                        ("all_reduce", "reduce_scatter"))
+    tp_mode: str = _opt(
+        "reduce_scatter",
+        "all_reduce (Megatron TP) or reduce_scatter (sequence parallel)",
+        ("all_reduce", "reduce_scatter"),
+    )
     tp_linear_async_communication: bool = _opt(False, "async TP (needs CUDA + training.compile)")
-    zero_stage: int = _opt(0, "0 replicate (DDP), 1/2 FSDP keeping params after forward, 3 FSDP resharding",
-                           (0, 1, 2, 3))
+    zero_stage: int = _opt(
+        0, "0 replicate (DDP), 1/2 FSDP keeping params after forward, 3 FSDP resharding", (0, 1, 2, 3)
+    )
     recompute_layer: bool = _opt(False, "recompute each decoder layer in backward (activation checkpointing)")
 
 
@@ -89,13 +120,14 @@ class ParallelismConfig:
 class TrainingConfig:
     steps: int = _opt(300, "optimizer steps", min=1)
     micro_batch_size: int = _opt(8, "samples per microbatch per data-parallel rank", min=1)
-    grad_accum_steps: int = _opt(1, "microbatches per step per dp rank (= pipeline microbatches); "
-                                 "0 derives it from global_batch_size", min=0)
-    global_batch_size: int = _opt(0, "samples per optimizer step across all ranks; 0 = "
-                                  "micro_batch_size * grad_accum_steps * dp", min=0)
+    grad_accum_steps: int = _opt(
+        1, "microbatches per step per dp rank (= pipeline microbatches); 0 derives it from global_batch_size", min=0
+    )
+    global_batch_size: int = _opt(
+        0, "samples per optimizer step across all ranks; 0 = micro_batch_size * grad_accum_steps * dp", min=0
+    )
     seq_len: int = _opt(128, "tokens per sample", min=1)
-    dtype: str = _opt("float32", "compute dtype (bfloat16 = autocast / FSDP mixed precision)",
-                      ("float32", "bfloat16"))
+    dtype: str = _opt("float32", "compute dtype (bfloat16 = autocast / FSDP mixed precision)", ("float32", "bfloat16"))
     clip_grad: float = _opt(1.0, "max global grad norm; 0 disables clipping", min=0.0)
     eval_interval: int = _opt(50, "steps between validation passes; 0 disables", min=0)
     eval_steps: int = _opt(4, "global batches per validation pass", min=1)
@@ -142,8 +174,7 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = _opt(10, "steps between log lines", min=1)
     tensorboard: bool = _opt(True, "write TensorBoard scalars to the run dir")
-    peak_tflops: float = _opt(0.0, "per-device peak for MFU; 0 = detect (GPU table, CPU matmul probe)",
-                              min=0.0)
+    peak_tflops: float = _opt(0.0, "per-device peak for MFU; 0 = detect (GPU table, CPU matmul probe)", min=0.0)
 
 
 @dataclass
@@ -277,8 +308,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.hidden_size / model.num_heads = {m.head_dim} must be even for RoPE")
     if m.num_heads % m.num_kv_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
-                          "pick num_kv_heads among its divisors")
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
+            "pick num_kv_heads among its divisors"
+        )
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
@@ -287,33 +320,45 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
     if not 0.0 <= cfg.data.validation_split < 1.0:
         raise ConfigError(f"data.validation_split: expected a fraction in [0, 1), got {cfg.data.validation_split}")
-    if world_size is not None and world_size != cfg.world_size:
-        raise ConfigError(f"parallelism dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {cfg.world_size} but {world_size} "
-                          f"processes were launched; set dp, tp, pp so their product is {world_size}")
     if m.num_kv_heads % p.tp:
-        raise ConfigError(f"parallelism.tp={p.tp} must divide model.num_kv_heads={m.num_kv_heads} "
-                          "(each tp rank holds whole key/value heads)")
+        raise ConfigError(
+            f"parallelism.tp={p.tp} must divide model.num_kv_heads={m.num_kv_heads} "
+            "(each tp rank holds whole key/value heads)"
+        )
     if m.vocab_size % p.tp:
         raise ConfigError(f"parallelism.tp={p.tp} must divide model.vocab_size={m.vocab_size} (vocab-parallel head)")
     if p.tp_mode == "reduce_scatter" and t.seq_len % p.tp:
-        raise ConfigError(f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={p.tp} "
-                          "with tp_mode='reduce_scatter' (sequence parallel); or use tp_mode='all_reduce'")
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={p.tp} "
+            "with tp_mode='reduce_scatter' (sequence parallel); or use tp_mode='all_reduce'"
+        )
     stages = p.pp * (p.pp_stages_per_rank if p.pp_engine in ("interleaved_1f1b", "zero_bubble", "zbv") else 1)
     if p.pp_engine == "zbv" and p.pp_stages_per_rank != 2:
         raise ConfigError("parallelism.pp_engine='zbv' needs parallelism.pp_stages_per_rank=2 (a V of two stages)")
     if p.pp > 1 and m.num_layers < stages:
-        raise ConfigError(f"model.num_layers={m.num_layers} is too few for {stages} pipeline stages "
-                          f"(parallelism.pp={p.pp}" + (f" x pp_stages_per_rank={p.pp_stages_per_rank}"
-                                                       if stages > p.pp else "") +
-                          "); every stage needs at least one layer: lower pp or add layers")
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is too few for {stages} pipeline stages "
+            f"(parallelism.pp={p.pp}"
+            + (f" x pp_stages_per_rank={p.pp_stages_per_rank}" if stages > p.pp else "")
+            + "); every stage needs at least one layer: lower pp or add layers"
+        )
     if p.pp > 1 and m.tie_word_embeddings:
-        raise ConfigError("model.tie_word_embeddings=true needs parallelism.pp=1 "
-                          "(embedding and lm_head live on different pipeline stages)")
+        raise ConfigError(
+            "model.tie_word_embeddings=true needs parallelism.pp=1 "
+            "(embedding and lm_head live on different pipeline stages)"
+        )
+    if world_size is not None and world_size != cfg.world_size:
+        raise ConfigError(
+            f"parallelism dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {cfg.world_size} but {world_size} "
+            f"processes were launched; set dp, tp, pp so their product is {world_size}"
+        )
     _resolve_batch(cfg)
     if p.pp > 1 and t.grad_accum_steps < stages // p.pp * p.pp and p.pp_engine != "afab":
-        raise ConfigError(f"parallelism.pp_engine='{p.pp_engine}' with pp={p.pp} needs at least {p.pp} microbatches "
-                          f"per step, got grad_accum_steps={t.grad_accum_steps}; raise grad_accum_steps "
-                          "(or global_batch_size)")
+        raise ConfigError(
+            f"parallelism.pp_engine='{p.pp_engine}' with pp={p.pp} needs at least {p.pp} microbatches "
+            f"per step, got grad_accum_steps={t.grad_accum_steps}; raise grad_accum_steps "
+            "(or global_batch_size)"
+        )
 
 
 def _resolve_batch(cfg: Config) -> None:
@@ -324,15 +369,19 @@ def _resolve_batch(cfg: Config) -> None:
             raise ConfigError("training.grad_accum_steps=0 needs training.global_batch_size > 0 to derive it from")
         t.global_batch_size = per_accum * t.grad_accum_steps
     elif t.global_batch_size % per_accum:
-        raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
-                          f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {per_accum}; "
-                          "change one of them")
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} is not divisible by "
+            f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {per_accum}; "
+            "change one of them"
+        )
     elif t.grad_accum_steps == 0:
         t.grad_accum_steps = t.global_batch_size // per_accum
     elif t.grad_accum_steps * per_accum != t.global_batch_size:
-        raise ConfigError(f"training.global_batch_size={t.global_batch_size} disagrees with micro_batch_size*"
-                          f"grad_accum_steps*dp = {per_accum * t.grad_accum_steps}; set grad_accum_steps=0 "
-                          "to derive it, or global_batch_size=0")
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} disagrees with micro_batch_size*"
+            f"grad_accum_steps*dp = {per_accum * t.grad_accum_steps}; set grad_accum_steps=0 "
+            "to derive it, or global_batch_size=0"
+        )
 
 
 def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -355,8 +404,11 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
     return config_path, pairs
 
 
-def load_config(path: str | None = None, overrides: list[tuple[str, str]] = (), world_size: int | None = None,
-                ) -> Config:
+def load_config(
+    path: str | None = None,
+    overrides: list[tuple[str, str]] = (),
+    world_size: int | None = None,
+) -> Config:
     """TOML file, then overrides, then presets and validation: the resolved config of a run."""
     cfg = Config()
     if path is not None:
@@ -369,8 +421,9 @@ def load_config(path: str | None = None, overrides: list[tuple[str, str]] = (), 
             raise ConfigError(f"--config: '{path}' is not valid TOML ({e})") from None
         for section, table in data.items():
             if not isinstance(table, dict):
-                raise ConfigError(f"'{section}' in {path}: expected a [section] table"
-                                  f"{_suggest(section, list(SECTIONS))}")
+                raise ConfigError(
+                    f"'{section}' in {path}: expected a [section] table{_suggest(section, list(SECTIONS))}"
+                )
             for key, value in table.items():
                 _set(cfg, f"{section}.{key}", value, path)
     for key, value in overrides:

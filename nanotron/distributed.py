@@ -63,8 +63,13 @@ def init_distributed(cfg: Config) -> ParallelContext:
     p = cfg.parallelism
     mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelContext(
-        mesh, device, dist.get_rank(), dist.get_world_size(),
-        mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(), mesh["pp"].get_local_rank(),
+        mesh,
+        device,
+        dist.get_rank(),
+        dist.get_world_size(),
+        mesh["dp"].get_local_rank(),
+        mesh["tp"].get_local_rank(),
+        mesh["pp"].get_local_rank(),
     )
 
 

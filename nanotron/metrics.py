@@ -38,7 +38,9 @@ def peak_memory_gib(device: torch.device) -> float:
 
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 class MetricsLogger:
@@ -83,6 +85,8 @@ class MetricsLogger:
 
 def step_line(r: dict, total_steps: int) -> str:
     """The one log line per step; fixed field order so benchmarks can parse it with a regex."""
-    return (f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad_norm {r['grad_norm']:.3f}"
-            f" | tokens/s {r['tokens_per_sec']:.0f} | tflops {r['tflops']:.3f} | mfu {100 * r['mfu']:.2f}%"
-            f" | mem {r['memory_gib']:.2f}GiB | eta {format_duration(r['eta_sec'])}")
+    return (
+        f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad_norm {r['grad_norm']:.3f}"
+        f" | tokens/s {r['tokens_per_sec']:.0f} | tflops {r['tflops']:.3f} | mfu {100 * r['mfu']:.2f}%"
+        f" | mem {r['memory_gib']:.2f}GiB | eta {format_duration(r['eta_sec'])}"
+    )

@@ -24,8 +24,9 @@ def build_optimizer(module: nn.Module, cfg: OptimizerConfig, device: torch.devic
         decay = 0.0 if "norm" in name or "embed_tokens" in name else cfg.weight_decay
         groups[decay, param.device_mesh if isinstance(param, DTensor) else None].append(param)
     param_groups = [{"params": params, "weight_decay": decay} for (decay, _), params in groups.items()]
-    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             fused=cfg.fused and device.type in ("cuda", "cpu"))
+    return torch.optim.AdamW(
+        param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused and device.type in ("cuda", "cpu")
+    )
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

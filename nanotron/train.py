@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from nanotron import checkpoint
 from nanotron.config import Config, help_text, load_config, parse_overrides, to_toml
 from nanotron.data import build_train_loader, eval_batches, load_corpus, load_tokenizer
 from nanotron.distributed import ParallelContext, destroy_distributed, init_distributed, launched_world_size
-from nanotron.errors import ConfigError, DataError, UserError
+from nanotron.errors import ConfigError, UserError
 from nanotron.metrics import MetricsLogger, detect_peak_tflops, peak_memory_gib, step_line
 from nanotron.models.llama import flops_per_token, num_params
 from nanotron.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -44,28 +45,40 @@ class TrainState:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        # Trapped from the start, so a stop signal during set-up still stops cleanly at the first step boundary.
+        self.stop_requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self.request_stop)
         self.ctx: ParallelContext = init_distributed(cfg)
         torch.manual_seed(cfg.job.seed)
         p, t = cfg.parallelism, cfg.training
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                              f"({self.tokenizer.vocab_size}, {cfg.data.tokenizer}); raise model.vocab_size")
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({self.tokenizer.vocab_size}, {cfg.data.tokenizer}); raise model.vocab_size"
+            )
         self.corpus = load_corpus(cfg.data, self.tokenizer, seq_len=t.seq_len, seed=cfg.job.seed)
 
         if p.tp_linear_async_communication:
             if async_tp_available(cfg, self.ctx.device):
                 enable_async_tp(self.ctx)
             elif self.ctx.rank == 0:
-                print("warning: parallelism.tp_linear_async_communication is unavailable here (async TP needs "
-                      "CUDA, training.compile=true and tp > 1); using synchronous TP", flush=True)
+                print(
+                    "warning: parallelism.tp_linear_async_communication is unavailable here (async TP needs "
+                    "CUDA, training.compile=true and tp > 1); using synchronous TP",
+                    flush=True,
+                )
         self.stages = build_model(cfg, self.ctx)
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
         stage_ids = [index for index, _ in self.stages]
         self.has_first, self.has_last = 0 in stage_ids, num_stages(p) - 1 in stage_ids
-        self.schedule = (build_schedule(self.stages, p, self.ctx.mesh["pp"], self.ctx.device,
-                                        t.grad_accum_steps, self.loss_fn) if p.pp > 1 else None)
+        self.schedule = (
+            build_schedule(self.stages, p, self.ctx.mesh["pp"], self.ctx.device, t.grad_accum_steps, self.loss_fn)
+            if p.pp > 1
+            else None
+        )
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
         self.schedulers = [build_scheduler(opt, cfg.optimizer, t.steps) for opt in self.optimizers]
@@ -76,8 +89,8 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
         self.compute_dtype = torch.bfloat16 if t.dtype == "bfloat16" else torch.float32
         self.peak_tflops = cfg.logging.peak_tflops or (
-            detect_peak_tflops(self.ctx.device, self.compute_dtype) if self.is_logging_rank else 0.0)
-        self.stop_requested = False
+            detect_peak_tflops(self.ctx.device, self.compute_dtype) if self.is_logging_rank else 0.0
+        )
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -107,8 +120,11 @@ class Trainer:
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
                 run = self.schedule.step if train else self.schedule.eval
-                run(*([inputs] if self.has_first else []), target=targets if self.has_last else None,
-                    losses=losses if self.has_last else None)
+                run(
+                    *([inputs] if self.has_first else []),
+                    target=targets if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                )
                 return torch.stack([_plain(loss).detach().float() for loss in losses]).mean() if self.has_last else None
             model, total = self.modules[0], torch.zeros((), device=self.ctx.device)
             for inp, tgt in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
@@ -148,7 +164,7 @@ class Trainer:
         microbatches = list(eval_batches(self.corpus, t, dp=p.dp, dp_rank=self.ctx.dp_rank))
         total, count = 0.0, 0
         for start in range(0, len(microbatches), t.grad_accum_steps):
-            loss = self.forward_backward(torch.cat(microbatches[start:start + t.grad_accum_steps]), train=False)
+            loss = self.forward_backward(torch.cat(microbatches[start : start + t.grad_accum_steps]), train=False)
             loss = self.dp_mean(loss)
             if loss is not None:
                 total, count = total + loss, count + 1
@@ -172,17 +188,23 @@ class Trainer:
     def log_eval(self) -> None:
         eval_loss = self.evaluate()
         if eval_loss is not None:
-            self.metrics.log({"step": self.state.step, "eval_loss": eval_loss},
-                             f"eval step {self.state.step} | eval_loss {eval_loss:.4f} | eval_ppl "
-                             f"{math.exp(min(eval_loss, 50)):.1f}")
+            self.metrics.log(
+                {"step": self.state.step, "eval_loss": eval_loss},
+                f"eval step {self.state.step} | eval_loss {eval_loss:.4f} | eval_ppl "
+                f"{math.exp(min(eval_loss, 50)):.1f}",
+            )
 
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self.request_stop)
         self.checkpointer.resume()
-        self.loader = build_train_loader(self.corpus, t, seed=cfg.job.seed, dp=cfg.parallelism.dp,
-                                         dp_rank=self.ctx.dp_rank, start_step=self.state.step)
+        self.loader = build_train_loader(
+            self.corpus,
+            t,
+            seed=cfg.job.seed,
+            dp=cfg.parallelism.dp,
+            dp_rank=self.ctx.dp_rank,
+            start_step=self.state.step,
+        )
         self.loader_iter = iter(self.loader)
         self.announce()
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
@@ -205,8 +227,14 @@ class Trainer:
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
                 now = time.perf_counter()
                 step_time = (now - window_start) / window_steps
-                self.log_step(loss, grad_norm, step_time, tokens_per_step, flops_per_step,
-                              eta=(now - run_start) / run_steps * (t.steps - self.state.step))
+                self.log_step(
+                    loss,
+                    grad_norm,
+                    step_time,
+                    tokens_per_step,
+                    flops_per_step,
+                    eta=(now - run_start) / run_steps * (t.steps - self.state.step),
+                )
                 window_start, window_steps = time.perf_counter(), 0
             if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                 self.log_eval()
@@ -221,8 +249,10 @@ class Trainer:
             self.checkpointer.save(final=True)
         self.checkpointer.wait()
         if preempted:
-            self.metrics.info(f"preempted: stopped at step {self.state.step} after a stop signal; checkpoint saved "
-                              f"in {cfg.checkpoint_dir}; rerun the same command to resume")
+            self.metrics.info(
+                f"preempted: stopped at step {self.state.step} after a stop signal; checkpoint saved "
+                f"in {cfg.checkpoint_dir}; rerun the same command to resume"
+            )
         self.metrics.close()
 
     def start_profiler(self) -> torch.profiler.profile | None:
@@ -236,23 +266,39 @@ class Trainer:
         profiler = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=prof.wait_steps, warmup=1, active=prof.active_steps, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(prof.export_path, worker_name=f"rank{self.ctx.rank}"),
-            record_shapes=True, profile_memory=True,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                prof.export_path, worker_name=f"rank{self.ctx.rank}"
+            ),
+            record_shapes=True,
+            profile_memory=True,
         )
         profiler.start()
         return profiler
 
-    def log_step(self, loss: float | None, grad_norm: float, step_time: float, tokens_per_step: int,
-                 flops_per_step: float, eta: float) -> None:
+    def log_step(
+        self,
+        loss: float | None,
+        grad_norm: float,
+        step_time: float,
+        tokens_per_step: int,
+        flops_per_step: float,
+        eta: float,
+    ) -> None:
         if not self.is_logging_rank:
             return
         tflops = flops_per_step / step_time / self.ctx.world_size / 1e12
         record = {
-            "step": self.state.step, "loss": loss, "lr": self.step_lr, "grad_norm": grad_norm,
+            "step": self.state.step,
+            "loss": loss,
+            "lr": self.step_lr,
+            "grad_norm": grad_norm,
             "tokens_per_sec": tokens_per_step / step_time,
             "tokens_per_sec_per_device": tokens_per_step / step_time / self.ctx.world_size,
-            "step_time_sec": step_time, "tflops": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else 0.0,
-            "memory_gib": peak_memory_gib(self.ctx.device), "consumed_samples": self.state.consumed_samples,
+            "step_time_sec": step_time,
+            "tflops": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else 0.0,
+            "memory_gib": peak_memory_gib(self.ctx.device),
+            "consumed_samples": self.state.consumed_samples,
             "eta_sec": eta,
         }
         self.metrics.log(record, step_line(record, self.cfg.training.steps))
@@ -268,7 +314,8 @@ class Trainer:
             f"{self.ctx.device.type} | global batch {t.global_batch_size} x {t.seq_len} tokens "
             f"(micro_batch_size={t.micro_batch_size}, grad_accum_steps={t.grad_accum_steps}) | "
             f"{self.corpus.num_train_samples} train / {self.corpus.num_val_samples} val samples | "
-            f"run dir {cfg.run_dir} | start step {self.state.step}")
+            f"run dir {cfg.run_dir} | start step {self.state.step}"
+        )
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -281,11 +328,22 @@ def spawn_local(nproc: int, argv: list[str]) -> int:
     from torch.distributed.run import main as torchrun
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    signal.signal(signal.SIGUSR1, _forward_to_workers)
     try:
         torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", "nanotron.train", *argv])
     except Exception:  # torchrun has already reported which rank failed and why
         return 1
     return 0
+
+
+def _forward_to_workers(signum: int, frame: object) -> None:
+    """torchrun would die of SIGUSR1 (it doesn't handle it) and its workers run in their own sessions:
+    hand the signal to the workers, which checkpoint and exit 0, and so does torchrun."""
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if stat.read_text().rpartition(")")[2].split()[1] == me:
+                os.kill(int(stat.parent.name), signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,7 +374,7 @@ def _pop_nproc(argv: list[str]) -> int:
     for i, arg in enumerate(argv):
         if arg == "--nproc_per_node" or arg.startswith("--nproc_per_node="):
             value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            del argv[i:i + (1 if "=" in arg else 2)]
+            del argv[i : i + (1 if "=" in arg else 2)]
             if not value.isdigit() or int(value) < 1:
                 raise ConfigError(f"--nproc_per_node: expected a positive integer, got {value!r}")
             return int(value)

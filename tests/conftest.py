@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ("the a one two red blue small large cat dog bird tree house river stone light dark quick slow runs "
-         "sees makes finds under over near far before after and but so then we they it is was will").split()
+WORDS = (
+    "the a one two red blue small large cat dog bird tree house river stone light dark quick slow runs "
+    "sees makes finds under over near far before after and but so then we they it is was will"
+).split()
 
 
 def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
@@ -22,8 +24,10 @@ def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     docs = []
     for _ in range(n_docs):
-        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
-                     for _ in range(rng.randint(20, 40))]
+        sentences = [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+            for _ in range(rng.randint(20, 40))
+        ]
         docs.append(" ".join(sentences))
     return docs
 
@@ -53,29 +57,54 @@ def tiny_data(tmp_path_factory) -> TinyData:
 
 # A model small enough for 8 ranks on 2 cores, with GQA, 4 layers and a vocab divisible by tp.
 TINY_MODEL = [
-    "--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_layers=4", "--model.num_heads=4",
-    "--model.num_kv_heads=2", "--model.vocab_size=512", "--model.max_seq_len=32", "--training.seq_len=16",
-    "--training.micro_batch_size=2", "--training.global_batch_size=8", "--training.grad_accum_steps=0",
-    "--training.eval_interval=0", "--logging.log_interval=1", "--logging.tensorboard=false",
-    "--logging.peak_tflops=1", "--optimizer.warmup_steps=2",
+    "--model.hidden_size=32",
+    "--model.intermediate_size=64",
+    "--model.num_layers=4",
+    "--model.num_heads=4",
+    "--model.num_kv_heads=2",
+    "--model.vocab_size=512",
+    "--model.max_seq_len=32",
+    "--training.seq_len=16",
+    "--training.micro_batch_size=2",
+    "--training.global_batch_size=8",
+    "--training.grad_accum_steps=0",
+    "--training.eval_interval=0",
+    "--logging.log_interval=1",
+    "--logging.tensorboard=false",
+    "--logging.peak_tflops=1",
+    "--optimizer.warmup_steps=2",
 ]
 
 
 def train_env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+    }
     env.pop("RANK", None)
     return env
 
 
-def run_train(args: list[str], nproc: int = 1, cwd: Path = REPO, timeout: float = 300,
-              check: bool = True) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str], nproc: int = 1, cwd: Path = REPO, timeout: float = 300, check: bool = True
+) -> subprocess.CompletedProcess:
     """Runs `python -m nanotron.train` in one process, or under torchrun with `nproc` processes."""
     if nproc == 1:
         cmd = [sys.executable, "-m", "nanotron.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "nanotron.train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "nanotron.train",
+            *args,
+        ]
     proc = subprocess.run(cmd, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

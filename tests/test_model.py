@@ -10,17 +10,35 @@ transformers = pytest.importorskip("transformers")
 
 
 def small_config(**overrides) -> ModelConfig:
-    fields = dict(hidden_size=64, intermediate_size=160, num_layers=3, num_heads=8, num_kv_heads=2,
-                  vocab_size=300, max_seq_len=64, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=2,
+        vocab_size=300,
+        max_seq_len=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     return ModelConfig(**{**fields, **overrides})
 
 
 def hf_twin(cfg: ModelConfig) -> "transformers.LlamaForCausalLM":
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, mlp_bias=False,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
     )
     hf_cfg._attn_implementation = "eager"
     return transformers.LlamaForCausalLM(hf_cfg).eval()

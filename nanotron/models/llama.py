@@ -136,7 +136,9 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 full.fill_(1.0)
             else:
-                std = self.config.init_std * (depth_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
+                std = self.config.init_std * (
+                    depth_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
+                )
                 full.normal_(0.0, std, generator=torch.Generator().manual_seed(_name_seed(seed, name)))
             if isinstance(param, DTensor):
                 local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

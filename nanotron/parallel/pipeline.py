@@ -98,20 +98,29 @@ def build_stage(model: LlamaForCausalLM, layers: range, first: bool, last: bool)
     return stage
 
 
-def split_model(model: LlamaForCausalLM, p: ParallelismConfig, pp_rank: int, seq_len: int,
-                ) -> list[tuple[int, LlamaForCausalLM]]:
+def split_model(
+    model: LlamaForCausalLM,
+    p: ParallelismConfig,
+    pp_rank: int,
+    seq_len: int,
+) -> list[tuple[int, LlamaForCausalLM]]:
     """(global stage index, stage module) pairs for this rank."""
     n = num_stages(p)
     ranges = split_layers(model.config.num_layers, n, stage_costs(model.config, seq_len))
     return [(s, build_stage(model, ranges[s], s == 0, s == n - 1)) for s in stage_indices(p, pp_rank)]
 
 
-def build_schedule(stages: list[tuple[int, torch.nn.Module]], p: ParallelismConfig, pp_mesh: DeviceMesh,
-                   device: torch.device, n_microbatches: int, loss_fn: Callable):
+def build_schedule(
+    stages: list[tuple[int, torch.nn.Module]],
+    p: ParallelismConfig,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    n_microbatches: int,
+    loss_fn: Callable,
+):
     """The `parallelism.pp_engine` schedule over this rank's stages; grads are averaged over microbatches."""
     n = num_stages(p)
-    pipeline_stages = [PipelineStage(module, index, n, device, group=pp_mesh.get_group())
-                       for index, module in stages]
+    pipeline_stages = [PipelineStage(module, index, n, device, group=pp_mesh.get_group()) for index, module in stages]
     schedule_cls = SCHEDULES[p.pp_engine]
     if p.pp_engine in MULTI_STAGE:
         return schedule_cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,35 @@
+# One-command entry points. `make train` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines get the local CPU wheel; a CUDA cluster sets TORCH_SPEC to its own build (or "" to keep one).
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 8
+LAYOUT ?= --parallelism.dp=2 --parallelism.tp=2 --parallelism.pp=2
+
+.PHONY: setup data train test lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install --quiet "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+data: setup
+	PYTHON=$(PY) bash scripts/prepare_data.sh
+
+# The main job: the tiny model on the Shakespeare corpus, 3D-parallel (dp=2 x tp=2 x pp=2) on 8 CPU ranks.
+train: data
+	OMP_NUM_THREADS=1 $(PY) -m nanotron.train --nproc_per_node $(NPROC) --config configs/tiny.toml $(LAYOUT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+lint: setup
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+clean:
+	rm -rf runs logs .cache .pytest_cache

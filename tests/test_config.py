@@ -1,0 +1,145 @@
+"""Config: TOML + overrides + presets resolve as documented; bad input is one clear line with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, train_env
+
+from nanotron.config import PRESETS, load_config, parse_overrides, to_toml
+from nanotron.errors import ConfigError
+from nanotron.train import main
+
+
+def test_presets_fill_only_unset_fields_and_overrides_win(tmp_path):
+    file = tmp_path / "job.toml"
+    file.write_text('[model]\nsize = "small"\nnum_layers = 3\n[training]\nsteps = 7\n')
+    cfg = load_config(str(file), [("training.steps", "9"), ("optimizer.betas", "0.8,0.9")])
+    assert cfg.model.hidden_size == PRESETS["small"]["hidden_size"] == 768
+    assert cfg.model.num_layers == 3
+    assert cfg.training.steps == 9
+    assert cfg.optimizer.betas == [0.8, 0.9]
+
+
+@pytest.mark.parametrize(
+    "size, hidden, inter, layers, heads",
+    [("small", 768, 3072, 12, 12), ("base", 2048, 8192, 24, 16), ("large", 4096, 11008, 32, 32)],
+)
+def test_presets_are_nanotrons_sizes(size, hidden, inter, layers, heads):
+    m = load_config(f"{REPO}/configs/{size}.toml").model
+    assert (m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads, m.vocab_size) == (
+        hidden,
+        inter,
+        layers,
+        heads,
+        32000,
+    )
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(f"{REPO}/configs/tiny.toml", [("parallelism.dp", "2")])
+    (tmp_path / "resolved.toml").write_text(to_toml(cfg))
+    assert load_config(str(tmp_path / "resolved.toml")) == cfg
+
+
+def test_global_batch_size_derives_grad_accum_for_any_dp():
+    for dp, accum in ((1, 4), (2, 2), (4, 1)):
+        cfg = load_config(f"{REPO}/configs/tiny.toml", [("parallelism.dp", str(dp))])
+        assert (cfg.training.global_batch_size, cfg.training.grad_accum_steps) == (16, accum)
+
+
+def test_both_override_spellings_parse():
+    assert parse_overrides(["--config", "a.toml", "--training.steps=3", "--model.num_layers", "2"]) == (
+        "a.toml",
+        [("training.steps", "3"), ("model.num_layers", "2")],
+    )
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model.nun_layers=2"], "unknown key 'model.nun_layers' in command line; did you mean 'num_layers'?"),
+        (["--trainig.steps=2"], "unknown section 'trainig' in command line; did you mean 'training'?"),
+        (["--training.steps=three"], "training.steps: expected int, got 'three'"),
+        (["--training.steps=0"], "training.steps: expected a value >= 1, got 0"),
+        (["--training.dtype=fp8"], "training.dtype: expected one of 'float32', 'bfloat16', got 'fp8'"),
+        (
+            ["--model.num_heads=4", "--model.num_kv_heads=3"],
+            "model.num_heads=4 is not divisible by model.num_kv_heads=3",
+        ),
+        (["--training.global_batch_size=10"], "training.global_batch_size=10 is not divisible by"),
+        (["--training.steps"], "--training.steps: missing value"),
+    ],
+)
+def test_bad_overrides_print_one_line_and_exit_2(args, expected, capsys):
+    assert main(["--config", f"{REPO}/configs/tiny.toml", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+def test_bad_toml_files_name_the_file(tmp_path, capsys):
+    missing = tmp_path / "nope.toml"
+    assert main(["--config", str(missing)]) == 2
+    assert f"--config: file '{missing}' not found" in capsys.readouterr().err
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[training\nsteps = 1\n")
+    assert main(["--config", str(broken)]) == 2
+    assert f"'{broken}' is not valid TOML" in capsys.readouterr().err
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[training]\nstep = 1\n")
+    with pytest.raises(ConfigError, match=f"unknown key 'training.step' in {typo}; did you mean 'steps'"):
+        load_config(str(typo))
+
+
+def test_unwritable_checkpoint_dir_fails_before_training(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["--config", f"{REPO}/configs/tiny.toml", f"--checkpoint.dir={blocker}/ckpt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: checkpoint.dir: cannot write to '{blocker}/ckpt'")
+
+
+def test_hub_dataset_offline_fails_fast_with_a_clear_line(tmp_path, tiny_data, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert (
+        main(
+            [
+                "--config",
+                f"{REPO}/configs/tiny.toml",
+                "--data.path=stas/openwebtext-10k",
+                f"--data.tokenizer={tiny_data.tokenizer}",
+                f"--job.out_dir={tmp_path}",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stas/openwebtext-10k" in err[0] and "offline" in err[0].lower()
+
+
+def test_the_documented_typo_command_exits_2_with_a_suggestion():
+    """The literal command from the foundation issue, as a user types it."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanotron.train",
+            "--config",
+            "configs/tiny.toml",
+            "--training.steps=3",
+            "--model.nun_layers=2",
+        ],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown key 'model.nun_layers' in command line; did you mean 'num_layers'?"
+    ]

@@ -1,0 +1,99 @@
+"""The training loop: loss falls, metrics and TensorBoard are written, runs are deterministic, LR shapes."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+
+import pytest
+from conftest import REPO, TINY_MODEL, read_metrics, run_train, train_env, train_losses
+
+from nanotron.config import OptimizerConfig
+from nanotron.optim import lr_at
+
+
+def test_tiny_run_learns_and_writes_metrics_tensorboard_and_config(tiny_data, tmp_path):
+    run_train(
+        [
+            *TINY_MODEL,
+            *tiny_data.overrides(),
+            f"--job.out_dir={tmp_path}",
+            "--job.name=learn",
+            "--training.steps=40",
+            "--training.eval_interval=20",
+            "--training.eval_steps=2",
+            "--logging.log_interval=10",
+            "--logging.tensorboard=true",
+        ]
+    )
+    run_dir = tmp_path / "learn"
+    records = read_metrics(run_dir)
+    evals = [r for r in records if "eval_loss" in r]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(512), rel=0.05)  # untrained: uniform over the vocab
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.5
+    assert [r["step"] for r in steps] == [10, 20, 30, 40]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "memory_gib", "step_time_sec"):
+        assert all(math.isfinite(r[key]) for r in steps), key
+    assert all(r["tokens_per_sec"] > 0 and r["mfu"] > 0 for r in steps)
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert "[parallelism]" in (run_dir / "config.toml").read_text()
+
+
+def test_same_seed_same_losses_other_seed_other_losses(tiny_data, tmp_path):
+    common = [
+        *TINY_MODEL,
+        *tiny_data.overrides(),
+        f"--job.out_dir={tmp_path}",
+        "--training.steps=3",
+        "--checkpoint.save_final=false",
+    ]
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        run_train([*common, f"--job.name={name}", f"--job.seed={seed}"])
+    a, b, c = (train_losses(tmp_path / n) for n in "abc")
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_trains_under_fsdp(tiny_data, tmp_path):
+    run_train(
+        [
+            *TINY_MODEL,
+            *tiny_data.overrides(),
+            f"--job.out_dir={tmp_path}",
+            "--job.name=bf16",
+            "--training.steps=6",
+            "--training.dtype=bfloat16",
+            "--parallelism.dp=2",
+            "--parallelism.zero_stage=3",
+            "--checkpoint.save_final=false",
+        ],
+        nproc=2,
+    )
+    losses = train_losses(tmp_path / "bf16")
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("style, end", [("cosine", 0.1), ("linear", 0.1), ("1-sqrt", 0.1), ("constant", 1.0)])
+def test_lr_warms_up_linearly_then_decays_to_min_lr(style, end):
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_style=style)
+    assert [lr_at(s, cfg, 110) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert lr_at(110, cfg, 110) == pytest.approx(end)
+    mid = lr_at(60, cfg, 110)
+    expected = {"cosine": 0.55, "linear": 0.55, "1-sqrt": 0.1 + 0.9 * (1 - math.sqrt(0.5)), "constant": 1.0}
+    assert mid == pytest.approx(expected[style])
+
+
+def test_console_script_dispatches_to_train():
+    exe = shutil.which("nanotron")
+    if exe is None:
+        pytest.skip("the nanotron console script is not installed (pip install -e .)")
+    proc = subprocess.run(
+        [exe, "train", "--help"], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0
+    assert "[training]" in proc.stdout and "global_batch_size = 0" in proc.stdout
