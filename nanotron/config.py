@@ -353,7 +353,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"processes were launched; set dp, tp, pp so their product is {world_size}"
         )
     _resolve_batch(cfg)
-    if p.pp > 1 and t.grad_accum_steps < stages // p.pp * p.pp and p.pp_engine != "afab":
+    # 1F1B-style schedules keep pp microbatches in flight; afab (GPipe) and the zbv V-schedule need no minimum.
+    if p.pp > 1 and t.grad_accum_steps < p.pp and p.pp_engine in ("1f1b", "interleaved_1f1b", "zero_bubble"):
         raise ConfigError(
             f"parallelism.pp_engine='{p.pp_engine}' with pp={p.pp} needs at least {p.pp} microbatches "
             f"per step, got grad_accum_steps={t.grad_accum_steps}; raise grad_accum_steps "

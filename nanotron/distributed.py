@@ -59,7 +59,7 @@ def init_distributed(cfg: Config) -> ParallelContext:
         return ParallelContext(None, device, 0, 1, 0, 0, 0)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=10), device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device if backend == "nccl" else None)
     p = cfg.parallelism
     mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelContext(

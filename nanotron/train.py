@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from nanotron import checkpoint
 from nanotron.config import Config, help_text, load_config, parse_overrides, to_toml
-from nanotron.data import build_train_loader, eval_batches, load_corpus, load_tokenizer
+from nanotron.data import Corpus, build_train_loader, eval_batches, load_corpus, load_tokenizer
 from nanotron.distributed import ParallelContext, destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import ConfigError, UserError
 from nanotron.metrics import MetricsLogger, detect_peak_tflops, peak_memory_gib, step_line
@@ -52,13 +52,7 @@ class Trainer:
         self.ctx: ParallelContext = init_distributed(cfg)
         torch.manual_seed(cfg.job.seed)
         p, t = cfg.parallelism, cfg.training
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({self.tokenizer.vocab_size}, {cfg.data.tokenizer}); raise model.vocab_size"
-            )
-        self.corpus = load_corpus(cfg.data, self.tokenizer, seq_len=t.seq_len, seed=cfg.job.seed)
+        self.corpus = prepare_data(cfg)
 
         if p.tp_linear_async_communication:
             if async_tp_available(cfg, self.ctx.device):
@@ -318,6 +312,17 @@ class Trainer:
         )
 
 
+def prepare_data(cfg: Config) -> Corpus:
+    """Tokenizer and tokenized corpus (cached on disk, so a second call only maps the cache)."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}, {cfg.data.tokenizer}); raise model.vocab_size"
+        )
+    return load_corpus(cfg.data, tokenizer, seq_len=cfg.training.seq_len, seed=cfg.job.seed)
+
+
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """A loss computed under loss_parallel is a replicated DTensor; logging wants the plain value."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -358,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, overrides, world_size=nproc or launched_world_size())
         checkpoint.preflight(cfg)
         if nproc:
+            prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
             return spawn_local(nproc, argv)
         Trainer(cfg).train()
     except UserError as error:

@@ -143,3 +143,13 @@ def test_the_documented_typo_command_exits_2_with_a_suggestion():
     assert proc.stderr.strip().splitlines() == [
         "error: unknown key 'model.nun_layers' in command line; did you mean 'num_layers'?"
     ]
+
+
+def test_pipeline_schedules_that_need_pp_microbatches_say_so():
+    with pytest.raises(ConfigError, match="pp_engine='1f1b' with pp=2 needs at least 2 microbatches"):
+        load_config(f"{REPO}/configs/tiny.toml", [("parallelism.pp", "2"), ("training.global_batch_size", "4")])
+    cfg = load_config(
+        f"{REPO}/configs/tiny.toml",
+        [("parallelism.pp", "2"), ("parallelism.pp_engine", "afab"), ("training.global_batch_size", "4")],
+    )
+    assert cfg.training.grad_accum_steps == 1
