@@ -1,0 +1,364 @@
+"""Slurm launcher: nanotron's `slurm_launcher.py` flags → a run dir → `sbatch launch/slurm.sh`.
+
+    python -m nanotron.launch --run_name my_first_experiment --nodes 4 --model_size base
+    python -m nanotron.launch --run_name cpu_test --nodes 2 --gpus_per_node 0 --nproc_per_node 2 --dp 4 --tp 1 --dry_run
+
+It resolves and validates the whole config here, on the login node, so a bad flag fails in a second instead
+of after the job waited in the queue. It writes `<out_dir>/<run_name>/config.toml` (the resolved config) and
+`submit.sh` (the exact `sbatch` command), then submits the one job script with `sbatch` options. Any
+`--section.key=value` argument is passed on as a config override, as for `nanotron.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+from nanotron.config import Config, load_config, parse_overrides, to_toml
+from nanotron.errors import ConfigError, UserError
+
+JOB_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "slurm.sh"
+
+# Launcher flag -> config keys it sets; help and choices come from the config schema, values are checked there.
+CONFIG_FLAGS: dict[str, tuple[str, ...]] = {
+    "model_size": ("model.size",),
+    "hidden_size": ("model.hidden_size",),
+    "num_layers": ("model.num_layers",),
+    "num_heads": ("model.num_heads",),
+    "num_kv_heads": ("model.num_kv_heads",),
+    "max_seq_len": ("model.max_seq_len", "training.seq_len"),
+    "train_steps": ("training.steps",),
+    "micro_batch_size": ("training.micro_batch_size",),
+    "grad_accum_steps": ("training.grad_accum_steps", "training.global_batch_size=0"),
+    "learning_rate": ("optimizer.lr",),
+    "warmup_steps": ("optimizer.warmup_steps",),
+    "dataset": ("data.path",),
+    "dp": ("parallelism.dp",),
+    "tp": ("parallelism.tp",),
+    "pp": ("parallelism.pp",),
+    "pp_engine": ("parallelism.pp_engine",),
+    "tp_mode": ("parallelism.tp_mode",),
+    "save_interval": ("checkpoint.interval",),
+    "save_initial_state": ("checkpoint.save_initial_state",),
+    "resume_from_checkpoint": ("checkpoint.resume_from",),
+    "profiler_export_path": ("profiler.export_path",),
+}
+
+# The seed launcher's defaults. They apply when no --config is given; with --config the file decides.
+LAUNCHER_DEFAULTS: dict[str, object] = {
+    "dp": 8,
+    "tp": 2,
+    "pp": 1,
+    "train_steps": 10000,
+    "learning_rate": 3e-4,
+    "micro_batch_size": 2,
+    "grad_accum_steps": 8,
+    "dataset": "stas/openwebtext-10k",
+    "save_interval": 1000,
+}
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+SAFE_PARTITION = re.compile(r"[A-Za-z0-9_.,-]*")
+SAFE_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+")
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD"}
+ACTIVE_STATES |= {"RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
+
+
+class LaunchError(UserError):
+    """The job can't be submitted (no Slurm here, sbatch refused it)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError, so a bad flag is one `error:` line (exit 2), not usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type whose error names the bound: "argument --nodes: expected an integer >= 1, got '0'"."""
+
+    def parse(text: str) -> int:
+        value = int(text) if text.lstrip("-").isdigit() else minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def flag_help(flag: str) -> str:
+    """The config key's own help, choices and the launcher default: flags and config can't drift apart."""
+    key = CONFIG_FLAGS[flag][0]
+    section, name = key.split(".")
+    meta = next(f.metadata for f in fields(getattr(Config(), section)) if f.name == name)
+    choices = f"; one of {', '.join(map(str, meta['choices']))}" if meta.get("choices") else ""
+    default = f"; default {LAUNCHER_DEFAULTS[flag]} without --config" if flag in LAUNCHER_DEFAULTS else ""
+    return f"{meta['help']} [{', '.join(CONFIG_FLAGS[flag])}{choices}{default}]"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m nanotron.launch",
+        allow_abbrev=False,
+        description="Resolve and validate a run's config, write runs/<run_name>/, and submit launch/slurm.sh "
+        "with sbatch. Extra --section.key=value arguments are config overrides, as for nanotron.train.",
+    )
+    p.add_argument("--run_name", required=True, help="run dir name and Slurm job name (letters, digits, . _ -)")
+    p.add_argument("--config", help="TOML config to start from (default: built-in defaults + launcher defaults)")
+    slurm = p.add_argument_group("Slurm")
+    slurm.add_argument("--nodes", type=_int_at_least(1), default=2, help="most nodes to request (default 2)")
+    slurm.add_argument(
+        "--gpus_per_node", type=_int_at_least(0), default=8, help="one process per GPU (default 8); 0 = CPU nodes"
+    )
+    slurm.add_argument(
+        "--nproc_per_node", type=_int_at_least(1), help="processes per node with --gpus_per_node 0 (default 1)"
+    )
+    slurm.add_argument("--partition", default="hopper-prod", help="default hopper-prod; '' = cluster default")
+    slurm.add_argument("--time_limit", default="1:00:00", help="Slurm time format (default 1:00:00)")
+    slurm.add_argument("--email", help="mail the job's end or failure to this address")
+    config = p.add_argument_group("config (each flag sets the keys in brackets)")
+    for flag in CONFIG_FLAGS:
+        bool_flag = flag == "save_initial_state"
+        config.add_argument(f"--{flag}", action="store_true" if bool_flag else None, default=None, help=flag_help(flag))
+    run = p.add_argument_group("execution")
+    run.add_argument("--show_logs", action="store_true", help="follow the job's log until the job ends")
+    run.add_argument("--dry_run", action="store_true", help="write the run dir and print everything; submit nothing")
+    return p
+
+
+def config_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (key, value) overrides for the flags the user gave, plus the launcher defaults without --config."""
+    given = {flag: getattr(args, flag) for flag in CONFIG_FLAGS if getattr(args, flag) is not None}
+    if args.config is None:
+        given = {**{k: v for k, v in LAUNCHER_DEFAULTS.items() if k not in given}, **given}
+    pairs = []
+    for flag, value in given.items():
+        for key in CONFIG_FLAGS[flag]:
+            key, fixed, fixed_value = key.partition("=")  # "key=value": a value the flag implies
+            pairs.append((key, fixed_value if fixed else str(value)))
+    return [*pairs, ("job.name", args.run_name)]
+
+
+def check_slurm_flags(args: argparse.Namespace) -> None:
+    """Flags that reach sbatch or paths are restricted to safe characters, so nothing can inject commands."""
+    if not SAFE_NAME.fullmatch(args.run_name):
+        raise ConfigError(
+            f"--run_name {args.run_name!r}: use up to 100 letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit (it names a folder and the Slurm job)"
+        )
+    if not SAFE_PARTITION.fullmatch(args.partition):
+        raise ConfigError(f"--partition {args.partition!r}: expected a Slurm partition name (letters, digits, _.,-)")
+    if args.email is not None and not SAFE_EMAIL.fullmatch(args.email):
+        raise ConfigError(f"--email {args.email!r}: expected an address like name@example.org")
+    if args.nproc_per_node is not None and args.gpus_per_node > 0:
+        raise ConfigError(
+            "--nproc_per_node is for CPU nodes: add --gpus_per_node 0 (on GPU nodes one process "
+            "runs per GPU; lower --gpus_per_node to use fewer)"
+        )
+
+
+def time_limit_seconds(text: str) -> int:
+    """Parses Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) to place the checkpoint signal."""
+    days, dash, rest = text.rpartition("-")
+    parts = rest.split(":")
+    if not all(p.isdigit() for p in parts) or (dash and not days.isdigit()) or len(parts) > 3:
+        raise ConfigError(f"--time_limit {text!r}: expected a Slurm time such as 90, 1:00:00 or 2-00:00:00")
+    nums = [int(p) for p in parts]
+    if dash:  # D-H, D-H:M, D-H:M:S
+        h, m, s = (nums + [0, 0])[:3]
+        seconds = int(days) * 86400 + h * 3600 + m * 60 + s
+    else:  # M, M:S, H:M:S
+        h, m, s = ([0] + nums + [0])[:3] if len(nums) < 3 else nums
+        seconds = h * 3600 + m * 60 + s
+    if seconds < 60:
+        raise ConfigError(f"--time_limit {text!r}: expected at least one minute")
+    return seconds
+
+
+def plan_nodes(cfg: Config, args: argparse.Namespace) -> tuple[int, int, list[str]]:
+    """(nodes, processes per node, notes) for dp*tp*pp processes, requesting no more nodes than needed."""
+    p, world = cfg.parallelism, cfg.world_size
+    if args.gpus_per_node:
+        per_node, unit, flag = args.gpus_per_node, "GPUs", "--gpus_per_node"
+    else:
+        per_node, unit, flag = args.nproc_per_node or 1, "processes", "--nproc_per_node"
+    capacity = args.nodes * per_node
+    if world > capacity:
+        raise ConfigError(
+            f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world} processes but --nodes {args.nodes} x {flag} "
+            f"{per_node} = {capacity} {unit} ({world} > {capacity} {unit}); lower --dp/--tp/--pp or "
+            "raise --nodes"
+        )
+    nodes = math.ceil(world / per_node)
+    if world % nodes:
+        raise ConfigError(
+            f"dp*tp*pp = {world} processes can't be spread evenly over {nodes} nodes of {per_node} "
+            f"{unit}; make dp*tp*pp a multiple of {nodes}"
+        )
+    procs = world // nodes
+    notes = []
+    if (nodes, procs) != (args.nodes, per_node):
+        notes.append(
+            f"note: dp*tp*pp = {world} needs {nodes} node(s) x {procs} {unit}, not {args.nodes} x "
+            f"{per_node}: requesting only that"
+        )
+    if procs % p.tp:
+        notes.append(
+            f"warning: tp={p.tp} does not divide the {procs} processes per node: tensor-parallel groups "
+            "span nodes (slow); pick tp among the divisors of the processes per node"
+        )
+    return nodes, procs, notes
+
+
+def sbatch_command(args: argparse.Namespace, cfg: Config, nodes: int, procs: int) -> list[str]:
+    """sbatch options for the one job script: no templated second script, so hand and launcher runs agree."""
+    run_dir = cfg.run_dir
+    limit = time_limit_seconds(args.time_limit)
+    cmd = [
+        "sbatch",
+        "--parsable",
+        f"--job-name={args.run_name}",
+        f"--nodes={nodes}",
+        f"--time={args.time_limit}",
+        f"--output={run_dir / 'slurm-%j.out'}",
+        f"--signal=B:USR1@{min(600, limit // 10)}",
+    ]
+    if args.partition:
+        cmd.append(f"--partition={args.partition}")
+    if args.gpus_per_node:
+        cmd.append(f"--gpus-per-node={procs}")
+    if args.email:
+        cmd += [f"--mail-user={args.email}", "--mail-type=END,FAIL"]
+    cmd.append(f"--export=ALL,NPROC_PER_NODE={procs}")
+    return [*cmd, _display_path(JOB_SCRIPT), str(run_dir / "config.toml")]
+
+
+def _display_path(path: Path) -> str:
+    """Relative to the working directory when inside it, so the printed command is short and portable."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def write_run_dir(cfg: Config, cmd: list[str], argv: list[str]) -> Path:
+    """Saves what reproduces the run: the resolved config and the sbatch command (contract 7)."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "config.toml").write_text(to_toml(cfg))
+    submit = cfg.run_dir / "submit.sh"
+    submit.write_text(
+        f"#!/usr/bin/env bash\n# {datetime.now().isoformat(timespec='seconds')}: "
+        f"{shlex.join(['python', '-m', 'nanotron.launch', *argv])}\n"
+        f"cd {shlex.quote(os.getcwd())}\n{shlex.join(cmd)}\n"
+    )
+    return submit
+
+
+def submit(cmd: list[str]) -> str:
+    """Runs sbatch and returns the job id."""
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        reason = (result.stderr.strip() or result.stdout.strip() or f"exit code {result.returncode}").splitlines()
+        raise LaunchError(f"sbatch refused the job: {reason[-1]}")
+    return result.stdout.strip().split(";")[0]
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """`scontrol show job` as a dict; empty once the controller has forgotten the job."""
+    result = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    if result.returncode != 0:
+        return {}
+    return dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+
+
+def follow_log(job_id: str, log: Path, out: TextIO | None = None, poll_s: float = 2.0) -> str:
+    """Prints the job's log as it grows until the job ends; returns the final state.
+
+    The job's state, not the file, decides when to stop: a log that never appears can't hang us.
+    """
+    out, offset = out or sys.stdout, 0
+    while True:
+        info = job_info(job_id)
+        state = info.get("JobState", "UNKNOWN")
+        log = Path(info.get("StdOut", log))
+        if log.is_file():
+            with log.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            out.write(chunk.decode(errors="replace"))
+            out.flush()
+        if state not in ACTIVE_STATES:
+            if not log.is_file():
+                out.write(f"no log file at {log}\n")
+            return state
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _launch(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def _launch(argv: list[str]) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    _, passthrough = parse_overrides(extra)
+    for key, _ in passthrough:
+        if "." not in key:
+            flags = [o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            close = difflib.get_close_matches(key, flags, n=1)
+            hint = f"did you mean --{close[0]}?" if close else "see --help"
+            raise ConfigError(f"unrecognized argument --{key}: {hint} (config overrides look like --section.key=value)")
+        if key == "job.name":
+            raise ConfigError("--job.name: set the run name with --run_name")
+    check_slurm_flags(args)
+    cfg = load_config(args.config, config_overrides(args) + passthrough)
+    nodes, procs, notes = plan_nodes(cfg, args)
+    cmd = sbatch_command(args, cfg, nodes, procs)
+    if not args.dry_run and shutil.which("sbatch") is None:
+        raise LaunchError(
+            "sbatch not found: run this on a Slurm login node, or add --dry_run to only write "
+            f"{cfg.run_dir}/config.toml and print the sbatch command"
+        )
+    for note in notes:
+        print(note, file=sys.stderr)
+    if (cfg.checkpoint_dir / "latest").exists() and cfg.checkpoint.resume_from == "auto":
+        print(f"note: {cfg.checkpoint_dir} has checkpoints: the job resumes from the latest", file=sys.stderr)
+    submit_file = write_run_dir(cfg, cmd, argv)
+    print(f"resolved config: {cfg.run_dir / 'config.toml'}")
+    print(f"sbatch command ({submit_file}):\n  {shlex.join(cmd)}")
+    if args.dry_run:
+        print(to_toml(cfg))
+        print("dry run: nothing submitted")
+        return 0
+    job_id = submit(cmd)
+    log = cfg.run_dir / f"slurm-{job_id}.out"
+    print(f"submitted job {job_id}; log: {log}")
+    if not args.show_logs:
+        return 0
+    state = follow_log(job_id, log)
+    print(f"job {job_id}: {state}")
+    return 0 if state == "COMPLETED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

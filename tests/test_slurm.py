@@ -1,0 +1,193 @@
+"""Real Slurm jobs on a local cluster: `launch/slurm.sh` by hand, the launcher, and preempt → requeue → resume.
+
+The cluster is the one already answering (`.ci/run` starts one and exports SLURM_CONF), or one started here
+from ../shared/slurm for this module and stopped after it. Without Slurm and without those scripts the tests
+skip; in CI (CI=true) they fail instead, so a cluster that can't start is never mistaken for a pass.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY_MODEL, TinyData, read_metrics, train_env
+
+pytestmark = pytest.mark.slow
+
+CLUSTER_SCRIPTS = REPO.parent / "shared" / "slurm"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def unavailable(reason: str) -> None:
+    """Skip where Slurm can't run; in CI, fail: these tests are the proof that the Slurm path works."""
+    if IN_CI:
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
+
+
+def cluster_answers(env: dict[str, str]) -> bool:
+    if shutil.which("scontrol") is None:
+        return False
+    ping = subprocess.run(["scontrol", "ping"], env=env, capture_output=True, text=True, timeout=20)
+    return ping.returncode == 0 and "UP" in ping.stdout
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Environment for sbatch/scontrol and the jobs (they inherit it): a running cluster, or one started here."""
+    env = {k: v for k, v in train_env().items() if k != "NPROC_PER_NODE"}
+    if cluster_answers(env):
+        yield env
+        return
+    if not CLUSTER_SCRIPTS.is_dir():
+        if shutil.which("sbatch") is None and not IN_CI:
+            pytest.skip(f"no sbatch on PATH and no {CLUSTER_SCRIPTS} to start a local Slurm cluster")
+        unavailable(f"no Slurm cluster answers `scontrol ping` and {CLUSTER_SCRIPTS} is missing")
+    if os.geteuid() != 0:
+        unavailable("starting the local Slurm cluster needs root")
+    cluster = tmp_path_factory.mktemp("slurm-cluster")
+    setup = {**os.environ, "SLURM_LOCAL_NODES": "2", "SLURM_LOCAL_FAKE_GPUS": "2"}
+    up_script = [str(CLUSTER_SCRIPTS / "local-cluster-up.sh"), str(cluster)]
+    up = subprocess.run(["bash", *up_script], env=setup, capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:
+        subprocess.run(["bash", str(CLUSTER_SCRIPTS / "local-cluster-down.sh"), str(cluster)], capture_output=True)
+        unavailable(f"the local Slurm cluster did not start:\n{up.stdout[-2000:]}{up.stderr[-3000:]}")
+    try:
+        yield {**env, "SLURM_CONF": str(cluster / "etc" / "slurm.conf")}
+    finally:
+        subprocess.run(["bash", str(CLUSTER_SCRIPTS / "local-cluster-down.sh"), str(cluster)], capture_output=True)
+
+
+def job_args(data: TinyData, out_dir: Path, name: str, *overrides: str) -> list[str]:
+    """Trainer arguments after the config: the tiny model on the synthetic corpus, one metrics line per step."""
+    run = [f"--job.out_dir={out_dir}", f"--job.name={name}", "--checkpoint.interval=0", "--training.device=cpu"]
+    return ["configs/tiny.toml", *TINY_MODEL, *data.overrides(), *run, *overrides]
+
+
+def sbatch(args: list[str], env: dict[str, str]) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_field(job: str, field: str, env: dict[str, str]) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return next((item.split("=", 1)[1] for item in out.split() if item.startswith(f"{field}=")), "")
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-4000:] if log is not None and log.is_file() else "(no log)"
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; log:\n{tail}")
+        time.sleep(0.25)
+
+
+def wait_until_done(job: str, env: dict[str, str], log: Path, timeout: float = 240) -> str:
+    wait_for(lambda: job_field(job, "JobState", env) in TERMINAL, timeout, f"job {job} to end", log)
+    return job_field(job, "JobState", env)
+
+
+def release_requeued(job: str, restarts: int, env: dict[str, str], log: Path) -> None:
+    """Slurm holds a requeued job back for ~2 minutes (BeginTime, until the old job credential expires); start it
+    sooner. The nodes refuse credentials issued in the same second as the revocation, hence the short pause."""
+    pending = lambda: job_field(job, "Restarts", env) == str(restarts) and job_field(job, "JobState", env) == "PENDING"
+    wait_for(pending, 60, f"job {job} to be requeued (restart {restarts})", log)
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    if not (run_dir / "metrics.jsonl").is_file():
+        return []
+    return [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def cluster_has_gpus(env: dict[str, str]) -> bool:
+    nodes = subprocess.run(["scontrol", "show", "nodes", "-o"], env=env, capture_output=True, text=True).stdout
+    return "gpu:" in nodes
+
+
+@pytest.mark.parametrize("allocation", ["NPROC_PER_NODE=2", "--gpus-per-node=2"])
+def test_two_node_job_script_trains_with_world_size_nodes_times_processes(slurm_env, tiny_data, tmp_path, allocation):
+    env, sbatch_options = dict(slurm_env), []
+    if allocation.startswith("NPROC"):  # CPU nodes: the explicit variable
+        env["NPROC_PER_NODE"] = "2"
+    elif cluster_has_gpus(env):  # GPU nodes: one process per allocated GPU (count-only fake GPUs here)
+        sbatch_options.append(allocation)
+    else:
+        pytest.skip("the cluster declares no GPUs (start it with SLURM_LOCAL_FAKE_GPUS=2)")
+    args = job_args(tiny_data, tmp_path, "by-hand", "--parallelism.dp=4", "--training.steps=4")
+    job = sbatch(["--nodes=2", f"--output={tmp_path}/%x-%j.out", *sbatch_options, "launch/slurm.sh", *args], env)
+    log = tmp_path / f"nanotron-{job}.out"
+
+    state = wait_until_done(job, env, log)
+
+    text = log.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    assert "2 node(s) x 2 process(es)" in text and " on 4 x cpu " in text
+    assert train_steps(tmp_path / "by-hand") == [1, 2, 3, 4]
+
+
+def test_launcher_job_on_two_cpu_nodes_completes_and_show_logs_follows_it(slurm_env, tiny_data, tmp_path):
+    flags = (
+        "--run_name via-launcher --nodes 2 --gpus_per_node 0 --nproc_per_node 2 --time_limit 10 --dp 4 --tp 1 "
+        "--pp 1 --train_steps 4 --micro_batch_size 2 --grad_accum_steps 1 --max_seq_len 16 --hidden_size 32 "
+        "--num_layers 4 --num_heads 4 --num_kv_heads 2 --save_interval 0 --show_logs"
+    ).split()
+    paths = ["--partition", "", "--dataset", str(tiny_data.corpus), f"--job.out_dir={tmp_path}"]
+    overrides = (
+        "--model.vocab_size=512 --model.intermediate_size=64 --training.eval_interval=0 --logging.log_interval=1 "
+        "--logging.tensorboard=false --logging.peak_tflops=1 --training.device=cpu"
+    ).split()
+    overrides += [f"--data.tokenizer={tiny_data.tokenizer}", f"--data.cache_dir={tiny_data.cache}"]
+
+    cmd = [sys.executable, "-m", "nanotron.launch", *flags, *paths, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=300)
+
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    job = proc.stdout.split("submitted job ")[1].split(";")[0]
+    assert f"job {job}: COMPLETED" in proc.stdout
+    assert "2 node(s) x 2 process(es)" in proc.stdout and " on 4 x cpu " in proc.stdout  # the followed log
+    assert (tmp_path / "via-launcher" / f"slurm-{job}.out").is_file()
+    assert train_steps(tmp_path / "via-launcher") == [1, 2, 3, 4]
+
+
+def test_preempted_job_checkpoints_and_requeued_job_resumes_until_done(slurm_env, tiny_data, tmp_path):
+    steps, run = 30, tmp_path / "preempt"
+    env = {**slurm_env, "NPROC_PER_NODE": "1"}
+    # 8 microbatches per step: slow enough that each signal lands long before the last step.
+    batch = "--training.global_batch_size=32"
+    args = job_args(tiny_data, tmp_path, "preempt", "--parallelism.dp=2", f"--training.steps={steps}", batch)
+    job = sbatch(["--nodes=2", f"--output={tmp_path}/%x-%j.out", "launch/slurm.sh", *args], env)
+    log = tmp_path / f"nanotron-{job}.out"
+
+    # 1. SIGUSR1 to the job's processes (the trainer; torchrun ignores it): checkpoint, exit 0, job completes.
+    wait_for(lambda: train_steps(run), 180, "the first training step", log)
+    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)
+    assert wait_until_done(job, env, log) == "COMPLETED", log.read_text()[-4000:]
+    stopped = train_steps(run)[-1]
+    assert stopped < steps
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stopped}"
+
+    # 2. A requeue resumes from that checkpoint; SIGUSR1 to the job script (as at the time limit) makes the
+    #    script forward it to the trainer and requeue the job itself; the third run finishes the training.
+    subprocess.run(["scontrol", "requeue", job], env=env, check=True)
+    release_requeued(job, 1, env, log)
+    wait_for(lambda: len(train_steps(run)) >= stopped + 2, 180, "the requeued job to train", log)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True)
+    release_requeued(job, 2, env, log)
+    assert wait_until_done(job, env, log) == "COMPLETED", log.read_text()[-4000:]
+
+    text = log.read_text()
+    assert text.count("preempted: stopped at step") == 2 and f"preempted: requeueing job {job}" in text
+    assert train_steps(run) == list(range(1, steps + 1)), "each run must resume exactly after the last checkpoint"
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{steps}"
