@@ -9,6 +9,7 @@
 # Ten minutes before the time limit Slurm sends SIGUSR1 to this script ("B:"), which forwards it to
 # the trainer; the trainer saves a checkpoint at the next step boundary and exits, and the job
 # requeues itself, so the next run resumes from that checkpoint (checkpoint.resume_from="auto").
+# With a time limit under ~20 minutes pass a smaller --signal=B:USR1@SECONDS (the launcher does).
 #SBATCH --job-name=nanotron
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
@@ -19,7 +20,7 @@
 set -euo pipefail
 
 if [ $# -lt 1 ] || [ ! -f "$1" ]; then
-  echo "error: usage: sbatch [options] launch/slurm.sh CONFIG.toml [--section.key=value ...] (config '${1:-}' not found)" >&2
+  echo "error: config '${1:-}' not found; usage: sbatch [options] launch/slurm.sh CONFIG [--section.key=value ...]" >&2
   exit 2
 fi
 CONFIG=$1
@@ -36,20 +37,20 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1   # keeps TP communication kernels ordered 
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) x $NPROC_PER_NODE" \
   "process(es), rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG $*"
 
-# torchrun ignores SIGUSR1 (default action: exit, killing its workers); the trainer handles it.
+preempted=0 srun_pid=
+forward_usr1() {
+  preempted=1
+  echo "SIGUSR1: asking the trainer to checkpoint and exit"
+  [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null || true   # srun forwards it to the step's processes
+}
+trap forward_usr1 USR1
+
+# torchrun ignores SIGUSR1 (its default action, exit, would kill the workers); the trainer handles it.
 srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec "$@"' _ \
   torchrun --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
   --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
   --max_restarts 0 -m nanotron.train --config "$CONFIG" "$@" &
 srun_pid=$!
-
-preempted=0
-forward_usr1() {
-  preempted=1
-  echo "SIGUSR1: asking the trainer to checkpoint and exit"
-  kill -USR1 "$srun_pid" 2>/dev/null || true   # srun forwards it to every process of the step
-}
-trap forward_usr1 USR1
 
 # A trapped signal interrupts `wait` (status > 128) while srun still runs: wait again.
 while :; do
@@ -61,6 +62,6 @@ done
 
 if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then
   echo "preempted: requeueing job $SLURM_JOB_ID; it resumes from the latest checkpoint"
-  scontrol requeue "$SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID" || echo "could not requeue (submitted with --no-requeue?): resubmit to resume"
 fi
 exit "$status"

@@ -334,6 +334,8 @@ def _launch(argv: list[str]) -> int:
     cfg = load_config(args.config, config_overrides(args) + passthrough)
     nodes, procs, notes = plan_nodes(cfg, args)
     cmd = sbatch_command(args, cfg, nodes, procs)
+    if not JOB_SCRIPT.is_file():
+        raise LaunchError(f"{JOB_SCRIPT} not found: run from a source checkout of nanotron (pip install -e .)")
     if not args.dry_run and shutil.which("sbatch") is None:
         raise LaunchError(
             "sbatch not found: run this on a Slurm login node, or add --dry_run to only write "
