@@ -1,0 +1,343 @@
+"""Checkpoints: exact resume, resharded resume, preemption, kills at random moments, untrusted/corrupt files."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import REPO, TINY_MODEL, run_train, train_env, train_losses
+
+from nanotron.checkpoint import (
+    Checkpointer,
+    committed_steps,
+    latest_checkpoint,
+    load_dcp,
+    read_metadata,
+    read_model_weights,
+)
+from nanotron.config import load_config
+from nanotron.errors import CheckpointError
+
+STEPS = 30  # long enough that interruptions land mid-run; every 1-process test shares this reference
+
+
+def args_for(tiny_data, tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return [
+        *tiny_data.overrides(),
+        *TINY_MODEL,
+        f"--job.out_dir={tmp_path}",
+        f"--job.name={name}",
+        f"--training.steps={STEPS}",
+        "--checkpoint.save_final=false",
+        *extra,
+    ]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, list[float]]:
+    """Every logged loss per step, across all the (re)starts that appended to metrics.jsonl."""
+    out: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut by SIGKILL
+            continue
+        if "loss" in record:
+            out.setdefault(record["step"], []).append(record["loss"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory) -> list[float]:
+    """Losses of one uninterrupted 1-process run that saves nothing."""
+    root = tmp_path_factory.mktemp("reference")
+    run_train(args_for(tiny_data, root, "ref", "--checkpoint.resume_from=none"))
+    return train_losses(root / "ref")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, list[float]]:
+    """The same run saving step 0 and every 10 steps with async_save: its checkpoint folder and losses."""
+    root = tmp_path_factory.mktemp("saved")
+    run_train(
+        args_for(
+            tiny_data,
+            root,
+            "saved",
+            "--checkpoint.interval=10",
+            "--checkpoint.save_initial_state=true",
+            "--checkpoint.async_save=true",
+            "--checkpoint.save_final=true",
+        )
+    )
+    return root / "saved" / "checkpoints", train_losses(root / "saved")
+
+
+def test_saving_changes_nothing_and_resume_is_bit_exact(tiny_data, tmp_path, reference, saved_run):
+    folder, saved_losses = saved_run
+    assert saved_losses == reference
+    assert [p.name for p in committed_steps(folder)] == ["step-0", "step-10", "step-20", "step-30"]
+    assert (folder / "latest").read_text().strip() == "step-30"
+    for start in (10, 0):
+        name = f"from{start}"
+        run_train(args_for(tiny_data, tmp_path, name, f"--checkpoint.resume_from={folder / f'step-{start}'}"))
+        assert train_losses(tmp_path / name) == reference[start:], f"resumed from step {start}"
+    state = json.loads((folder / "step-10" / "trainer_state.json").read_text())
+    assert (state["step"], state["consumed_samples"], state["consumed_tokens"]) == (10, 80, 80 * 16)
+
+
+def test_resume_at_another_layout_continues_within_1e5(tiny_data, tmp_path):
+    """Saved at dp2 x pp2 with FSDP (zero 1), resumed at tp2: model, optimizer and data all reshard."""
+    common = [*tiny_data.overrides(), *TINY_MODEL, f"--job.out_dir={tmp_path}", "--training.steps=8"]
+    run_train(
+        [
+            *common,
+            "--job.name=saved",
+            "--parallelism.dp=2",
+            "--parallelism.pp=2",
+            "--parallelism.zero_stage=1",
+            "--checkpoint.interval=4",
+        ],
+        nproc=4,
+    )
+    uninterrupted = train_losses(tmp_path / "saved")
+    step4 = tmp_path / "saved" / "checkpoints" / "step-4"
+    run_train([*common, "--job.name=resumed", "--parallelism.tp=2", f"--checkpoint.resume_from={step4}"], nproc=2)
+    resumed = train_losses(tmp_path / "resumed")
+    assert len(resumed) == 4
+    assert resumed == pytest.approx(uninterrupted[4:], rel=1e-5, abs=0)
+    first = next(
+        r for r in map(json.loads, (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    )
+    assert (first["step"], first["consumed_samples"]) == (5, 40)  # the data continues at global sample 32
+
+
+def _popen(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "nanotron.train", *args],
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_training(proc: subprocess.Popen) -> list[str]:
+    """Reads output until the first step line: the trainer is past start-up and its signal handlers."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step "):
+            return lines
+    raise AssertionError("training never started:\n" + "".join(lines))
+
+
+def test_killed_at_random_moments_then_resumed_ends_like_an_uninterrupted_run(tiny_data, tmp_path, reference):
+    """SIGTERM once (clean stop + checkpoint), then SIGKILL at seeded random moments, one of them mid-save."""
+    args = args_for(tiny_data, tmp_path, "killed", "--checkpoint.interval=1", "--checkpoint.keep_last=2")
+    folder = tmp_path / "killed" / "checkpoints"
+    rng = random.Random(1234)
+    events = []
+    for attempt, how in enumerate(["sigterm", "random", "mid-save", "random"]):
+        proc = _popen(args)
+        _wait_for_training(proc)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        elif how == "mid-save":
+            deadline = time.monotonic() + 30
+            while not list(folder.glob("step-*.tmp")) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            proc.kill()
+        else:
+            time.sleep(rng.uniform(0.0, 0.4))
+            proc.kill()
+        output = proc.communicate(timeout=120)[0]
+        latest = latest_checkpoint(folder)
+        events.append(
+            (attempt, how, proc.returncode, latest and latest.name, sorted(p.name for p in folder.glob("step-*.tmp")))
+        )
+        if how == "sigterm":
+            assert proc.returncode == 0 and "preempted: stopped at step" in output, output[-2000:]
+            assert f"saved {latest}" in output
+        else:
+            assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill: {events}"
+        # What `auto` would pick next is complete and loads.
+        assert latest is not None and read_model_weights(latest)
+    run_train(args)
+    logged = losses_by_step(tmp_path / "killed")
+    assert sorted(logged) == list(range(1, STEPS + 1)), events
+    for step, losses in logged.items():  # steps redone after a kill repeat their losses bit for bit
+        assert set(losses) == {reference[step - 1]}, (step, losses, events)
+    assert [p.name for p in committed_steps(folder)] == [f"step-{STEPS - 1}", f"step-{STEPS}"]
+    assert not list(folder.glob("step-*.tmp")) and not list(folder.glob("step-*.deleting"))
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def test_sigusr1_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tiny_data, tmp_path):
+    args = [
+        *tiny_data.overrides(),
+        *TINY_MODEL,
+        f"--job.out_dir={tmp_path}",
+        "--job.name=preempted",
+        "--training.steps=5000",
+        "--parallelism.dp=2",
+        "--nproc_per_node=2",
+    ]
+    proc = _popen(args)
+    _wait_for_training(proc)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(max(workers), signal.SIGUSR1)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output[-3000:]
+    stopped = next(line for line in output.splitlines() if line.startswith("preempted: stopped at step"))
+    step = int(stopped.split()[4])
+    folder = tmp_path / "preempted" / "checkpoints"
+    assert 0 < step < 5000 and latest_checkpoint(folder) == folder / f"step-{step}"
+    assert json.loads((folder / f"step-{step}" / "trainer_state.json").read_text())["step"] == step
+
+
+# ---- corrupt and untrusted files ----------------------------------------------------------------------
+
+
+def test_truncated_shard_is_a_one_line_error_naming_the_file(tiny_data, tmp_path, saved_run):
+    step = tmp_path / "step-10"
+    shutil.copytree(saved_run[0] / "step-10", step)
+    shard = step / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    proc = run_train(args_for(tiny_data, tmp_path, "bad", f"--checkpoint.resume_from={step}"), check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and f"'{shard}' is truncated" in errors[0], proc.stderr
+
+
+def test_corrupt_files_are_errors_naming_them(tmp_path, saved_run):
+    step = tmp_path / "step-10"
+    shutil.copytree(saved_run[0] / "step-10", step)
+    metadata = step / ".metadata"
+    good = metadata.read_bytes()
+    metadata.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match=f"'{metadata}' is corrupt"):
+        read_metadata(step)
+    metadata.write_bytes(good)
+    shard = step / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[: len(data) // 2] = bytes(len(data) // 2)  # same size, garbage content
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"'{shard}' is corrupt"):
+        read_model_weights(step)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"'{shard}' is missing"):
+        read_model_weights(step)
+
+
+class _Exploit:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        read_metadata(tmp_path)
+    assert not marker.exists()
+
+
+def test_non_tensor_values_are_loaded_weights_only(tmp_path, saved_run):
+    """Optimizer hyper-parameters travel as torch.save'd bytes: a pickled object among them is refused."""
+    step = tmp_path / "step-10"
+    shutil.copytree(saved_run[0] / "step-10", step)
+    metadata = read_metadata(step)
+    key = next(k for k in metadata.state_dict_metadata if k.startswith("optimizer.param_groups") and k.endswith(".lr"))
+    index = next(i for i in metadata.storage_data if i.fqn == key)
+    shard = step / metadata.storage_data[index].relative_path
+    payload = io.BytesIO()
+    torch.save(_Exploit(tmp_path / "pwned"), payload)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:  # an attacker's file: the value's bytes and the index both rewritten
+        f.write(payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(
+        metadata.storage_data[index], offset=offset, length=len(payload.getvalue())
+    )
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=f"'{shard}' is corrupt"):
+        load_dcp(step, {"optimizer": {key.removeprefix("optimizer."): 0.0}})
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---- which checkpoint `auto` picks --------------------------------------------------------------------
+
+
+def _fake_step(folder: Path, step: int, committed: bool = True, tmp: bool = False) -> Path:
+    path = folder / f"step-{step}{'.tmp' if tmp else ''}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    if committed:
+        (path / "trainer_state.json").write_text("{}")
+    return path
+
+
+def test_auto_picks_the_latest_committed_dir_never_a_tmp_one(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    _fake_step(tmp_path, 2)
+    four = _fake_step(tmp_path, 4)
+    _fake_step(tmp_path, 6, tmp=True)  # killed mid-save
+    _fake_step(tmp_path, 8, committed=False)  # never a real state (no commit marker)
+    assert latest_checkpoint(tmp_path) == four
+    (tmp_path / "latest").write_text("step-2\n")  # the pointer wins while it names a committed dir
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
+    (tmp_path / "latest").write_text("step-6.tmp\n")
+    assert latest_checkpoint(tmp_path) == four
+    assert [p.name for p in committed_steps(tmp_path)] == ["step-2", "step-4"]
+
+
+def _checkpointer(tmp_path: Path, **checkpoint: str) -> Checkpointer:
+    overrides = [("checkpoint.dir", str(tmp_path))] + [(f"checkpoint.{k}", v) for k, v in checkpoint.items()]
+    cfg = load_config(None, overrides)
+    return Checkpointer(cfg, SimpleNamespace(rank=0, world_size=1), trainer=None)
+
+
+def test_resume_from_choices(tmp_path):
+    assert _checkpointer(tmp_path).resolve_resume() is None  # auto, nothing saved: start fresh
+    with pytest.raises(CheckpointError, match="holds no committed checkpoint"):
+        _checkpointer(tmp_path, resume_from="latest").resolve_resume()
+    partial = _fake_step(tmp_path, 6, tmp=True)
+    with pytest.raises(CheckpointError, match="is not a committed checkpoint dir"):
+        _checkpointer(tmp_path, resume_from=str(partial)).resolve_resume()
+    two = _fake_step(tmp_path, 2)
+    assert _checkpointer(tmp_path, resume_from="latest").resolve_resume() == two
+    assert _checkpointer(tmp_path, resume_from="none").resolve_resume() is None
+
+
+def test_keep_last_prunes_older_only_and_keeps_an_abandoned_future(tmp_path):
+    for step in (1, 2, 3, 9):  # step-9 was written by a run that was later resumed from step 3
+        _fake_step(tmp_path, step)
+    _checkpointer(tmp_path, keep_last="2").prune(3)
+    assert [p.name for p in committed_steps(tmp_path)] == ["step-2", "step-3", "step-9"]

@@ -1,0 +1,201 @@
+"""HF interop and generation: export loads in transformers with the same logits, import round-trips exactly,
+an import starts training at any layout, and `generate` decodes a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_MODEL, run_train, train_losses
+from safetensors.torch import load_file
+
+from nanotron import convert, generate
+from nanotron.checkpoint import Checkpointer, read_metadata
+from nanotron.config import load_config, parse_overrides
+from nanotron.data import build_train_loader, load_corpus, load_tokenizer
+from nanotron.errors import CheckpointError
+from nanotron.models.llama import LlamaForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_model(tied: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A random HF Llama shaped like TINY_MODEL (vocab 512, 4 layers, GQA 4/2 heads, hidden 32)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+    )
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+    return {name: t for file in sorted(files) for name, t in load_file(folder / file).items()}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory) -> Path:
+    """A committed step dir of a briefly trained tiny model."""
+    root = tmp_path_factory.mktemp("trained")
+    run_train([*tiny_data.overrides(), *TINY_MODEL, f"--job.out_dir={root}", "--job.name=tiny", "--training.steps=3"])
+    return root / "tiny" / "checkpoints" / "step-3"
+
+
+@pytest.mark.parametrize("max_shard_size", ["5GB", "30KB"])
+def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path, max_shard_size):
+    out = tmp_path / "hf"
+    assert convert.main(["to-hf", str(trained), str(out), "--max_shard_size", max_shard_size]) == 0
+    sharded = (out / "model.safetensors.index.json").is_file()
+    assert sharded == (max_shard_size == "30KB") and sharded != (out / "model.safetensors").is_file()
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    ours, _ = generate.load_model(trained)
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 1e-5
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<|endoftext|>" and hf.config.eos_token_id == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
+    source = tmp_path / "source"
+    hf_model(tied=tied, dtype=torch.bfloat16).save_pretrained(source)
+    assert convert.main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16"]) == 0
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after) and ("lm_head.weight" in after) == (not tied)
+    for name, tensor in before.items():
+        assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], tensor), name
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    original, exported = (transformers.LlamaForCausalLM.from_pretrained(f).eval() for f in (source, tmp_path / "back"))
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, original(tokens).logits)
+
+
+def first_global_batch(tiny_data, args: list[str]) -> torch.Tensor:
+    """The samples of step 1 as the trainer sees them (same config, same sample order)."""
+    cfg = load_config(*parse_overrides(args))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    corpus = load_corpus(cfg.data, tokenizer, seq_len=cfg.training.seq_len, seed=cfg.job.seed)
+    loader = iter(build_train_loader(corpus, cfg.training, seed=cfg.job.seed, dp=1, dp_rank=0))
+    return torch.cat([next(loader) for _ in range(cfg.training.grad_accum_steps)])
+
+
+def test_init_from_an_import_at_tp2_starts_from_the_hf_weights(tiny_data, tmp_path):
+    model = hf_model(seed=1)
+    model.save_pretrained(tmp_path / "source")
+    assert convert.main(["from-hf", str(tmp_path / "source"), str(tmp_path / "ckpt")]) == 0
+    args = [
+        *tiny_data.overrides(),
+        *TINY_MODEL,
+        f"--job.out_dir={tmp_path}",
+        "--job.name=tp2",
+        "--training.steps=1",
+        "--checkpoint.save_final=false",
+        f"--checkpoint.init_from={tmp_path / 'ckpt'}",
+    ]
+    run_train([*args, "--parallelism.tp=2"], nproc=2)
+    batch = first_global_batch(tiny_data, args)
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert train_losses(tmp_path / "tp2") == [pytest.approx(expected, rel=1e-5, abs=0)]
+
+
+def test_a_checkpoint_of_another_model_shape_is_a_clear_error(trained):
+    cfg = load_config(None, [(k.removeprefix("--").split("=")[0], k.split("=")[1]) for k in TINY_MODEL])
+    cfg.model.intermediate_size = 96
+    with torch.device("meta"):
+        state = LlamaForCausalLM(cfg.model).state_dict()
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not match the configured model: .*gate_proj.weight has shape "
+        r"\[64, 32\] there but \[96, 32\] here",
+    ):
+        Checkpointer.check_model_shapes(trained, read_metadata(trained), state)
+
+
+def test_convert_errors_are_one_line_with_exit_code_2(tmp_path, trained, capsys):
+    assert convert.main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: checkpoint '{tmp_path / 'missing'}' does not exist")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert convert.main(["to-hf", str(trained), str(tmp_path / "full")]) == 2
+    assert "is not an empty folder" in capsys.readouterr().err
+    source = tmp_path / "biased"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"model_type": "llama", "attention_bias": True}))
+    assert convert.main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "attention_bias/mlp_bias are set" in err
+
+
+# ---- generate -------------------------------------------------------------------------------------
+
+
+def test_greedy_generation_is_deterministic_and_matches_transformers(trained, tmp_path, capsys):
+    argv = ["--checkpoint", str(trained), "--prompt", "The cat", "--max_new_tokens", "12"]
+    assert generate.main(argv) == 0 and generate.main(argv) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == second and first.startswith("The cat") and len(first) > len("The cat")
+    convert.to_hf(trained, tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = load_tokenizer(str(trained / "tokenizer"))
+    prompt = tokenizer.encode("The cat")
+    ours = generate.generate(generate.load_model(trained)[0], prompt, 12, eos_id=tokenizer.eos_id)
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+    assert ours == theirs[: len(ours)]
+    assert len(ours) == 12 or ours[-1] == tokenizer.eos_id
+
+
+def test_sampling_flags_are_seeded_and_restrict_the_choice(trained, capsys):
+    argv = [
+        "--checkpoint",
+        str(trained.parent.parent),
+        "--max_new_tokens",
+        "8",
+        "--temperature",
+        "0.8",
+        "--top_k",
+        "5",
+        "--top_p",
+        "0.9",
+        "--seed",
+        "3",
+    ]
+    assert generate.main(argv) == 0 and generate.main(argv) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == second
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9, -1.0])
+    draws = {generate.sample_next(logits, 5.0, 2, 1.0, torch.Generator().manual_seed(i)) for i in range(50)}
+    assert draws == {1, 3}  # top-k 2 keeps exactly the two best, a high temperature reaches both
+    draws = {generate.sample_next(logits, 1.0, 0, 0.01, torch.Generator().manual_seed(i)) for i in range(20)}
+    assert draws == {1}  # a tiny nucleus is the single most likely token
+    assert generate.sample_next(logits, 0.0, 0, 1.0, None) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--checkpoint", "/nonexistent/run"], "error: checkpoint '/nonexistent/run' does not exist"),
+        (["--top_k", "5"], "error: --top_k/--top_p only apply when sampling"),
+        (["--top_p", "1.5", "--temperature", "1"], "error: --top_p: expected a value in (0, 1]"),
+    ],
+)
+def test_generate_errors_are_one_line_with_exit_code_2(trained, capsys, argv, message):
+    argv = argv if argv[0] == "--checkpoint" else ["--checkpoint", str(trained), *argv]
+    assert generate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
