@@ -162,7 +162,7 @@ def test_killed_at_random_moments_then_resumed_ends_like_an_uninterrupted_run(ti
                 time.sleep(0.001)
             proc.kill()
         else:
-            time.sleep(rng.uniform(0.0, 0.4))
+            time.sleep(rng.uniform(0.0, 0.25))
             proc.kill()
         output = proc.communicate(timeout=120)[0]
         latest = latest_checkpoint(folder)
