@@ -150,6 +150,8 @@ def config_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
         for key in CONFIG_FLAGS[flag]:
             key, fixed, fixed_value = key.partition("=")  # "key=value": a value the flag implies
             pairs.append((key, fixed_value if fixed else str(value)))
+    if "learning_rate" in given:  # as the seed launcher: decay to a tenth of the peak, never above it
+        pairs.append(("optimizer.min_lr", str(float(given["learning_rate"]) / 10)))
     return [*pairs, ("job.name", args.run_name)]
 
 
