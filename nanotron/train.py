@@ -121,7 +121,11 @@ class Trainer:
                 )
                 return torch.stack([_plain(loss).detach().float() for loss in losses]).mean() if self.has_last else None
             model, total = self.modules[0], torch.zeros((), device=self.ctx.device)
-            for inp, tgt in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
+            # FSDP/replicate reduce gradients only after the last microbatch; earlier ones accumulate locally.
+            grad_sync = getattr(model, "set_requires_gradient_sync", None) if train else None
+            for index, (inp, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+                if grad_sync is not None:
+                    grad_sync(index == n_micro - 1)
                 if train:
                     loss = self.loss_fn(model(inp), tgt) / n_micro
                     loss.backward()
