@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The venv's bin/ first on PATH: Slurm jobs started from the tests inherit it and find its torchrun.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 # CPU machines get the local CPU wheel; a CUDA cluster sets TORCH_SPEC to its own build (or "" to keep one).
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 8

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY_MODEL, read_metrics, run_train, train_env, train_losses
@@ -89,11 +90,10 @@ def test_lr_warms_up_linearly_then_decays_to_min_lr(style, end):
 
 
 def test_console_script_dispatches_to_train():
-    exe = shutil.which("nanotron")
-    if exe is None:
-        pytest.skip("the nanotron console script is not installed (pip install -e .)")
+    exe = Path(sys.executable).parent / "nanotron"  # installed by `pip install -e .` next to this Python
+    assert exe.is_file(), "the nanotron console script is missing: install the project with `pip install -e .`"
     proc = subprocess.run(
-        [exe, "train", "--help"], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=60
+        [str(exe), "train", "--help"], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0
     assert "[training]" in proc.stdout and "global_batch_size = 0" in proc.stdout
