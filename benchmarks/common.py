@@ -1,0 +1,200 @@
+"""Shared pieces of the benchmarks: a synthetic corpus, launching real training runs, tables.
+
+Every benchmark runs from a fresh clone: the corpus is made-up text with its own small tokenizer
+(no download, no third-party text), written once under the work dir and reused.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_WORK_DIR = REPO / ".cache" / "benchmarks"
+RESULTS_DIR = REPO / "benchmarks" / "results"
+WORDS = (
+    "the a one two red blue small large cat dog bird tree house river stone light dark quick slow runs "
+    "sees makes finds under over near far before after and but so then we they it is was will"
+).split()
+
+# Keys every benchmark run shares: no evaluation, checkpoints or TensorBoard in the timed loop, one
+# metrics record per step, and a constant LR (the schedule's cost is the same at any LR).
+QUIET_RUN = [
+    "--training.eval_interval=0",
+    "--checkpoint.save_final=false",
+    "--checkpoint.interval=0",
+    "--checkpoint.resume_from=none",
+    "--logging.tensorboard=false",
+    "--logging.log_interval=1",
+    "--optimizer.warmup_steps=0",
+    "--optimizer.decay_style=constant",
+]
+
+
+# Benchmark models as `--model.*`/`--training.seq_len` overrides. "nano" is for smoke tests (seconds);
+# "tiny" is the tiny preset (embedding and head are 70% of its weights); "small" (7.9M) is shaped like
+# a real LLM (the head ~7% of the matmul work, 8 layers to balance over pipeline stages) and is big
+# enough that one rank's step (~1 s per 2048 tokens on one core) dwarfs per-step framework and gloo
+# costs, which scaling measurements need; "1b" is the GPU check's ~1.1B model (TinyLlama's shape).
+MODELS: dict[str, dict[str, int]] = {
+    "nano": dict(
+        hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=1024, seq_len=32
+    ),
+    "tiny": dict(
+        hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=8192, seq_len=128
+    ),
+    "small": dict(
+        hidden_size=256, intermediate_size=768, num_layers=8, num_heads=4, num_kv_heads=4, vocab_size=2048, seq_len=256
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        vocab_size=32000,
+        seq_len=2048,
+    ),
+}
+
+
+def model_overrides(size: str) -> list[str]:
+    """The size's shape as overrides (max_seq_len = seq_len: RoPE tables no longer than needed)."""
+    shape = dict(MODELS[size])
+    seq_len = shape.pop("seq_len")
+    return [f"--model.{k}={v}" for k, v in shape.items()] + [
+        f"--model.max_seq_len={seq_len}",
+        f"--training.seq_len={seq_len}",
+    ]
+
+
+def bench_env(threads: int = 1) -> dict[str, str]:
+    """One math thread per rank (ranks share the cores), offline hubs, and this checkout on the path."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
+    """Sentences drawn from a small word list: enough tokens to feed any benchmark, nothing to license."""
+    rng = random.Random(seed)
+    return [
+        " ".join(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+            for _ in range(rng.randint(20, 40))
+        )
+        for _ in range(n_docs)
+    ]
+
+
+def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> list[str]:
+    """Writes the synthetic corpus and tokenizer once; returns the `--data.*` overrides that use them."""
+    from nanotron.prepare import train_tokenizer
+
+    root = work_dir / "data"
+    corpus, tokenizer = root / "corpus" / "docs.jsonl", root / "tokenizer"
+    if not (tokenizer / "tokenizer.json").is_file():
+        docs = synthetic_documents(n_docs)
+        corpus.parent.mkdir(parents=True, exist_ok=True)
+        corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        train_tokenizer(docs, tokenizer, vocab_size=vocab_size)
+    return [f"--data.path={corpus.parent}", f"--data.tokenizer={tokenizer}", f"--data.cache_dir={root / 'cache'}"]
+
+
+def train_command(nproc: int, args: Sequence[str]) -> list[str]:
+    """`python -m nanotron.train` for one process, under torchrun for more (the documented launches)."""
+    if nproc == 1:
+        return [sys.executable, "-m", "nanotron.train", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "nanotron.train",
+        *args,
+    ]
+
+
+def launch_nanotron(name: str, args: Sequence[str], nproc: int, work_dir: Path) -> tuple[subprocess.Popen, Path]:
+    """Starts one fresh training run (its run dir is wiped first: metrics.jsonl appends)."""
+    run_dir = work_dir / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = train_command(nproc, [*args, f"--job.out_dir={run_dir.parent}", f"--job.name={name}"])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=bench_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, run_dir
+
+
+def collect_metrics(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 900) -> list[dict]:
+    """Waits for a launched run; its step records, or the command and its output if it failed.
+
+    A run that logged all `steps` steps and then exited non-zero (a crash while shutting down) still
+    measured every step: its records are kept and the exit is reported, not hidden.
+    """
+    stdout, stderr = proc.communicate(timeout=timeout)
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    records = [r for r in map(json.loads, lines) if "step_time_sec" in r]
+    if proc.returncode != 0:
+        message = f"run exited {proc.returncode}: {' '.join(proc.args)}"
+        if len(records) < steps:
+            raise RuntimeError(f"{message}\n{stdout[-2000:]}\n{stderr[-4000:]}")
+        last_error = next(
+            (line for line in reversed(stderr.splitlines()) if "terminate" in line or "Error" in line), ""
+        )
+        print(
+            f"warning: {message} after logging all {steps} steps; kept its metrics ({last_error.strip()})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return records
+
+
+def run_nanotron(name: str, args: Sequence[str], nproc: int, work_dir: Path, steps: int) -> list[dict]:
+    """One fresh training run, start to end: its step records."""
+    return collect_metrics(*launch_nanotron(name, args, nproc, work_dir), steps)
+
+
+def median_after_warmup(values: Sequence[float], warmup: int) -> float:
+    """The first steps pay for allocator growth, lazy init and caches: they are not the steady state."""
+    steady = list(values[warmup:]) or list(values)
+    return statistics.median(steady)
+
+
+def write_table(rows: list[dict], columns: Sequence[str], stem: Path) -> str:
+    """`<stem>.csv` (every column) and `<stem>.md` (a markdown table); returns the markdown."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    markdown = markdown_table(rows, columns)
+    stem.with_suffix(".md").write_text(markdown + "\n")
+    return markdown
+
+
+def markdown_table(rows: list[dict], columns: Sequence[str]) -> str:
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,215 @@
+"""Model-state bytes per rank for each layout, against the one-process total, and peak memory per rank.
+
+    python -m benchmarks.memory [--size small] [--quick]
+
+Each layout is a real run: torchrun starts the ranks, each builds nanotron's `Trainer` exactly as
+`python -m nanotron.train` does and trains two steps (so gradients and AdamW state exist), then sums
+the bytes it holds locally: parameters and gradients (a DTensor counts its local shard) and every
+optimizer-state tensor. Peak memory is the device's peak allocation on GPU; on CPU it is the peak
+resident set size, also shown as growth over the rank's size before it built anything (the Python
+runtime and libraries are ~0.4 GiB per process and would hide the model otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.common import (
+    DEFAULT_WORK_DIR,
+    QUIET_RUN,
+    REPO,
+    RESULTS_DIR,
+    bench_env,
+    ensure_data,
+    model_overrides,
+    write_table,
+)
+
+MIB = 2**20
+# (name, overrides, target ratio of the largest rank's state bytes to the one-process total, or None).
+LAYOUTS: list[tuple[str, list[str], float | None]] = [
+    ("1 process", [], None),
+    ("dp2 zero0", ["--parallelism.dp=2", "--parallelism.zero_stage=0"], None),
+    ("dp2 zero1", ["--parallelism.dp=2", "--parallelism.zero_stage=1"], None),
+    ("dp2 zero2", ["--parallelism.dp=2", "--parallelism.zero_stage=2"], None),
+    ("dp2 zero3", ["--parallelism.dp=2", "--parallelism.zero_stage=3"], 0.55),
+    ("tp2 reduce_scatter", ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"], 0.55),
+    ("tp2 all_reduce", ["--parallelism.tp=2", "--parallelism.tp_mode=all_reduce"], 0.55),
+    ("pp2 1f1b", ["--parallelism.pp=2"], 0.6),
+    ("dp2 tp2 zero3", ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.zero_stage=3"], None),
+    (
+        "dp2 tp2 pp2 zero3",
+        ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.zero_stage=3"],
+        None,
+    ),
+]
+QUICK_LAYOUTS = ("1 process", "dp2 zero3")
+COLUMNS = (
+    "layout",
+    "world",
+    "param_mib",
+    "grad_mib",
+    "optimizer_mib",
+    "state_mib",
+    "vs_1_process",
+    "target",
+    "met",
+    "rank_state_mib",
+    "peak_gib",
+    "peak_growth_gib",
+)
+
+
+def world_of(overrides: list[str]) -> int:
+    world = 1
+    for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key in ("--parallelism.dp", "--parallelism.tp", "--parallelism.pp"):
+            world *= int(value)
+    return world
+
+
+def resident_gib() -> float:
+    """This process's current resident set (Linux /proc), the baseline that peak RSS is compared with."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def local_bytes(tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def worker(args: list[str], out: Path) -> None:
+    """One rank: train two steps with the real Trainer, count what this rank holds, rank 0 writes all."""
+    import torch
+    import torch.distributed as dist
+
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.distributed import destroy_distributed, launched_world_size
+    from nanotron.metrics import peak_memory_gib
+    from nanotron.train import Trainer
+
+    baseline = resident_gib() if not torch.cuda.is_available() else 0.0
+    cfg = load_config(*parse_overrides(args), world_size=launched_world_size())
+    trainer = Trainer(cfg)
+    trainer.train()
+    optimizer_state = [
+        value
+        for optimizer in trainer.optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    ]
+    peak = peak_memory_gib(trainer.ctx.device)
+    record = {
+        "rank": trainer.ctx.rank,
+        "param_bytes": sum(local_bytes(p) for p in trainer.params),
+        "grad_bytes": sum(local_bytes(p.grad) for p in trainer.params if p.grad is not None),
+        "optimizer_bytes": sum(local_bytes(v) for v in optimizer_state),
+        "peak_gib": peak,
+        "peak_growth_gib": peak - baseline,
+    }
+    records = [record]
+    if dist.is_initialized():
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
+    if trainer.ctx.rank == 0:
+        out.write_text(json.dumps(records))
+    destroy_distributed()
+
+
+def measure(name: str, overrides: list[str], base_args: list[str], work_dir: Path) -> list[dict]:
+    """Per-rank records of one layout, from a fresh (torchrun) launch of the worker."""
+    world = world_of(overrides)
+    out = work_dir / "runs" / f"memory-{name.replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    cmd = [
+        *(launcher if world > 1 else [sys.executable]),
+        "-m",
+        "benchmarks.memory",
+        "--worker",
+        "--out",
+        str(out),
+        *base_args,
+        *overrides,
+        f"--job.out_dir={work_dir / 'runs'}",
+        f"--job.name=memory-{world}",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=bench_env(), capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"layout '{name}' failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def summarize(name: str, target: float | None, ranks: list[dict], reference_bytes: int) -> dict:
+    """One table row: the largest rank's state (what must fit on a device) against the one-process total."""
+    state = [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks]
+    top = ranks[max(range(len(ranks)), key=state.__getitem__)]
+    ratio = max(state) / reference_bytes
+    return {
+        "layout": name,
+        "world": len(ranks),
+        "param_mib": top["param_bytes"] / MIB,
+        "grad_mib": top["grad_bytes"] / MIB,
+        "optimizer_mib": top["optimizer_bytes"] / MIB,
+        "state_mib": max(state) / MIB,
+        "vs_1_process": ratio,
+        "target": f"<= {target}" if target else "",
+        "met": ("yes" if ratio <= target else "NO") if target else "",
+        "rank_state_mib": " ".join(f"{s / MIB:.1f}" for s in state),
+        "peak_gib": max(r["peak_gib"] for r in ranks),
+        "peak_growth_gib": max(r["peak_growth_gib"] for r in ranks),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--size", default="small", help="a benchmarks.common.MODELS key")
+    parser.add_argument("--quick", action="store_true", help="smoke-test settings: nano model, four layouts")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for memory.csv/.md (a worker's JSON)")
+    parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="synthetic data and run dirs")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args(argv)
+    if args.worker:
+        worker(rest, args.out)
+        return 0
+    size = "nano" if args.quick else args.size
+    layouts = [layout for layout in LAYOUTS if not args.quick or layout[0] in QUICK_LAYOUTS]
+    base_args = [
+        *QUIET_RUN,
+        *ensure_data(args.work_dir),
+        *model_overrides(size),
+        "--training.steps=2",
+        "--training.micro_batch_size=2",
+        "--training.global_batch_size=8",
+        "--training.grad_accum_steps=0",
+    ]
+    rows, reference = [], 0
+    for name, overrides, target in layouts:
+        ranks = measure(name, overrides, base_args, args.work_dir)
+        if not reference:  # the first layout is the single process
+            reference = sum(ranks[0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+        rows.append(summarize(name, target, ranks, reference))
+        print(f"  {name:20s} state {rows[-1]['state_mib']:8.1f} MiB/rank  x{rows[-1]['vs_1_process']:.3f}", flush=True)
+    print(f"model size '{size}'")
+    print(write_table(rows, COLUMNS, args.out / "memory"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Each benchmark runs end to end with its documented command (`--quick`: nano model, few steps) and
+writes its table. Speed is measured in benchmarks/, never asserted here: only that rows appear."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def work_dir(tmp_path_factory) -> Path:
+    """One synthetic corpus for all three benchmarks (each writes it on first use)."""
+    return tmp_path_factory.mktemp("bench_work")
+
+
+def run_benchmark(module: str, out: Path, work_dir: Path) -> str:
+    cmd = [sys.executable, "-m", module, "--quick", "--out", str(out), "--work-dir", str(work_dir)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_throughput_quick_writes_table_and_plot(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.throughput", tmp_path, work_dir)
+    rows = read_csv(tmp_path / "throughput.csv")
+    assert [r["layout"] for r in rows] == ["1 process", "dp2 zero0"]
+    assert all(float(r["tokens_per_sec"]) > 0 and float(r["step_time_sec"]) > 0 for r in rows)
+    assert (tmp_path / "throughput.md").read_text().startswith("| size | layout |")
+    assert "dp2 zero0 tokens/s" in stdout
+    # The plot needs the optional `bench` extra; without it the benchmark says so instead of failing.
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "throughput.png").stat().st_size > 0
+    else:
+        assert "no plot written" in stdout
+
+
+@pytest.mark.slow
+def test_overhead_quick_compares_three_implementations_with_equal_losses(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.overhead", tmp_path, work_dir)
+    rows = {r["implementation"]: r for r in read_csv(tmp_path / "overhead.csv")}
+    assert set(rows) == {"nanotron", "pytorch", "transformers"}
+    # Same weights, batches and optimizer: the three loss curves agree (fp32, reduction order only).
+    assert all(float(r["max_loss_diff"]) < 1e-4 for r in rows.values())
+    assert "nanotron / pytorch" in stdout and "transformers / nanotron" in stdout
+
+
+@pytest.mark.slow
+def test_memory_quick_counts_state_bytes_per_rank(tmp_path, work_dir):
+    run_benchmark("benchmarks.memory", tmp_path, work_dir)
+    rows = {r["layout"]: r for r in read_csv(tmp_path / "memory.csv")}
+    assert float(rows["1 process"]["vs_1_process"]) == 1.0
+    # AdamW keeps two fp32 moments per parameter: the optimizer state is twice the parameters.
+    one = rows["1 process"]
+    assert float(one["optimizer_mib"]) == pytest.approx(2 * float(one["param_mib"]), rel=1e-3)
+    assert len(rows["dp2 zero3"]["rank_state_mib"].split()) == 2
