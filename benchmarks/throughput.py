@@ -10,6 +10,7 @@ round counts, which filters out other load on shared cores. Speedup is tokens/s 
 row of the same size; scaling efficiency is speedup / world. MFU uses one peak per device for every
 row: nanotron's GPU table on GPU; on CPU the best one-thread matmul probe (per dtype) of the sweep.
 Writes throughput.csv, throughput.md and throughput.png (matplotlib, the `bench` extra) to --out.
+`--profile DIR` adds nanotron's profiler to every run (read with `python -m benchmarks.trace_summary`).
 """
 
 from __future__ import annotations
@@ -201,6 +202,8 @@ def sweep(layouts: list[Layout], settings: argparse.Namespace) -> list[dict]:
                 load = os.getloadavg()[0]
                 args = layout_args(layout, size, steps, settings.global_batch, common)
                 name = f"throughput-{size}-{layout.name}".replace(" ", "_").replace(",", "")
+                if settings.profile:
+                    args.append(f"--profiler.export_path={settings.profile / name}")
                 result = run_layout(layout, name, args, settings.work_dir, steps, warmup) | {"load": load}
                 if cpu:
                     result["dtype"] = run_dtype(args)
@@ -288,13 +291,20 @@ def main(argv: list[str] | None = None) -> int:
         allow_abbrev=False,
     )
     parser.add_argument("--sizes", default="tiny,small", help="comma-separated benchmarks.common.MODELS keys")
-    parser.add_argument("--layouts", default="", help="comma-separated layout names (default: all)")
+    parser.add_argument(
+        "--layouts", default="", help="comma-separated layout names (default: all; '1 process' is always added)"
+    )
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (best round counts)")
     parser.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, every layout")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="training.device of runs")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="training.dtype of runs")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="also write torch.profiler traces (profiler.export_path) of every run here; profiled runs are slower",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke-test settings: nano model, 2 layouts, 3 steps")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for throughput.csv/.md/.png")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="synthetic data and run dirs")
@@ -302,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.layouts.split(",")) if args.layouts else {layout.name for layout in LAYOUTS}
     if args.quick:
         args.sizes, args.steps, args.warmup, args.repeats, wanted = "nano", 3, 1, 1, set(QUICK_LAYOUTS)
+    wanted.add(BASELINE)  # every speedup is relative to it
     layouts = [layout for layout in LAYOUTS if layout.name in wanted]
     unknown = wanted - {layout.name for layout in LAYOUTS}
     if unknown:

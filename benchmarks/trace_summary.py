@@ -63,7 +63,8 @@ def summarize(path: Path, top: int) -> str:
         if op["ts"] >= outer_end:
             outermost.append(op)
             outer_end = op["ts"] + op["dur"]
-    comm = sum(op["dur"] for op in outermost if is_comm(op["name"]))
+    # Collectives run nested in DTensor/FSDP dispatch: count communication by self time at any depth.
+    comm = sum(micros for name, micros in self_time.items() if is_comm(name))
     compute = sum(op["dur"] for op in outermost) - comm
     collectives = sum(c for name, c in counts.items() if name.startswith("c10d::"))
     step_ms = (end - start) / n / 1e3
