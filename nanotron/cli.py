@@ -1,4 +1,4 @@
-"""The `nanotron` console script: `nanotron {train,launch,convert,generate} ...`."""
+"""The `nanotron` console script: `nanotron {train,launch,convert,generate,prepare} ...`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {
     "launch": "nanotron.launch",
     "convert": "nanotron.convert",
     "generate": "nanotron.generate",
+    "prepare": "nanotron.prepare",
 }
 
 

@@ -27,11 +27,11 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from nanotron.checkpoint import copy_tokenizer, find_checkpoint, read_model_config, read_model_weights
-from nanotron.config import ModelConfig
-from nanotron.data import load_tokenizer
-from nanotron.errors import CheckpointError, UserError
+from nanotron.checkpoint import find_checkpoint, read_model_weights
+from nanotron.config import ModelConfig, read_model_config, toml_text
+from nanotron.errors import CheckpointError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?i?B)?\s*$", re.IGNORECASE)
@@ -112,7 +112,7 @@ def to_hf(
     """Writes the HF folder `out` from a nanotron checkpoint; returns the step dir that was exported."""
     max_bytes = parse_size(max_shard_size)
     step_dir = find_checkpoint(checkpoint)
-    model = read_model_config(step_dir)
+    model = read_model_config(step_dir / "config.toml")
     weights = read_model_weights(step_dir)
     expected = expected_shapes(model)
     for name, shape in expected.items():
@@ -261,18 +261,12 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
-    (tmp / "config.toml").write_text(model_toml(model))
+    (tmp / "config.toml").write_text(toml_text({"model": vars(model)}))
     copy_tokenizer(hf_dir, tmp / "tokenizer")
     if out.exists():
         out.rmdir()
     os.rename(tmp, out)
     return model
-
-
-def model_toml(model: ModelConfig) -> str:
-    """The [model] section alone: the settings a run starting from this import must use."""
-    values = {k: v for k, v in vars(model).items() if v is not None}
-    return "[model]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
 
 
 # ---- command line ----------------------------------------------------------------------------------
@@ -296,22 +290,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.command == "to-hf":
-            step_dir = to_hf(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.tokenizer)
-            print(f"exported {step_dir} -> {args.out_dir} (load with LlamaForCausalLM.from_pretrained)")
-        else:
-            from_hf(args.hf_dir, args.ckpt_dir)
-            tokenizer = args.ckpt_dir / "tokenizer"
-            print(
-                f"imported {args.hf_dir} -> {args.ckpt_dir}; train with --checkpoint.init_from={args.ckpt_dir} "
-                f"and the [model] settings of {args.ckpt_dir / 'config.toml'}"
-                + (f" (tokenizer: --data.tokenizer={tokenizer})" if tokenizer.is_dir() else "")
-            )
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
+    if args.command == "to-hf":
+        step_dir = to_hf(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.tokenizer)
+        print(f"exported {step_dir} -> {args.out_dir} (load with LlamaForCausalLM.from_pretrained)")
+        return 0
+    from_hf(args.hf_dir, args.ckpt_dir)
+    tokenizer = args.ckpt_dir / "tokenizer"
+    print(
+        f"imported {args.hf_dir} -> {args.ckpt_dir}; train with --checkpoint.init_from={args.ckpt_dir} "
+        f"and the [model] settings of {args.ckpt_dir / 'config.toml'}"
+        + (f" (tokenizer: --data.tokenizer={tokenizer})" if tokenizer.is_dir() else "")
+    )
     return 0
 
 

@@ -12,7 +12,6 @@ import os
 import re
 import socket
 import threading
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,75 +19,19 @@ from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
-import tokenizers
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, Sampler
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from nanotron.config import DataConfig, TrainingConfig
 from nanotron.errors import DataError
+from nanotron.tokenizer import PREPARE_HINT, Tokenizer
 
-PREPARE_HINT = "run `bash scripts/prepare_data.sh` for the demo corpus"
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-EOS_FALLBACKS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 CACHE_VERSION = 1  # bump when the cache layout or tokenization changes
 _PARAGRAPH_START = re.compile(r"(?<=\n\n)(?=[^\n])")
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TRUE = ("1", "true", "yes", "on")
-
-
-@dataclass
-class Tokenizer:
-    """A `tokenizers` tokenizer and its EOS id: all training needs, without importing transformers."""
-
-    backend: tokenizers.Tokenizer
-    eos_id: int
-    vocab_size: int  # largest id + 1, so the embedding can hold every id
-    path: Path  # data.tokenizer as given: a tokenizer.json file or a dir holding one
-    fingerprint: str  # hash of tokenizer.json and the EOS id: part of the token cache key
-
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=False)
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-    """Loads `tokenizer.json` (or a dir with one); EOS comes from tokenizer_config.json or a known name."""
-    given = Path(path).expanduser()
-    file = given / "tokenizer.json" if given.is_dir() else given
-    if not file.is_file():
-        raise DataError(
-            f"data.tokenizer: no tokenizer.json at '{path}'; point data.tokenizer at a tokenizer.json file "
-            f"or a dir holding one, or {PREPARE_HINT} and its tokenizer"
-        )
-    text = file.read_text(encoding="utf-8")
-    try:
-        backend = tokenizers.Tokenizer.from_str(text)
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
-        raise DataError(f"data.tokenizer: '{file}' is not a valid tokenizer.json ({e})") from None
-    eos = _eos_token(file.parent, backend)
-    eos_id = backend.token_to_id(eos)
-    vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
-    fingerprint = hashlib.sha256(f"{text}\0{eos_id}".encode()).hexdigest()
-    return Tokenizer(backend, eos_id, vocab_size, given, fingerprint)
-
-
-def _eos_token(folder: Path, backend: tokenizers.Tokenizer) -> str:
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        config = folder / name
-        token = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
-        token = token.get("content") if isinstance(token, dict) else token
-        if token and backend.token_to_id(token) is not None:
-            return token
-    for token in EOS_FALLBACKS:
-        if backend.token_to_id(token) is not None:
-            return token
-    raise DataError(
-        f"data.tokenizer: no EOS token found in '{folder}'; name one with \"eos_token\" in tokenizer_config.json"
-    )
 
 
 @dataclass
@@ -261,7 +204,8 @@ def _hash(*parts: Any) -> int:
 
 
 def _microbatch_start(index: int, training: TrainingConfig, dp: int, dp_rank: int) -> int:
-    """First global sample of this rank's `index`-th microbatch: step, then microbatch, then dp rank."""
+    """First global sample of this rank's `index`-th microbatch (counted from a step boundary): step, then
+    microbatch, then dp rank."""
     step, micro = divmod(index, training.grad_accum_steps)
     mbs = training.micro_batch_size
     return step * mbs * training.grad_accum_steps * dp + micro * mbs * dp + dp_rank * mbs
@@ -292,24 +236,25 @@ class PackedSamples(Dataset):
 
 
 class StepSampler(Sampler[list[int]]):
-    """This dp rank's microbatches of sample indices, forever; its state is the count it has yielded.
+    """This dp rank's microbatches of sample indices, forever, from global sample `start` on.
 
     Global sample g is position g % N of epoch g // N's permutation, drawn from a generator seeded by
-    (seed, epoch), so the order needs no state beyond that count and resumes exactly.
+    (seed, epoch), so where a run resumes needs no state beyond its global sample count.
     """
 
-    def __init__(self, num_samples: int, training: TrainingConfig, seed: int, dp: int, dp_rank: int) -> None:
+    def __init__(
+        self, num_samples: int, training: TrainingConfig, seed: int, dp: int, dp_rank: int, start: int = 0
+    ) -> None:
         self.num_samples, self.training, self.seed, self.dp, self.dp_rank = num_samples, training, seed, dp, dp_rank
-        self.microbatches = 0
+        self.start = start
         self._epoch, self._permutation = -1, torch.empty(0, dtype=torch.long)
 
-    def __iter__(self) -> StepSampler:
-        return self
-
-    def __next__(self) -> list[int]:
-        start = _microbatch_start(self.microbatches, self.training, self.dp, self.dp_rank)
-        self.microbatches += 1
-        return [self.sample(g) for g in range(start, start + self.training.micro_batch_size)]
+    def __iter__(self) -> Iterator[list[int]]:
+        index = 0
+        while True:
+            first = self.start + _microbatch_start(index, self.training, self.dp, self.dp_rank)
+            yield [self.sample(g) for g in range(first, first + self.training.micro_batch_size)]
+            index += 1
 
     def sample(self, g: int) -> int:
         """The dataset index of global sample g."""
@@ -319,12 +264,6 @@ class StepSampler(Sampler[list[int]]):
             self._epoch, self._permutation = epoch, torch.randperm(self.num_samples, generator=generator)
         return int(self._permutation[position])
 
-    def state_dict(self) -> dict[str, int]:
-        return {"microbatches": self.microbatches}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.microbatches = int(state["microbatches"])
-
 
 def build_train_loader(
     corpus: Corpus,
@@ -333,12 +272,12 @@ def build_train_loader(
     dp: int,
     dp_rank: int,
     num_workers: int | None = None,
-    start_step: int = 0,
-) -> StatefulDataLoader:
-    """LongTensor [micro_batch_size, seq_len+1] microbatches forever, resumable via state_dict().
+    start_sample: int = 0,
+) -> DataLoader:
+    """LongTensor [micro_batch_size, seq_len+1] microbatches forever, from global sample `start_sample` on.
 
-    `start_step` begins at that optimizer step's first microbatch: since the order is a pure function of
-    the global sample index, a run resumed at any dp size continues at the same global sample.
+    The order is a pure function of the global sample index, so a run resumed at any dp size continues at
+    the same global sample: the data position is just the trainer's consumed_samples.
     """
     if training.global_batch_size != training.micro_batch_size * training.grad_accum_steps * dp:
         raise ValueError("training.global_batch_size must equal micro_batch_size * grad_accum_steps * dp")
@@ -350,14 +289,9 @@ def build_train_loader(
         )
     if training.eval_interval > 0:
         _check_validation(corpus, training)
-    sampler = StepSampler(corpus.num_train_samples, training, seed, dp, dp_rank)
-    sampler.microbatches = start_step * training.grad_accum_steps
+    sampler = StepSampler(corpus.num_train_samples, training, seed, dp, dp_rank, start_sample)
     workers = corpus.num_workers if num_workers is None else num_workers
-    with warnings.catch_warnings():  # torchdata 0.11 calls an API that torch 2.13 deprecates
-        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return StatefulDataLoader(
-            PackedSamples(corpus.train, corpus.seq_len), batch_sampler=sampler, num_workers=workers
-        )
+    return DataLoader(PackedSamples(corpus.train, corpus.seq_len), batch_sampler=sampler, num_workers=workers)
 
 
 def _check_validation(corpus: Corpus, training: TrainingConfig) -> None:

@@ -1,4 +1,8 @@
-"""Process group and the ("pp", "dp", "tp") DeviceMesh; nccl on CUDA, gloo on CPU."""
+"""Process group and the ("pp", "dp", "tp") DeviceMesh; nccl on CUDA, gloo on CPU.
+
+A process group exists even for one plain process (`python -m nanotron.train`, no launcher): a world of
+one over an in-memory store, so every layout, dp=1 included, runs the same parallel code.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from nanotron.config import Config, ConfigError
+from nanotron.config import Config
+from nanotron.errors import ConfigError
 
 
 def launched_world_size() -> int:
@@ -29,9 +34,9 @@ def pick_device(cfg: Config) -> torch.device:
 
 @dataclass
 class ParallelContext:
-    """Everything the trainer needs to know about where this rank sits."""
+    """Where this rank sits: its device, mesh and coordinates on each mesh dimension."""
 
-    mesh: DeviceMesh | None
+    mesh: DeviceMesh
     device: torch.device
     rank: int
     world_size: int
@@ -39,27 +44,26 @@ class ParallelContext:
     tp_rank: int
     pp_rank: int
 
-    @property
-    def is_logging_rank(self) -> bool:
-        """The first rank of the last pipeline stage: it has the loss (contract 5)."""
-        if self.mesh is None:
-            return True
-        return self.dp_rank == 0 and self.tp_rank == 0 and self.pp_rank == self.mesh["pp"].size() - 1
-
-    def submesh(self, name: str) -> DeviceMesh | None:
-        return None if self.mesh is None else self.mesh[name]
+    def any_rank(self, flags: list[torch.Tensor | bool]) -> list[bool]:
+        """For each flag, whether it is true on any rank: one tiny all-reduce and one host sync for all."""
+        values = torch.stack([torch.as_tensor(f, device=self.device).float().reshape(()) for f in flags])
+        if self.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in values.tolist()]
 
 
 def init_distributed(cfg: Config) -> ParallelContext:
-    """Builds the mesh, or nothing when a single process runs without a launcher (plain `python -m`)."""
+    """Joins (or, for one plain process, creates) the process group and builds the mesh."""
     device = pick_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "RANK" not in os.environ and cfg.world_size == 1:
-        return ParallelContext(None, device, 0, 1, 0, 0, 0)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device if backend == "nccl" else None)
+        options = {"timeout": timedelta(minutes=30), "device_id": device if backend == "nccl" else None}
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, **options)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
     p = cfg.parallelism
     mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelContext(
@@ -74,5 +78,6 @@ def init_distributed(cfg: Config) -> ParallelContext:
 
 
 def destroy_distributed() -> None:
+    """Tears the process group down; only on success (after an error a peer may never join the teardown)."""
     if dist.is_initialized():
         dist.destroy_process_group()

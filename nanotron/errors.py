@@ -1,4 +1,22 @@
-"""User-facing errors: one type per domain, printed once as one line with exit code 2."""
+"""User-facing errors and the one boundary every command line goes through.
+
+A `UserError` is bad input: its message names the key, flag or file, what was expected and a fix. The
+boundary (`run_command`) prints it as one `error: ...` line and returns exit code 2. Under a distributed
+launch the rank that met the error prints it, tagged `[rank N]`, and each distinct message is printed once
+however many ranks meet it (they agree through the launcher's key-value store); ranks that then fail only
+because a peer went away stay quiet and exit with the first failure's code.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+
+FAILED_KEY = "nanotron/failed"
 
 
 class UserError(Exception):
@@ -17,3 +35,88 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint can't be written, found or loaded."""
+
+
+class DivergenceError(UserError):
+    """Training diverged (non-finite loss or gradients): nothing was saved past the last good checkpoint."""
+
+    exit_code = 3
+
+
+class LaunchError(UserError):
+    """A job can't be started (no Slurm here, sbatch refused it, a worker failed)."""
+
+
+def run_command(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
+    """Runs a command's `main(argv)` and returns its exit code; bad input becomes one line and code 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return main(argv) or 0
+    except UserError as error:
+        _report(str(error), error.exit_code)
+        return error.exit_code
+    except Exception:
+        first = _first_failure()
+        if first is not None:  # a peer failed first and this rank only lost its connection: stay quiet
+            return first
+        _record_failure(1)
+        raise
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _report(message: str, code: int) -> None:
+    """Prints the error once per distinct message across all ranks of a distributed job."""
+    if _world_size() == 1:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return
+    store = _store()
+    _record_failure(code, store)
+    key = "nanotron/error/" + hashlib.sha256(message.encode()).hexdigest()[:32]
+    first = store is None or _quiet(lambda: store.add(key, 1)) in (None, 1)
+    if first:
+        print(f"error: [rank {os.environ.get('RANK', '?')}] {message}", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _store():
+    """A client of the launcher's key-value store (torchrun's, or rank 0's), or None when there is none."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if _world_size() == 1 or not addr or not port:
+        return None
+    from torch.distributed import TCPStore
+
+    return _quiet(lambda: TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=10)))
+
+
+def _quiet(action: Callable):
+    try:
+        return action()
+    except Exception:  # the store is a courtesy: without it every rank prints its own line
+        return None
+
+
+def _record_failure(code: int, store=None) -> None:
+    """Marks the job as failed (first failure wins) so peers that then lose their connection stay quiet."""
+    store = store or _store()
+    if store is not None:
+        _quiet(lambda: store.compare_set(FAILED_KEY, "", str(code)))
+
+
+def _first_failure() -> int | None:
+    """The exit code of a failure another rank recorded before this one, if any."""
+    store = _store()
+    if store is None or not _quiet(lambda: store.check([FAILED_KEY])):
+        return None
+    value = _quiet(lambda: store.get(FAILED_KEY))
+    return int(value) if value else None
+
+
+def exit_process(code: int) -> None:
+    """Ends the process now, after flushing: skips interpreter teardown, where gloo threads still holding
+    work can abort with `terminate called without an active exception` (exit -6 after a good run)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -16,16 +16,17 @@ from pathlib import Path
 
 import torch
 
-from nanotron.checkpoint import find_checkpoint, read_model_config, read_model_weights
-from nanotron.data import Tokenizer, load_tokenizer
-from nanotron.errors import CheckpointError, UserError
-from nanotron.models.llama import LlamaForCausalLM, rope_cache
+from nanotron.checkpoint import find_checkpoint, read_model_weights
+from nanotron.config import read_model_config
+from nanotron.errors import CheckpointError, UserError, run_command
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.tokenizer import Tokenizer, load_tokenizer
 
 
 def load_model(checkpoint: Path, device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, Path]:
     """The full model of a checkpoint in eval mode, and the step dir it came from."""
     step_dir = find_checkpoint(checkpoint)
-    config = read_model_config(step_dir)
+    config = read_model_config(step_dir / "config.toml")
     weights = read_model_weights(step_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -34,7 +35,7 @@ def load_model(checkpoint: Path, device: torch.device | str = "cpu") -> tuple[Ll
         model.load_state_dict(weights, strict=True)
     except RuntimeError as error:
         raise CheckpointError(f"'{step_dir}' does not match its config.toml ({str(error).splitlines()[0]})") from None
-    model.model.rope = rope_cache(config.head_dim, config.max_seq_len, config.rope_theta, device=torch.device(device))
+    model.init_buffers(device)
     return model.eval(), step_dir
 
 
@@ -119,28 +120,21 @@ def load_checkpoint_tokenizer(step_dir: Path, override: Path | None) -> Tokenize
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        check_sampling(args)
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
-        device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
-        model, step_dir = load_model(args.checkpoint, device)
-        tokenizer = load_checkpoint_tokenizer(step_dir, args.tokenizer)
-        prompt_ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eos_id]
-        new_ids = generate(
-            model,
-            prompt_ids,
-            args.max_new_tokens,
-            args.temperature,
-            args.top_k,
-            args.top_p,
-            args.seed,
-            tokenizer.eos_id,
-        )
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
+    check_sampling(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
+    device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    model, step_dir = load_model(args.checkpoint, device)
+    tokenizer = load_checkpoint_tokenizer(step_dir, args.tokenizer)
+    prompt_ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eos_id]
+    new_ids = generate(
+        model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, tokenizer.eos_id
+    )
     print(args.prompt + tokenizer.decode(new_ids), flush=True)
     return 0
 

@@ -1,4 +1,4 @@
-"""Step metrics: one fixed log line per logged step, metrics.jsonl, TensorBoard scalars, MFU."""
+"""Step metrics: one fixed log line per logged step, metrics.jsonl, TensorBoard scalars, MFU; profiling."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from nanotron.config import Config, ProfilerConfig
+from nanotron.models.llama import num_params
 
 # Dense bf16 peak TFLOP/s per GPU by name fragment (fp32 runs use the TF32 peak, half of it).
 GPU_PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
@@ -72,6 +76,11 @@ class MetricsLogger:
         if line:
             print(line, flush=True)
 
+    def log_step(self, record: dict, total_steps: int, device: torch.device) -> None:
+        """A training step's record, with this process's peak memory, as metrics and the step line."""
+        record = {**record, "memory_gib": peak_memory_gib(device)}
+        self.log(record, step_line(record, total_steps))
+
     def info(self, message: str) -> None:
         if self.enabled:
             print(message, file=sys.stdout, flush=True)
@@ -90,3 +99,78 @@ def step_line(r: dict, total_steps: int) -> str:
         f" | tokens/s {r['tokens_per_sec']:.0f} | tflops {r['tflops']:.3f} | mfu {100 * r['mfu']:.2f}%"
         f" | mem {r['memory_gib']:.2f}GiB | eta {format_duration(r['eta_sec'])}"
     )
+
+
+def step_record(state: Any, loss: float | None, lr: float, grad_norm: float, step_time: float, eta: float) -> dict:
+    """The fields of a logged training step that the trainer's state knows (throughput is added by the caller)."""
+    return {
+        "step": state.step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "step_time_sec": step_time,
+        "consumed_samples": state.consumed_samples,
+        "eta_sec": eta,
+    }
+
+
+def run_line(cfg: Config, corpus: Any, world_size: int, device: torch.device, start_step: int) -> str:
+    """The one line that opens a run's log: model, layout, batch, data and where it starts."""
+    p, t = cfg.parallelism, cfg.training
+    return (
+        f"nanotron | {num_params(cfg.model) / 1e6:.2f}M params | dp={p.dp} tp={p.tp} pp={p.pp} "
+        f"({p.pp_engine}, tp_mode={p.tp_mode}, zero_stage={p.zero_stage}) on {world_size} x "
+        f"{device.type} | global batch {t.global_batch_size} x {t.seq_len} tokens "
+        f"(micro_batch_size={t.micro_batch_size}, grad_accum_steps={t.grad_accum_steps}) | "
+        f"{corpus.num_train_samples} train / {corpus.num_val_samples} val samples | "
+        f"run dir {cfg.run_dir} | start step {start_step}"
+    )
+
+
+class StepTimer:
+    """Mean step time over the steps since the last lap, and the ETA from the run's mean so far."""
+
+    def __init__(self, start_step: int, total_steps: int):
+        self.total = total_steps
+        self.run_start = self.lap_start = time.perf_counter()
+        self.first_step = self.lap_step = start_step
+
+    def lap(self, step: int) -> tuple[float, float]:
+        now = time.perf_counter()
+        step_time = (now - self.lap_start) / max(step - self.lap_step, 1)
+        eta = (now - self.run_start) / max(step - self.first_step, 1) * (self.total - step)
+        self.lap_start, self.lap_step = now, step
+        return step_time, eta
+
+
+class Profiler:
+    """torch.profiler traces (TensorBoard/Chrome JSON) of a few steps, or a no-op when profiling is off."""
+
+    def __init__(self, profile: torch.profiler.profile | None):
+        self.profile = profile
+
+    @classmethod
+    def start(cls, cfg: ProfilerConfig, device: torch.device, worker: str, enabled: bool) -> Profiler:
+        """Profiles on rank 0 and the logging rank (`enabled`), when profiler.export_path is set."""
+        if not cfg.export_path or not enabled:
+            return cls(None)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profile = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=cfg.wait_steps, warmup=1, active=cfg.active_steps, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(cfg.export_path, worker_name=worker),
+            record_shapes=True,
+            profile_memory=True,
+        )
+        profile.start()
+        return cls(profile)
+
+    def step(self) -> None:
+        if self.profile is not None:
+            self.profile.step()
+
+    def stop(self) -> None:
+        if self.profile is not None:
+            self.profile.stop()

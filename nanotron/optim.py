@@ -1,4 +1,5 @@
-"""AdamW with decay only on matrices, warmup + decay LR schedules, and global-norm grad clipping."""
+"""AdamW with decay only on matrices, an LR schedule that is a function of (step, config), and global-norm
+gradient clipping that stays on the device."""
 
 from __future__ import annotations
 
@@ -24,9 +25,32 @@ def build_optimizer(module: nn.Module, cfg: OptimizerConfig, device: torch.devic
         decay = 0.0 if "norm" in name or "embed_tokens" in name else cfg.weight_decay
         groups[decay, param.device_mesh if isinstance(param, DTensor) else None].append(param)
     param_groups = [{"params": params, "weight_decay": decay} for (decay, _), params in groups.items()]
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused and device.type in ("cuda", "cpu")
     )
+    init_state(optimizer)
+    return optimizer
+
+
+@torch.no_grad()
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Creates AdamW's state now (zero moments, step 0), exactly what its first step would create.
+
+    So a checkpoint taken before the first step holds optimizer state like any other, and loading one never
+    needs a throw-away step to build a template to load into.
+    """
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # with zero grads and lr 0, neither Adam nor weight decay moves a weight
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for param in params:
+        param.grad = None
+        optimizer.state[param]["step"].zero_()
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
@@ -45,14 +69,16 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):
-    base = cfg.lr if cfg.lr > 0 else 1.0
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, total_steps) / base)
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Sets the step's learning rate; a param group's `lr_scale` (e.g. µP's per-width factor) scales it."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
-    """Global L2 norm over every DTensor shard and every pipeline stage; clips when max_norm > 0.
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global L2 norm over every DTensor shard and every pipeline stage, as a device tensor (no host sync);
+    clips to max_norm when max_norm > 0.
 
     Grads are grouped by (mesh, placements) so each group reduces its partial norms in one collective;
     the stages' squared norms are then summed over the pp group.
@@ -70,8 +96,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
         squared = squared.to(norm.device) + norm.float() ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squared, group=pp_group)
-    total = squared.sqrt().item()
-    if 0 < max_norm < total:
+    total = squared.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for grads in groups.values():
-            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+            torch._foreach_mul_(grads, scale)
     return total

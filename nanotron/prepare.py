@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from nanotron.errors import run_command
+from nanotron.io import write_atomic
 
 EOS_TOKEN = "<|endoftext|>"
 _GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THIS|THE) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
@@ -30,19 +33,11 @@ def strip_gutenberg(text: str) -> str:
     return text.strip() + "\n"
 
 
-def _write_atomically(path: Path, content: str) -> None:
-    """A killed run never leaves a half-written file that the next run would take as done."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(content, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_corpus(text_files: Iterable[Path], out: Path) -> int:
     """One JSON object {"text": ...} per file, in sorted file order; returns the number of documents."""
     files = sorted(text_files)
     lines = [json.dumps({"text": strip_gutenberg(f.read_text(encoding="utf-8", errors="replace"))}) for f in files]
-    _write_atomically(out, "\n".join(lines) + "\n")
+    write_atomic(out, "\n".join(lines) + "\n")
     return len(lines)
 
 
@@ -70,13 +65,17 @@ def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 8192)
         "model_max_length": 1_000_000,
         "clean_up_tokenization_spaces": False,
     }
-    _write_atomically(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-    _write_atomically(out_dir / "special_tokens_map.json", json.dumps({"eos_token": EOS_TOKEN}, indent=2) + "\n")
-    _write_atomically(out_dir / "tokenizer.json", tokenizer.to_str())
+    write_atomic(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    write_atomic(out_dir / "special_tokens_map.json", json.dumps({"eos_token": EOS_TOKEN}, indent=2) + "\n")
+    write_atomic(out_dir / "tokenizer.json", tokenizer.to_str())
     return tokenizer
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanotron.prepare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     corpus = sub.add_parser("corpus", help="text files (one document each) -> JSONL corpus")
@@ -99,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
             f"tokenizer: trained byte-level BPE, vocab {tokenizer.get_vocab_size()}, eos {EOS_TOKEN!r}, "
             f"on {len(texts)} documents, saved to {args.out}/ in {time.perf_counter() - start:.1f} s"
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

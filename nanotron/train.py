@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
-import sys
-import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -21,25 +19,37 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from nanotron import checkpoint
+from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, check_writable, resolve_source
 from nanotron.config import Config, help_text, load_config, parse_overrides, to_toml
-from nanotron.data import Corpus, build_train_loader, eval_batches, load_corpus, load_tokenizer
+from nanotron.data import Corpus, build_train_loader, eval_batches, load_corpus
 from nanotron.distributed import ParallelContext, destroy_distributed, init_distributed, launched_world_size
-from nanotron.errors import ConfigError, UserError
-from nanotron.metrics import MetricsLogger, detect_peak_tflops, peak_memory_gib, step_line
-from nanotron.models.llama import flops_per_token, num_params
-from nanotron.optim import build_optimizer, build_scheduler, clip_grad_norm
+from nanotron.errors import ConfigError, DivergenceError, exit_process, run_command
+from nanotron.io import write_atomic
+from nanotron.launch.local import pop_nproc, spawn_local
+from nanotron.metrics import MetricsLogger, Profiler, StepTimer, detect_peak_tflops, run_line, step_record
+from nanotron.models.llama import flops_per_token
+from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel import async_tp_available, build_model, enable_async_tp
-from nanotron.parallel.pipeline import build_schedule, num_stages
+from nanotron.parallel.pipeline import build_schedule
+from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
 
 @dataclass
 class TrainState:
-    """Progress that travels with checkpoints besides model/optimizer/scheduler/data-loader state."""
+    """Progress that travels with checkpoints (trainer_state.json). The data position is consumed_samples:
+    the global sample order is a pure function of (seed, sample index)."""
 
     step: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, int(state.get(f.name, 0)))
 
 
 class Trainer:
@@ -50,10 +60,8 @@ class Trainer:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self.request_stop)
         self.ctx: ParallelContext = init_distributed(cfg)
-        torch.manual_seed(cfg.job.seed)
-        p, t = cfg.parallelism, cfg.training
+        p = cfg.parallelism
         self.corpus = prepare_data(cfg)
-
         if p.tp_linear_async_communication:
             if async_tp_available(cfg, self.ctx.device):
                 enable_async_tp(self.ctx)
@@ -67,23 +75,28 @@ class Trainer:
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
         stage_ids = [index for index, _ in self.stages]
-        self.has_first, self.has_last = 0 in stage_ids, num_stages(p) - 1 in stage_ids
+        self.has_first, self.has_last = 0 in stage_ids, cfg.num_stages - 1 in stage_ids
         self.schedule = (
-            build_schedule(self.stages, p, self.ctx.mesh["pp"], self.ctx.device, t.grad_accum_steps, self.loss_fn)
-            if p.pp > 1
-            else None
+            build_schedule(self.stages, cfg, self.ctx.mesh["pp"], self.ctx.device, self.loss_fn) if p.pp > 1 else None
         )
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
-        self.schedulers = [build_scheduler(opt, cfg.optimizer, t.steps) for opt in self.optimizers]
         self.state = TrainState()
-        self.checkpointer = checkpoint.Checkpointer(cfg, self.ctx, self)
-
+        # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/tp rank logs.
         self.is_logging_rank = self.has_last and self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
-        self.compute_dtype = torch.bfloat16 if t.dtype == "bfloat16" else torch.float32
-        self.peak_tflops = cfg.logging.peak_tflops or (
-            detect_peak_tflops(self.ctx.device, self.compute_dtype) if self.is_logging_rank else 0.0
+        self.checkpoints = CheckpointManager(
+            cfg.checkpoint_dir,
+            cfg.checkpoint,
+            states={"model": ModelState(self.modules), "optimizer": OptimizerState(self.modules, self.optimizers)},
+            progress=self.state,
+            write_extras=self.write_checkpoint_extras,
+            meta={
+                "global_batch_size": cfg.training.global_batch_size,
+                "world_size": self.ctx.world_size,
+                "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
+            },
+            log=self.metrics.info,
         )
 
     # ---- one step -------------------------------------------------------------------------------
@@ -92,20 +105,15 @@ class Trainer:
         """Mean token loss of one microbatch; microbatches and dp ranks average to the global-batch mean."""
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    def compute_context(self) -> contextlib.ExitStack:
-        """loss_parallel for vocab-sharded logits; autocast for bf16 unless FSDP/replicate already casts."""
-        stack = contextlib.ExitStack()
-        if self.cfg.parallelism.tp > 1:
-            stack.enter_context(loss_parallel())
-        if self.compute_dtype == torch.bfloat16 and self.cfg.parallelism.dp == 1:
-            stack.enter_context(torch.autocast(self.ctx.device.type, dtype=torch.bfloat16))
-        return stack
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """loss_parallel for vocab-sharded logits (bf16 is FSDP's MixedPrecisionPolicy at every layout)."""
+        return loss_parallel() if self.cfg.parallelism.tp > 1 else contextlib.nullcontext()
 
     def next_batch(self) -> torch.Tensor:
         """grad_accum_steps microbatches stacked: [grad_accum_steps * micro_batch_size, seq_len + 1]."""
         return torch.cat([next(self.loader_iter) for _ in range(self.cfg.training.grad_accum_steps)])
 
-    def forward_backward(self, batch: torch.Tensor, train: bool = True) -> torch.Tensor | None:
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor | None:
         """Mean loss over this dp rank's part of the batch (None on ranks without the last stage)."""
         batch = batch.to(self.ctx.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -113,46 +121,84 @@ class Trainer:
         with self.compute_context():
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
-                run = self.schedule.step if train else self.schedule.eval
-                run(
+                self.schedule.step(
                     *([inputs] if self.has_first else []),
                     target=targets if self.has_last else None,
                     losses=losses if self.has_last else None,
+                    return_outputs=False,
                 )
                 return torch.stack([_plain(loss).detach().float() for loss in losses]).mean() if self.has_last else None
             model, total = self.modules[0], torch.zeros((), device=self.ctx.device)
             # FSDP/replicate reduce gradients only after the last microbatch; earlier ones accumulate locally.
-            grad_sync = getattr(model, "set_requires_gradient_sync", None) if train else None
             for index, (inp, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
-                if grad_sync is not None:
-                    grad_sync(index == n_micro - 1)
-                if train:
-                    loss = self.loss_fn(model(inp), tgt) / n_micro
-                    loss.backward()
-                else:
-                    with torch.no_grad():
-                        loss = self.loss_fn(model(inp), tgt) / n_micro
+                model.set_requires_gradient_sync(index == n_micro - 1)
+                loss = self.loss_fn(model(inp), tgt) / n_micro
+                loss.backward()
                 total += _plain(loss).detach()
             return total
 
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """Mean loss of a batch, forward only (None on ranks without the last stage)."""
+        batch = batch.to(self.ctx.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with self.compute_context():
+            if self.schedule is not None:
+                losses: list[torch.Tensor] = []
+                self.schedule.eval(
+                    *([inputs] if self.has_first else []),
+                    target=targets if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                    return_outputs=False,
+                )
+                return torch.stack([_plain(loss).float() for loss in losses]).mean() if self.has_last else None
+            n_micro = self.cfg.training.grad_accum_steps
+            chunks = zip(inputs.chunk(n_micro), targets.chunk(n_micro))
+            return torch.stack([_plain(self.loss_fn(self.modules[0](i), t)) for i, t in chunks]).mean()
+
     def dp_mean(self, value: torch.Tensor | None) -> float | None:
+        """The dp-average of a per-rank loss, on the host (a collective and a sync: logging steps only)."""
         if value is None:
             return None
         if self.cfg.parallelism.dp > 1:
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.ctx.mesh["dp"].get_group())
         return value.item()
 
-    def train_step(self) -> tuple[float | None, float]:
-        self.step_lr = self.schedulers[0].get_last_lr()[0]
+    def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+        """One optimizer step; returns (loss, grad norm) as device tensors and whether a stop was agreed.
+
+        The step's one host sync: a tiny all-reduce telling every rank whether any rank was asked to stop
+        and whether the loss or the gradient norm is non-finite anywhere; a non-finite step is not applied.
+        """
+        t = self.cfg.training
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+            set_lr(optimizer, lr_at(self.state.step, self.cfg.optimizer, t.steps))
         loss = self.forward_backward(self.next_batch())
         pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
-        grad_norm = clip_grad_norm(self.params, self.cfg.training.clip_grad, pp_group)
-        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-            optimizer.step()
-            scheduler.step()
-        return self.dp_mean(loss), grad_norm
+        grad_norm = clip_grad_norm(self.params, t.clip_grad, pp_group)
+        bad_loss = False if loss is None else ~torch.isfinite(loss)
+        stop, non_finite = self.ctx.any_rank([self.stop_requested, bad_loss | ~torch.isfinite(grad_norm)])
+        if non_finite:
+            self.skip_step(loss, grad_norm)
+        else:
+            for optimizer in self.optimizers:
+                optimizer.step()
+        return loss, grad_norm, stop
+
+    def skip_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
+        """A non-finite loss or gradient: the step is not applied, and after training.max_skipped_steps such
+        steps the run stops before any checkpoint could keep the damage."""
+        self.state.skipped_steps += 1
+        where = f"step {self.state.step + 1}: loss {_host(loss)}, grad_norm {grad_norm.item()}"
+        if self.state.skipped_steps > self.cfg.training.max_skipped_steps:
+            raise DivergenceError(
+                f"non-finite loss or gradients at {where}; stopped without applying it or saving a checkpoint "
+                f"({self.state.skipped_steps - 1} earlier steps skipped; training.max_skipped_steps="
+                f"{self.cfg.training.max_skipped_steps}). Lower optimizer.lr or raise training.clip_grad, then "
+                "resume from the last checkpoint"
+            )
+        self.metrics.info(f"warning: non-finite loss or gradients at {where}; step skipped")
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -160,28 +206,18 @@ class Trainer:
         for module in self.modules:
             module.eval()
         microbatches = list(eval_batches(self.corpus, t, dp=p.dp, dp_rank=self.ctx.dp_rank))
-        total, count = 0.0, 0
-        for start in range(0, len(microbatches), t.grad_accum_steps):
-            loss = self.forward_backward(torch.cat(microbatches[start : start + t.grad_accum_steps]), train=False)
-            loss = self.dp_mean(loss)
-            if loss is not None:
-                total, count = total + loss, count + 1
+        losses = [
+            self.eval_loss(torch.cat(microbatches[start : start + t.grad_accum_steps]))
+            for start in range(0, len(microbatches), t.grad_accum_steps)
+        ]
         for module in self.modules:
             module.train()
-        return total / count if count else None
+        return self.dp_mean(torch.stack(losses).mean()) if self.has_last else None
 
     # ---- the loop -------------------------------------------------------------------------------
 
     def request_stop(self, signum: int, frame: object) -> None:
         self.stop_requested = True
-
-    def agreed_to_stop(self) -> bool:
-        """Every rank stops at the same step boundary, whichever ranks received the signal."""
-        if not dist.is_initialized():
-            return self.stop_requested
-        flag = torch.tensor(float(self.stop_requested), device=self.ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def log_eval(self) -> None:
         eval_loss = self.evaluate()
@@ -192,128 +228,84 @@ class Trainer:
                 f"{math.exp(min(eval_loss, 50)):.1f}",
             )
 
+    def resume(self) -> None:
+        source = resolve_source(self.cfg.checkpoint_dir, self.cfg.checkpoint)
+        if source is None:
+            return
+        path, model_only = source
+        self.checkpoints.load(path, model_only)
+        if model_only:
+            self.metrics.info(f"checkpoint: model weights initialised from {path}")
+        else:
+            self.metrics.info(f"checkpoint: resumed from {path} at step {self.state.step}")
+
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
-        self.checkpointer.resume()
-        self.loader = build_train_loader(
-            self.corpus,
-            t,
-            seed=cfg.job.seed,
-            dp=cfg.parallelism.dp,
-            dp_rank=self.ctx.dp_rank,
-            start_step=self.state.step,
+        self.resume()
+        if self.ctx.rank == 0:
+            write_atomic(cfg.run_dir / "config.toml", to_toml(cfg), durable=False)
+        self.loader_iter = iter(
+            build_train_loader(
+                self.corpus,
+                t,
+                seed=cfg.job.seed,
+                dp=cfg.parallelism.dp,
+                dp_rank=self.ctx.dp_rank,
+                start_sample=self.state.consumed_samples,
+            )
         )
-        self.loader_iter = iter(self.loader)
-        self.announce()
+        self.metrics.info(run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step))
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
-            self.checkpointer.save()
+            self.checkpoints.save(self.state.step)
         if t.eval_interval and self.state.step == 0:
             self.log_eval()
         tokens_per_step = t.global_batch_size * t.seq_len
         flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
-        window_start, window_steps, run_start, run_steps = time.perf_counter(), 0, time.perf_counter(), 0
-        preempted = False
-        profiler = self.start_profiler()
-        while self.state.step < t.steps:
-            loss, grad_norm = self.train_step()
-            if profiler is not None:
-                profiler.step()
+        peak = cfg.logging.peak_tflops or (
+            detect_peak_tflops(self.ctx.device, torch.bfloat16 if t.dtype == "bfloat16" else torch.float32)
+            if self.is_logging_rank
+            else 0.0
+        )
+        timer, stop = StepTimer(self.state.step, t.steps), False
+        profiler = Profiler.start(
+            cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
+        )
+        while self.state.step < t.steps and not stop:
+            loss, grad_norm, stop = self.train_step()
+            profiler.step()
             self.state.step += 1
             self.state.consumed_samples += t.global_batch_size
             self.state.consumed_tokens += tokens_per_step
-            window_steps, run_steps = window_steps + 1, run_steps + 1
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
-                now = time.perf_counter()
-                step_time = (now - window_start) / window_steps
-                self.log_step(
-                    loss,
-                    grad_norm,
-                    step_time,
-                    tokens_per_step,
-                    flops_per_step,
-                    eta=(now - run_start) / run_steps * (t.steps - self.state.step),
-                )
-                window_start, window_steps = time.perf_counter(), 0
+                step_time, eta = timer.lap(self.state.step)
+                loss_value = self.dp_mean(loss)
+                if self.is_logging_rank:
+                    lr = lr_at(self.state.step - 1, cfg.optimizer, t.steps)
+                    record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
+                    record |= _throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
+                    self.metrics.log_step(record, t.steps, self.ctx.device)
             if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                 self.log_eval()
-            if self.agreed_to_stop():
-                preempted = True
-                break
-            if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
-                self.checkpointer.save()
-        if profiler is not None:
-            profiler.stop()
-        if preempted or cfg.checkpoint.save_final:
-            self.checkpointer.save(final=True)
-        self.checkpointer.wait()
-        if preempted:
+            if not stop and cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
+                self.checkpoints.save(self.state.step)
+        profiler.stop()
+        if stop or cfg.checkpoint.save_final:
+            self.checkpoints.save(self.state.step, final=True)
+        self.checkpoints.wait()
+        if stop:
             self.metrics.info(
                 f"preempted: stopped at step {self.state.step} after a stop signal; checkpoint saved "
                 f"in {cfg.checkpoint_dir}; rerun the same command to resume"
             )
+
+    def write_checkpoint_extras(self, step_dir: Path) -> None:
+        """What makes a step dir usable on its own: the resolved config and the tokenizer."""
+        (step_dir / "config.toml").write_text(to_toml(self.cfg))
+        copy_tokenizer(Path(self.cfg.data.tokenizer), step_dir / "tokenizer")
+
+    def close(self) -> None:
+        self.checkpoints.wait()
         self.metrics.close()
-
-    def start_profiler(self) -> torch.profiler.profile | None:
-        """torch.profiler traces (TensorBoard/Chrome JSON) of a few steps, on rank 0 and the logging rank."""
-        prof = self.cfg.profiler
-        if not prof.export_path or not (self.ctx.rank == 0 or self.is_logging_rank):
-            return None
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.ctx.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(
-            activities=activities,
-            schedule=torch.profiler.schedule(wait=prof.wait_steps, warmup=1, active=prof.active_steps, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                prof.export_path, worker_name=f"rank{self.ctx.rank}"
-            ),
-            record_shapes=True,
-            profile_memory=True,
-        )
-        profiler.start()
-        return profiler
-
-    def log_step(
-        self,
-        loss: float | None,
-        grad_norm: float,
-        step_time: float,
-        tokens_per_step: int,
-        flops_per_step: float,
-        eta: float,
-    ) -> None:
-        if not self.is_logging_rank:
-            return
-        tflops = flops_per_step / step_time / self.ctx.world_size / 1e12
-        record = {
-            "step": self.state.step,
-            "loss": loss,
-            "lr": self.step_lr,
-            "grad_norm": grad_norm,
-            "tokens_per_sec": tokens_per_step / step_time,
-            "tokens_per_sec_per_device": tokens_per_step / step_time / self.ctx.world_size,
-            "step_time_sec": step_time,
-            "tflops": tflops,
-            "mfu": tflops / self.peak_tflops if self.peak_tflops else 0.0,
-            "memory_gib": peak_memory_gib(self.ctx.device),
-            "consumed_samples": self.state.consumed_samples,
-            "eta_sec": eta,
-        }
-        self.metrics.log(record, step_line(record, self.cfg.training.steps))
-
-    def announce(self) -> None:
-        cfg, p, t = self.cfg, self.cfg.parallelism, self.cfg.training
-        if self.ctx.rank == 0:
-            cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            (cfg.run_dir / "config.toml").write_text(to_toml(cfg))
-        self.metrics.info(
-            f"nanotron | {num_params(cfg.model) / 1e6:.2f}M params | dp={p.dp} tp={p.tp} pp={p.pp} "
-            f"({p.pp_engine}, tp_mode={p.tp_mode}, zero_stage={p.zero_stage}) on {self.ctx.world_size} x "
-            f"{self.ctx.device.type} | global batch {t.global_batch_size} x {t.seq_len} tokens "
-            f"(micro_batch_size={t.micro_batch_size}, grad_accum_steps={t.grad_accum_steps}) | "
-            f"{self.corpus.num_train_samples} train / {self.corpus.num_val_samples} val samples | "
-            f"run dir {cfg.run_dir} | start step {self.state.step}"
-        )
 
 
 def prepare_data(cfg: Config) -> Corpus:
@@ -332,64 +324,55 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def spawn_local(nproc: int, argv: list[str]) -> int:
-    """Re-runs this module under torchrun with `nproc` processes on this machine."""
-    from torch.distributed.run import main as torchrun
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    signal.signal(signal.SIGUSR1, _forward_to_workers)
-    try:
-        torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", "nanotron.train", *argv])
-    except Exception:  # torchrun has already reported which rank failed and why
-        return 1
-    return 0
+def _host(value: torch.Tensor | None) -> float | None:
+    return None if value is None else value.item()
 
 
-def _forward_to_workers(signum: int, frame: object) -> None:
-    """torchrun would die of SIGUSR1 (it doesn't handle it) and its workers run in their own sessions:
-    hand the signal to the workers, which checkpoint and exit 0, and so does torchrun."""
-    me = str(os.getpid())
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if stat.read_text().rpartition(")")[2].split()[1] == me:
-                os.kill(int(stat.parent.name), signum)
+def _throughput(tokens: int, flops: float, step_time: float, world_size: int, peak_tflops: float) -> dict:
+    tflops = flops / step_time / world_size / 1e12
+    return {
+        "tokens_per_sec": tokens / step_time,
+        "tokens_per_sec_per_device": tokens / step_time / world_size,
+        "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else 0.0,
+    }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__ + "\nKeys (set in the TOML file or as --section.key=value):\n" + help_text())
         return 0
-    rank = int(os.environ.get("RANK", "0"))
+    nproc = pop_nproc(argv)
+    path, overrides = parse_overrides(argv)
+    cfg = load_config(path, overrides, world_size=nproc or launched_world_size())
+    check_writable("job.out_dir", cfg.run_dir)
+    check_writable("checkpoint.dir", cfg.checkpoint_dir)
+    if nproc:
+        prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
+        return spawn_local(nproc, ["-m", "nanotron.train", *argv])
     try:
-        nproc = _pop_nproc(argv)
-        path, overrides = parse_overrides(argv)
-        cfg = load_config(path, overrides, world_size=nproc or launched_world_size())
-        checkpoint.preflight(cfg)
-        if nproc:
-            prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
-            return spawn_local(nproc, argv)
-        Trainer(cfg).train()
-    except UserError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        return error.exit_code
-    finally:
-        destroy_distributed()
+        trainer = Trainer(cfg)
+        trainer.train()
+        trainer.close()
+    except BaseException:
+        if cfg.world_size > 1:  # fail fast: a peer stuck in a collective would never join the teardown
+            raise
+        destroy_distributed()  # alone, the teardown can't block, and in-process callers get a clean slate
+        raise
+    destroy_distributed()
     return 0
 
 
-def _pop_nproc(argv: list[str]) -> int:
-    """Removes `--nproc_per_node N` (or `=N`) from argv and returns N (0 when absent)."""
-    for i, arg in enumerate(argv):
-        if arg == "--nproc_per_node" or arg.startswith("--nproc_per_node="):
-            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            del argv[i : i + (1 if "=" in arg else 2)]
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--nproc_per_node: expected a positive integer, got {value!r}")
-            return int(value)
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return run_command(_main, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    exit_process(code)  # skip interpreter teardown: see errors.exit_process

@@ -14,21 +14,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import REPO, TINY_MODEL, run_train, train_env, train_losses
 
 from nanotron.checkpoint import (
-    Checkpointer,
+    CheckpointManager,
     committed_steps,
     latest_checkpoint,
+    layout,
     load_dcp,
     read_metadata,
     read_model_weights,
+    resolve_source,
 )
-from nanotron.config import load_config
+from nanotron.config import CheckpointConfig
 from nanotron.errors import CheckpointError
 
 STEPS = 30  # long enough that interruptions land mid-run; every 1-process test shares this reference
@@ -318,26 +319,59 @@ def test_auto_picks_the_latest_committed_dir_never_a_tmp_one(tmp_path):
     assert [p.name for p in committed_steps(tmp_path)] == ["step-2", "step-4"]
 
 
-def _checkpointer(tmp_path: Path, **checkpoint: str) -> Checkpointer:
-    overrides = [("checkpoint.dir", str(tmp_path))] + [(f"checkpoint.{k}", v) for k, v in checkpoint.items()]
-    cfg = load_config(None, overrides)
-    return Checkpointer(cfg, SimpleNamespace(rank=0, world_size=1), trainer=None)
-
-
 def test_resume_from_choices(tmp_path):
-    assert _checkpointer(tmp_path).resolve_resume() is None  # auto, nothing saved: start fresh
+    def source(**options: str) -> tuple[Path, bool] | None:
+        return resolve_source(tmp_path, CheckpointConfig(**options))
+
+    assert source() is None  # auto, nothing saved: start fresh
     with pytest.raises(CheckpointError, match="holds no committed checkpoint"):
-        _checkpointer(tmp_path, resume_from="latest").resolve_resume()
+        source(resume_from="latest")
     partial = _fake_step(tmp_path, 6, tmp=True)
     with pytest.raises(CheckpointError, match="is not a committed checkpoint dir"):
-        _checkpointer(tmp_path, resume_from=str(partial)).resolve_resume()
+        source(resume_from=str(partial))
+    with pytest.raises(CheckpointError, match="checkpoint.init_from: .* does not exist"):
+        source(init_from=str(tmp_path / "absent"))
+    assert source(init_from=str(partial)) == (partial, True)  # nothing to resume: model weights only
     two = _fake_step(tmp_path, 2)
-    assert _checkpointer(tmp_path, resume_from="latest").resolve_resume() == two
-    assert _checkpointer(tmp_path, resume_from="none").resolve_resume() is None
+    assert source(resume_from="latest") == (two, False)
+    assert source(init_from=str(partial)) == (two, False)  # a run with checkpoints resumes, init_from or not
+    assert source(resume_from="none") is None
 
 
 def test_keep_last_prunes_older_only_and_keeps_an_abandoned_future(tmp_path):
     for step in (1, 2, 3, 9):  # step-9 was written by a run that was later resumed from step 3
         _fake_step(tmp_path, step)
-    _checkpointer(tmp_path, keep_last="2").prune(3)
+    layout.prune(tmp_path, newest=3, keep=2)
     assert [p.name for p in committed_steps(tmp_path)] == ["step-2", "step-3", "step-9"]
+
+
+class Box:
+    """The smallest stateful component: a dict of tensors (or of JSON values, for progress)."""
+
+    def __init__(self, **state):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
+
+
+def test_manager_saves_and_loads_any_stateful_components_without_a_trainer(tmp_path):
+    weights, progress = Box(w=torch.arange(6.0).reshape(2, 3)), Box(step=0)
+    extras = []
+    manager = CheckpointManager(
+        tmp_path, CheckpointConfig(keep_last=2), {"model": weights}, progress, write_extras=extras.append
+    )
+    for step in (1, 2, 3):
+        weights.state["w"] = weights.state["w"] + 1
+        progress.state["step"] = step
+        manager.save(step)
+    assert [p.name for p in committed_steps(tmp_path)] == ["step-2", "step-3"]
+    assert extras == [tmp_path / f"step-{s}.tmp" for s in (1, 2, 3)]
+    fresh_weights, fresh_progress = Box(w=torch.zeros(2, 3)), Box(step=0)
+    fresh = CheckpointManager(tmp_path, CheckpointConfig(), {"model": fresh_weights}, fresh_progress)
+    fresh.load(latest_checkpoint(tmp_path))
+    assert torch.equal(fresh_weights.state["w"], torch.arange(6.0).reshape(2, 3) + 3)
+    assert fresh_progress.state["step"] == 3

@@ -13,11 +13,13 @@ from conftest import TINY_MODEL, run_train, train_losses
 from safetensors.torch import load_file
 
 from nanotron import convert, generate
-from nanotron.checkpoint import Checkpointer, read_metadata
+from nanotron.checkpoint import read_metadata
+from nanotron.checkpoint.manager import check_model_shapes
 from nanotron.config import load_config, parse_overrides
-from nanotron.data import build_train_loader, load_corpus, load_tokenizer
+from nanotron.data import build_train_loader, load_corpus
 from nanotron.errors import CheckpointError
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,7 +126,7 @@ def test_a_checkpoint_of_another_model_shape_is_a_clear_error(trained):
         match=r"does not match the configured model: .*gate_proj.weight has shape "
         r"\[64, 32\] there but \[96, 32\] here",
     ):
-        Checkpointer.check_model_shapes(trained, read_metadata(trained), state)
+        check_model_shapes(trained, read_metadata(trained), state)
 
 
 def test_convert_errors_are_one_line_with_exit_code_2(tmp_path, trained, capsys):

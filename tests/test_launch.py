@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from nanotron import launch
 from nanotron.config import load_config
+from nanotron.launch import cluster as launch
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,6 +5,7 @@ import torch
 
 from nanotron.config import ModelConfig
 from nanotron.models.llama import LlamaForCausalLM, flops_per_token, num_params
+from nanotron.parallel.init import init_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,7 +49,7 @@ def hf_twin(cfg: ModelConfig) -> "transformers.LlamaForCausalLM":
 def test_logits_match_transformers_llama_with_gqa(tied):
     cfg = small_config(tie_word_embeddings=tied)
     model = LlamaForCausalLM(cfg)
-    model.init_weights(seed=0)
+    init_weights(model, seed=0)
     hf = hf_twin(cfg)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected
@@ -68,16 +69,16 @@ def test_parameter_names_are_hf_names():
 def test_init_depends_only_on_seed_and_meta_init_matches_eager():
     cfg = small_config()
     eager = LlamaForCausalLM(cfg)
-    eager.init_weights(seed=3)
+    init_weights(eager, seed=3)
     with torch.device("meta"):
         meta = LlamaForCausalLM(cfg)
     meta.to_empty(device="cpu")
-    meta.init_weights(seed=3)
+    init_weights(meta, seed=3)
     for (name, a), (_, b) in zip(eager.state_dict().items(), meta.state_dict().items()):
         assert torch.equal(a, b), name
     assert torch.equal(eager.model.rope, meta.model.rope)
     other = LlamaForCausalLM(cfg)
-    other.init_weights(seed=4)
+    init_weights(other, seed=4)
     assert not torch.equal(other.lm_head.weight, eager.lm_head.weight)
 
 

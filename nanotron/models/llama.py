@@ -3,11 +3,10 @@
 Parameter names equal Hugging Face `LlamaForCausalLM`'s, so checkpoints export without a rename table.
 Nothing here knows about parallelism: reshapes use -1 for head counts so tensor-parallel shards
 (fewer local heads) run the same code, and pipeline stages are this module with parts set to None.
+`param_init_std` says how each parameter is initialised; `nanotron.parallel.init` draws the values.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import torch
 import torch.nn.functional as F
@@ -119,36 +118,23 @@ class LlamaForCausalLM(nn.Module):
         h = self.model(x)
         return self.lm_head(h) if self.lm_head is not None else h
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Fills every parameter from (seed, parameter name) alone, so any layout gets the same weights.
-
-        Each full tensor is drawn on the CPU one at a time and only this rank's shard is kept; a DTensor
-        parameter (TP/FSDP) receives its local slice. The model may have been built on the meta device.
-        """
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        rope = rope_cache(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
-        self.model.rope = rope.to(self.model.rope.device)
-        depth_scale = (2 * self.config.num_layers) ** -0.5
-        for name, param in self.named_parameters():
-            full = torch.empty(param.shape, dtype=torch.float32)
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                full.fill_(1.0)
-            else:
-                std = self.config.init_std * (
-                    depth_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
-                )
-                full.normal_(0.0, std, generator=torch.Generator().manual_seed(_name_seed(seed, name)))
-            if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                param.to_local().copy_(local)
-            else:
-                param.copy_(full)
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recomputes the RoPE table (a non-persistent buffer: a model built on the meta device has none)."""
+        cfg = self.config
+        self.model.rope = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
 
 
-def _name_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+def param_init_std(cfg: ModelConfig, name: str) -> float | None:
+    """The std of parameter `name`'s normal init; None for norm weights, which start at one.
+
+    Residual output projections (o_proj, down_proj) are scaled by 1/sqrt(2 * num_layers), as in GPT-2,
+    so the residual stream's variance does not grow with depth.
+    """
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return cfg.init_std * (2 * cfg.num_layers) ** -0.5
+    return cfg.init_std
 
 
 def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:

@@ -9,7 +9,8 @@ from torch import nn
 from nanotron.config import Config
 from nanotron.distributed import ParallelContext
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.parallel.data import apply_data_parallel
+from nanotron.parallel.fsdp import apply_fsdp
+from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import split_model
 from nanotron.parallel.recompute import apply_recompute
 from nanotron.parallel.tensor import apply_tensor_parallel
@@ -37,7 +38,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
     p = cfg.parallelism
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg.model)
-    stages = split_model(model, p, ctx.pp_rank, cfg.training.seq_len) if p.pp > 1 else [(0, model)]
+    stages = split_model(model, cfg, ctx.pp_rank) if p.pp > 1 else [(0, model)]
     for _, module in stages:
         if p.tp > 1:
             apply_tensor_parallel(module, ctx.mesh["tp"], sequence_parallel=p.tp_mode == "reduce_scatter")
@@ -46,8 +47,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
         if cfg.training.compile:
             for layer in module.model.layers.values():
                 layer.compile()
-        if p.dp > 1:
-            apply_data_parallel(module, ctx.mesh["dp"], p.zero_stage, cfg.training.dtype)
+        apply_fsdp(module, ctx.mesh["dp"], p.zero_stage, cfg.training.dtype)
         module.to_empty(device=ctx.device)
-        module.init_weights(cfg.job.seed)
+        init_weights(module, cfg.job.seed)
     return stages

@@ -10,31 +10,12 @@ import copy
 from collections.abc import Callable
 
 import torch
+import torch.distributed.pipelining as pipelining
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 
-from nanotron.config import ModelConfig, ParallelismConfig
+from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.llama import LlamaForCausalLM
-
-SCHEDULES = {
-    "1f1b": Schedule1F1B,
-    "afab": ScheduleGPipe,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-}
-MULTI_STAGE = {"interleaved_1f1b", "zero_bubble", "zbv"}
-
-
-def num_stages(p: ParallelismConfig) -> int:
-    return p.pp * (p.pp_stages_per_rank if p.pp_engine in MULTI_STAGE else 1)
 
 
 def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
@@ -77,11 +58,12 @@ def split_layers(num_layers: int, n_stages: int, costs: tuple[float, float, floa
     return bounds[::-1]
 
 
-def stage_indices(p: ParallelismConfig, pp_rank: int) -> list[int]:
+def stage_indices(cfg: Config, pp_rank: int) -> list[int]:
     """Which global stages this rank runs: loop order for interleaved schedules, a V for zbv."""
+    p = cfg.parallelism
     if p.pp_engine == "zbv":
         return [pp_rank, 2 * p.pp - 1 - pp_rank]
-    return list(range(pp_rank, num_stages(p), p.pp))
+    return list(range(pp_rank, cfg.num_stages, p.pp))
 
 
 def build_stage(model: LlamaForCausalLM, layers: range, first: bool, last: bool) -> LlamaForCausalLM:
@@ -98,30 +80,26 @@ def build_stage(model: LlamaForCausalLM, layers: range, first: bool, last: bool)
     return stage
 
 
-def split_model(
-    model: LlamaForCausalLM,
-    p: ParallelismConfig,
-    pp_rank: int,
-    seq_len: int,
-) -> list[tuple[int, LlamaForCausalLM]]:
+def split_model(model: LlamaForCausalLM, cfg: Config, pp_rank: int) -> list[tuple[int, LlamaForCausalLM]]:
     """(global stage index, stage module) pairs for this rank."""
-    n = num_stages(p)
-    ranges = split_layers(model.config.num_layers, n, stage_costs(model.config, seq_len))
-    return [(s, build_stage(model, ranges[s], s == 0, s == n - 1)) for s in stage_indices(p, pp_rank)]
+    n = cfg.num_stages
+    ranges = split_layers(model.config.num_layers, n, stage_costs(model.config, cfg.training.seq_len))
+    return [(s, build_stage(model, ranges[s], s == 0, s == n - 1)) for s in stage_indices(cfg, pp_rank)]
 
 
 def build_schedule(
     stages: list[tuple[int, torch.nn.Module]],
-    p: ParallelismConfig,
+    cfg: Config,
     pp_mesh: DeviceMesh,
     device: torch.device,
-    n_microbatches: int,
     loss_fn: Callable,
 ):
-    """The `parallelism.pp_engine` schedule over this rank's stages; grads are averaged over microbatches."""
-    n = num_stages(p)
+    """The `parallelism.pp_engine` schedule over this rank's stages (one microbatch per gradient-accumulation
+    step); gradients are averaged over the microbatches."""
+    n = cfg.num_stages
     pipeline_stages = [PipelineStage(module, index, n, device, group=pp_mesh.get_group()) for index, module in stages]
-    schedule_cls = SCHEDULES[p.pp_engine]
-    if p.pp_engine in MULTI_STAGE:
-        return schedule_cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return schedule_cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    engine = PP_ENGINES[cfg.parallelism.pp_engine]
+    schedule_cls = getattr(pipelining, engine.schedule)
+    n_microbatches = cfg.training.grad_accum_steps
+    staged = pipeline_stages if engine.multi_stage else pipeline_stages[0]
+    return schedule_cls(staged, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import TextIO
 
 from nanotron.config import Config, load_config, parse_overrides, to_toml
-from nanotron.errors import ConfigError, UserError
+from nanotron.errors import ConfigError, LaunchError, run_command
 
-JOB_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "slurm.sh"
+JOB_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "slurm.sh"
 
 # Launcher flag -> config keys it sets; help and choices come from the config schema, values are checked there.
 CONFIG_FLAGS: dict[str, tuple[str, ...]] = {
@@ -75,10 +75,6 @@ SAFE_PARTITION = re.compile(r"[A-Za-z0-9_.,-]*")
 SAFE_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+")
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD"}
 ACTIVE_STATES |= {"RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
-
-
-class LaunchError(UserError):
-    """The job can't be submitted (no Slurm here, sbatch refused it)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -312,12 +308,7 @@ def follow_log(job_id: str, log: Path, out: TextIO | None = None, poll_s: float 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        return _launch(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+    return run_command(_launch, argv)
 
 
 def _launch(argv: list[str]) -> int:

@@ -1,4 +1,9 @@
-"""Data parallelism: `replicate` (DDP semantics) or FSDP2 `fully_shard` (ZeRO-1/2/3) over the dp mesh."""
+"""Data parallelism over the dp mesh: `replicate` (DDP semantics) or FSDP2 `fully_shard` (ZeRO-1/2/3).
+
+It is applied at every dp size, dp=1 included (its collectives are then no-ops), so that mixed precision is
+one mechanism everywhere: FSDP's MixedPrecisionPolicy casts parameters to bf16 for compute and reduces
+gradients in fp32 against fp32 master weights, and a dp=1 run computes exactly as a dp=8 run does.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_data_parallel(model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str) -> None:
+def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str) -> None:
     """Wraps each decoder layer, then the root (a ModuleDict itself can't be wrapped).
 
     zero_stage 0 keeps full replicas and all-reduces grads; 1/2 shard grads and optimizer state but keep

@@ -1,0 +1,183 @@
+"""Checkpoint manager: saves and restores a dict of stateful components, knowing nothing of the trainer.
+
+Components with tensors (model, optimizer: anything with `state_dict()`/`load_state_dict()`) go to a torch
+DCP directory, which reshards on load to any dp/tp/pp layout; `progress` (step, consumed samples; a small
+JSON-able state) becomes trainer_state.json, the commit marker. Every rank writes its shards into
+step-N.tmp; after a barrier rank 0 checks that every rank's files are visible, adds the extras (config,
+tokenizer) and commits (see `layout`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.futures import Future
+
+from nanotron.checkpoint import layout
+from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, short
+from nanotron.config import CheckpointConfig
+from nanotron.errors import CheckpointError
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def resolve_source(folder: Path, options: CheckpointConfig) -> tuple[Path, bool] | None:
+    """What a start loads, as (path, model_only): checkpoint.resume_from's checkpoint, else the model weights
+    of checkpoint.init_from, else nothing (a fresh start)."""
+    wanted = options.resume_from
+    if wanted in ("auto", "latest"):
+        found = layout.latest_checkpoint(folder)
+        if found is None and wanted == "latest":
+            raise CheckpointError(
+                f"checkpoint.resume_from='latest' but '{folder}' holds no committed "
+                "checkpoint; use 'auto' to start fresh when there is none"
+            )
+        if found is not None:
+            return found, False
+    elif wanted not in ("none", ""):
+        if not layout.is_committed(Path(wanted)):
+            raise CheckpointError(
+                f"checkpoint.resume_from: '{wanted}' is not a committed checkpoint dir "
+                f"(expected a step-N folder with {layout.COMMIT_FILE}); use 'auto', 'latest' or 'none'"
+            )
+        return Path(wanted), False
+    if options.init_from:
+        if not Path(options.init_from).is_dir():
+            raise CheckpointError(f"checkpoint.init_from: '{options.init_from}' does not exist")
+        return Path(options.init_from), True
+    return None
+
+
+class CheckpointManager:
+    """Saves `states` (DCP) and `progress` (JSON) to step dirs of `folder`; loads them back at any layout.
+
+    `write_extras(step_dir)` runs on rank 0 before each commit (e.g. the resolved config and the tokenizer);
+    `meta` is recorded in trainer_state.json for people and tools (layout, batch size) and never loaded.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        options: CheckpointConfig,
+        states: dict[str, Stateful],
+        progress: Stateful,
+        write_extras: Callable[[Path], None] = lambda step_dir: None,
+        meta: dict[str, Any] | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        self.folder, self.options, self.states, self.progress = folder, options, states, progress
+        self.write_extras, self.meta, self.log = write_extras, meta or {}, log
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pending: tuple[Future, Path, Path, dict] | None = None
+        self.last_saved_step = -1
+        # Async saves run collectives from a background thread: give them their own process group.
+        self.async_group = dist.new_group(backend="gloo") if options.async_save and dist.is_initialized() else None
+        if self.rank == 0:
+            layout.clean_stale(folder)
+
+    # ---- save ---------------------------------------------------------------------------------------
+
+    def save(self, step: int, final: bool = False) -> None:
+        """Writes step-N.tmp on every rank; the commit follows at once, or when an async save has finished."""
+        self.wait()
+        if step == self.last_saved_step:  # e.g. the final save right after an interval save of the same step
+            return
+        self.last_saved_step = step
+        target, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        state = {name: component.state_dict() for name, component in self.states.items()}
+        progress = {**self.progress.state_dict(), **self.meta}  # as of now, even if an async save commits later
+        with dcp_errors(tmp, "save"):
+            if self.options.async_save and not final:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+                self.pending = (future, tmp, target, progress)
+                return
+            dcp.save(state, checkpoint_id=str(tmp))
+        self._commit(tmp, target, progress)
+
+    def wait(self) -> None:
+        """Finishes and commits an async save still in flight."""
+        if self.pending is not None:
+            future, tmp, target, progress = self.pending
+            self.pending = None
+            with dcp_errors(tmp, "save"):
+                future.result()
+            self._commit(tmp, target, progress)
+
+    def _commit(self, tmp: Path, target: Path, progress: dict) -> None:
+        _barrier()
+        if self.rank == 0:
+            try:  # every rank's shards must be visible where rank 0 commits
+                read_metadata(tmp)
+            except CheckpointError as error:
+                raise CheckpointError(
+                    f"not committing {tmp}: {error}; is checkpoint.dir on a filesystem that every node shares?"
+                ) from None
+            self.write_extras(tmp)
+            layout.commit(tmp, target, progress)
+            layout.prune(self.folder, layout.step_of(target), self.options.keep_last)
+            self.log(f"checkpoint: saved {target}")
+        _barrier()
+
+    # ---- load ---------------------------------------------------------------------------------------
+
+    def load(self, path: Path, model_only: bool = False) -> dict[str, Any] | None:
+        """Loads into this rank's shards whatever the layout of the save; returns trainer_state.json's
+        content (None with model_only, which loads the model alone, e.g. from an HF import)."""
+        metadata = read_metadata(path)
+        names = ["model"] if model_only else list(self.states)
+        state = {name: self.states[name].state_dict() for name in names}
+        check_model_shapes(path, metadata, state["model"])
+        for name in names:
+            if not any(key.startswith(f"{name}.") for key in metadata.state_dict_metadata):
+                raise CheckpointError(f"checkpoint '{path}' holds no {name} state; use it with checkpoint.init_from")
+        load_dcp(path, state, metadata)
+        for name in names:
+            self.states[name].load_state_dict(state[name])
+        if model_only:
+            return None
+        file = path / layout.COMMIT_FILE
+        try:
+            saved = json.loads(file.read_text())
+            self.progress.load_state_dict(saved)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"'{file}' is unreadable or incomplete ({short(error)})") from None
+        self.last_saved_step = layout.step_of(path) if layout.STEP_DIR.match(path.name) else -1
+        return saved
+
+
+def check_model_shapes(path: Path, metadata: Metadata, model_state: dict[str, torch.Tensor]) -> None:
+    """A checkpoint of another model shape is a config mistake: say so instead of a DCP size error."""
+    saved = metadata.state_dict_metadata
+    for name, tensor in model_state.items():
+        meta = saved.get(f"model.{name}")
+        problem = None
+        if meta is None:
+            problem = "is missing there"
+        elif isinstance(meta, TensorStorageMetadata) and meta.size != tensor.shape:
+            problem = f"has shape {list(meta.size)} there but {list(tensor.shape)} here"
+        if problem:
+            raise CheckpointError(
+                f"checkpoint '{path}' does not match the configured model: {name} {problem}; "
+                f"use the [model] settings the checkpoint was made with ({path / 'config.toml'})"
+            )
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

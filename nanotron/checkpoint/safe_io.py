@@ -1,0 +1,168 @@
+"""Reading checkpoint files as untrusted input: no pickle payload can run, a bad file is a one-line error.
+
+DCP's pickled `.metadata` is read with an allow-list unpickler, every non-tensor value with
+`torch.load(weights_only=True)`; every shard the index names is checked to exist and be long enough
+before anything is read, and a read that fails names its file.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.futures import Future
+
+from nanotron.errors import CheckpointError
+
+_DCP_INDEX_CLASSES = "Metadata MetadataIndex StorageMeta TensorProperties TensorStorageMetadata ChunkStorageMetadata"
+_ALLOWED_GLOBALS = {f"torch.distributed.checkpoint.metadata.{name}" for name in _DCP_INDEX_CLASSES.split()} | {
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.serialization._get_layout",
+    "torch.Size",
+    "pathlib.PosixPath",
+    "pathlib.WindowsPath",
+    "collections.OrderedDict",
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's .metadata but refuses any class a checkpoint index never contains (no code runs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if f"{module}.{name}" in _ALLOWED_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}, which a DCP index never holds")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The DCP index of `path`, read safely, after checking every shard it names is there and long enough."""
+    file = path / ".metadata"
+    if not file.is_file():
+        raise CheckpointError(f"'{file}' is missing: '{path}' is not a complete DCP checkpoint")
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"expected a DCP Metadata object, found {type(metadata).__name__}")
+    except Exception as error:
+        raise CheckpointError(f"'{file}' is corrupt or not a DCP index ({short(error)})") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if Path(name).name != name:
+            raise CheckpointError(f"'{file}' names a shard outside its folder ({name!r}); refusing to read it")
+        if not shard.is_file():
+            raise CheckpointError(f"'{shard}' is missing: the checkpoint '{path}' is incomplete")
+        if shard.stat().st_size < size:
+            raise CheckpointError(f"'{shard}' is truncated ({shard.stat().st_size} bytes, the index needs {size})")
+    return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """FileSystemReader that serves the pre-checked index and names the shard file when a read fails."""
+
+    def __init__(self, path: Path, metadata: Metadata):
+        super().__init__(path)
+        self.folder, self.metadata = path, metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(replace(plan, items=items), planner).wait()
+            except Exception as error:
+                raise CheckpointError(f"'{self.folder / name}' is corrupt ({short(error)})") from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP stores non-tensor values (optimizer hyper-parameters) with torch.save: load them weights-only."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def short(error: BaseException) -> str:
+    """`Type: last line of the message`, for one-line errors."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1][:300]}" if text else type(error).__name__
+
+
+def _first_cause(error: BaseException) -> BaseException:
+    """DCP wraps each rank's failure in a CheckpointException; the first one is what the user needs."""
+    if isinstance(error, CheckpointException):
+        causes = [exc for exc, _ in error.failures.values()]
+        return next((c for c in causes if isinstance(c, CheckpointError)), causes[0] if causes else error)
+    return error
+
+
+@contextmanager
+def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
+    """Turns any DCP failure into a CheckpointError naming `path` (or the file a safe read named)."""
+    try:
+        with warnings.catch_warnings():  # single-process use is intended, not a mistake to warn about
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as error:
+        cause = _first_cause(error)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        raise CheckpointError(f"cannot {action} checkpoint '{path}': {short(cause)}") from None
+
+
+def load_dcp(path: Path, state: dict[str, Any], metadata: Metadata | None = None) -> None:
+    """dcp.load into `state` (in place) through the safe reader and planner; works with or without a group."""
+    metadata = metadata or read_metadata(path)
+    with dcp_errors(path):
+        dcp.load(
+            state,
+            storage_reader=_SafeReader(path, metadata),
+            planner=_SafeLoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+
+
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Full model tensors (HF/nanotron names) of a checkpoint, read in this one process."""
+    metadata = read_metadata(path)
+    state = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    if not state:
+        raise CheckpointError(f"'{path}' holds no model weights")
+    wrapped = {"model": state}
+    load_dcp(path, wrapped, metadata)
+    return wrapped["model"]

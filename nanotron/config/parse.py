@@ -1,0 +1,193 @@
+"""TOML files and `--section.key=value` overrides in, the resolved config as TOML out.
+
+Every key is a schema field; anything else is a `ConfigError` naming the key, what was expected and a fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sys
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from nanotron.config.schema import Config, ModelConfig
+from nanotron.config.validate import resolve_model, validate
+from nanotron.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+SECTIONS = {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(options))}"
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Converts a TOML or command-line value to the field's type, or explains why it can't."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if args and type(None) in args:  # Optional[T]
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    from_cli = isinstance(value, str)
+    try:
+        if origin is list:
+            items = [v.strip() for v in value.strip("[]").split(",")] if from_cli else value
+            if not isinstance(items, list):
+                raise ValueError
+            return [_coerce(key, item, args[0]) for item in items]
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if from_cli and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return value.lower() in ("true", "1", "yes", "on")
+            raise ValueError
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value) if not from_cli else int(value.replace("_", ""))
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+            if not math.isfinite(out):
+                raise ValueError
+            return out
+        if hint is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - schema bug
+    name = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"{key}: expected {name}, got {value!r}")
+
+
+def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section '{section}' in {where}{_suggest(section, list(SECTIONS))}")
+    if not key:
+        raise ConfigError(f"'{dotted}' in {where}: expected section.key, e.g. training.steps")
+    obj = getattr(cfg, section)
+    hints = typing.get_type_hints(type(obj))
+    if key not in hints:
+        raise ConfigError(f"unknown key '{dotted}' in {where}{_suggest(key, list(hints))}")
+    setattr(obj, key, _coerce(dotted, value, hints[key]))
+
+
+def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """Splits `--config F --a.b=1 --c.d 2` into the config path and (key, value) pairs."""
+    config_path, pairs, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}': expected --section.key=value or --config FILE")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and name != "config"):
+                raise ConfigError(f"--{name}: missing value; use --{name}=VALUE")
+            value, i = argv[i + 1], i + 1
+        if name == "config":
+            config_path = value
+        else:
+            pairs.append((name, value))
+        i += 1
+    return config_path, pairs
+
+
+def _read_tables(path: Path, what: str) -> dict[str, Any]:
+    """The TOML file's top-level tables; a missing or malformed file is a ConfigError naming it."""
+    if not path.is_file():
+        raise ConfigError(f"{what}: file '{path}' not found; see configs/ for examples")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what}: '{path}' is not valid TOML ({e})") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"'{section}' in {path}: expected a [section] table{_suggest(section, list(SECTIONS))}")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[tuple[str, str]] = (),
+    world_size: int | None = None,
+) -> Config:
+    """TOML file, then overrides, then presets and validation: the resolved config of a run."""
+    cfg = Config()
+    if path is not None:
+        for section, table in _read_tables(Path(path), "--config").items():
+            for key, value in table.items():
+                _set(cfg, f"{section}.{key}", value, str(path))
+    for key, value in overrides:
+        _set(cfg, key, value, "command line")
+    validate(cfg, world_size)
+    return cfg
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The resolved [model] section of a TOML file (a checkpoint's or an HF import's config.toml)."""
+    table = _read_tables(Path(path), "model config").get("model")
+    if not isinstance(table, dict):
+        raise ConfigError(f"'{path}' has no [model] section: cannot tell the model's shape")
+    cfg = Config()
+    for key, value in table.items():
+        _set(cfg, f"model.{key}", value, str(path))
+    resolve_model(cfg.model)
+    return cfg.model
+
+
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        escaped = (_TOML_ESCAPES.get(c, f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in value)
+        return '"' + "".join(escaped) + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {_toml_value(v)}" for key, v in value.items()) + "}"
+    return repr(value)
+
+
+def toml_text(tables: dict[str, dict[str, Any]]) -> str:
+    """`[section]` tables of plain values as TOML text (strings escaped, None values left out)."""
+    lines = []
+    for section, table in tables.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items() if value is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML: loading it again reproduces the run."""
+    return toml_text(cfg.to_dict())
+
+
+def help_text() -> str:
+    """Every key with its default and meaning, for `--help` and the README's config reference."""
+    out = []
+    for section in fields(Config):
+        out.append(f"[{section.name}]")
+        for f in fields(SECTIONS[section.name]):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            choices = f" ({'|'.join(map(str, f.metadata['choices']))})" if f.metadata.get("choices") else ""
+            out.append(f"  {f.name} = {default!r}{choices}: {f.metadata['help']}")
+    return "\n".join(out)

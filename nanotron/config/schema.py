@@ -1,0 +1,226 @@
+"""Config schema: the single source of truth for a run. One dataclass field = one key, with its default,
+help text, choices and lower bound; `--help`, the launcher's flags and the validation all read them here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
+    meta = {"help": help, "choices": choices, "min": min}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class JobConfig:
+    name: str = _opt("tiny", "run name; the run dir is <out_dir>/<name>")
+    out_dir: str = _opt("runs", "parent folder of run dirs")
+    seed: int = _opt(42, "seeds weight init, data order and dropout-free training RNG", min=0)
+
+
+@dataclass
+class ModelConfig:
+    size: str = _opt("tiny", "preset filling the fields left unset", ("tiny", "small", "base", "large"))
+    hidden_size: int | None = _opt(None, "model width", min=1)
+    intermediate_size: int | None = _opt(None, "SwiGLU hidden width", min=1)
+    num_layers: int | None = _opt(None, "decoder layers", min=1)
+    num_heads: int | None = _opt(None, "attention (query) heads", min=1)
+    num_kv_heads: int | None = _opt(None, "key/value heads (GQA); divides num_heads", min=1)
+    vocab_size: int | None = _opt(None, "embedding rows; at least the tokenizer's vocab", min=1)
+    max_seq_len: int | None = _opt(None, "longest sequence RoPE is precomputed for", min=1)
+    rope_theta: float | None = _opt(None, "RoPE base", min=1.0)
+    rms_norm_eps: float | None = _opt(None, "RMSNorm epsilon", min=0.0)
+    tie_word_embeddings: bool | None = _opt(None, "share embedding and lm_head weights")
+    init_std: float = _opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=8192,
+        max_seq_len=256,
+    ),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+    "base": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+    "large": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+}
+PRESET_COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class PipelineEngine:
+    """What a `parallelism.pp_engine` is: its torch.distributed.pipelining class and what it requires."""
+
+    schedule: str  # class name in torch.distributed.pipelining
+    multi_stage: bool  # runs pp_stages_per_rank virtual stages per rank
+    needs_pp_microbatches: bool  # keeps pp microbatches in flight: grad_accum_steps >= pp
+
+
+PP_ENGINES = {
+    "1f1b": PipelineEngine("Schedule1F1B", multi_stage=False, needs_pp_microbatches=True),
+    "afab": PipelineEngine("ScheduleGPipe", multi_stage=False, needs_pp_microbatches=False),
+    "interleaved_1f1b": PipelineEngine("ScheduleInterleaved1F1B", multi_stage=True, needs_pp_microbatches=True),
+    "zero_bubble": PipelineEngine("ScheduleInterleavedZeroBubble", multi_stage=True, needs_pp_microbatches=True),
+    "zbv": PipelineEngine("ScheduleZBVZeroBubble", multi_stage=True, needs_pp_microbatches=False),
+}
+
+
+@dataclass
+class ParallelismConfig:
+    dp: int = _opt(1, "data-parallel degree", min=1)
+    tp: int = _opt(1, "tensor-parallel degree (innermost mesh dim)", min=1)
+    pp: int = _opt(1, "pipeline-parallel degree", min=1)
+    pp_engine: str = _opt("1f1b", "pipeline schedule", tuple(PP_ENGINES))
+    pp_stages_per_rank: int = _opt(2, "virtual stages per rank for interleaved_1f1b/zero_bubble", min=1)
+    tp_mode: str = _opt(
+        "reduce_scatter",
+        "all_reduce (Megatron TP) or reduce_scatter (sequence parallel)",
+        ("all_reduce", "reduce_scatter"),
+    )
+    tp_linear_async_communication: bool = _opt(False, "async TP (needs CUDA + training.compile)")
+    zero_stage: int = _opt(
+        0, "0 replicate (DDP), 1/2 FSDP keeping params after forward, 3 FSDP resharding", (0, 1, 2, 3)
+    )
+    recompute_layer: bool = _opt(False, "recompute each decoder layer in backward (activation checkpointing)")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = _opt(300, "optimizer steps", min=1)
+    micro_batch_size: int = _opt(8, "samples per microbatch per data-parallel rank", min=1)
+    grad_accum_steps: int = _opt(
+        1, "microbatches per step per dp rank (= pipeline microbatches); 0 derives it from global_batch_size", min=0
+    )
+    global_batch_size: int = _opt(
+        0, "samples per optimizer step across all ranks; 0 = micro_batch_size * grad_accum_steps * dp", min=0
+    )
+    seq_len: int = _opt(128, "tokens per sample", min=1)
+    dtype: str = _opt("float32", "compute dtype (bfloat16 = autocast / FSDP mixed precision)", ("float32", "bfloat16"))
+    clip_grad: float = _opt(1.0, "max global grad norm; 0 disables clipping", min=0.0)
+    max_skipped_steps: int = _opt(
+        0, "steps with a non-finite loss or gradient skipped (not applied) before the run stops", min=0
+    )
+    eval_interval: int = _opt(50, "steps between validation passes; 0 disables", min=0)
+    eval_steps: int = _opt(4, "global batches per validation pass", min=1)
+    compile: bool = _opt(False, "torch.compile each decoder layer")
+    device: str = _opt("auto", "auto (cuda if available), cuda or cpu", ("auto", "cuda", "cpu"))
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = _opt(3e-3, "peak learning rate", min=0.0)
+    min_lr: float = _opt(3e-4, "learning rate at the end of decay", min=0.0)
+    warmup_steps: int = _opt(20, "linear warmup steps", min=0)
+    decay_style: str = _opt("cosine", "decay after warmup", ("cosine", "linear", "1-sqrt", "constant"))
+    decay_steps: int = _opt(0, "steps of decay after warmup; 0 = until training.steps", min=0)
+    weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to norms and embeddings)", min=0.0)
+    betas: list[float] = _opt([0.9, 0.95], "AdamW betas")
+    eps: float = _opt(1e-8, "AdamW epsilon", min=0.0)
+    fused: bool = _opt(True, "fused AdamW kernel where the device has one")
+
+
+@dataclass
+class DataConfig:
+    path: str = _opt("data/corpus", "local text/jsonl/parquet file or folder, or a hub dataset name")
+    text_column: str = _opt("text", "column holding the document text")
+    tokenizer: str = _opt("data/tokenizer", "tokenizer.json file or Hugging Face tokenizer dir")
+    validation_split: float = _opt(0.05, "fraction of documents held out for validation", min=0.0)
+    cache_dir: str = _opt(".cache/nanotron", "where tokenized corpora are cached")
+    num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _opt("", "checkpoint folder; empty = <run dir>/checkpoints")
+    interval: int = _opt(0, "steps between checkpoints; 0 = only the final one", min=0)
+    save_initial_state: bool = _opt(False, "also save step-0 before training")
+    save_final: bool = _opt(True, "save when training ends")
+    keep_last: int = _opt(0, "keep only the newest N checkpoints; 0 keeps all", min=0)
+    resume_from: str = _opt("auto", "auto (latest in dir if any), latest, none, or a step-N path")
+    async_save: bool = _opt(False, "write checkpoints in the background (dcp.async_save)")
+    init_from: str = _opt("", "checkpoint dir whose model weights start a new run (e.g. from-hf import)")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _opt(10, "steps between log lines", min=1)
+    tensorboard: bool = _opt(True, "write TensorBoard scalars to the run dir")
+    peak_tflops: float = _opt(0.0, "per-device peak for MFU; 0 = detect (GPU table, CPU matmul probe)", min=0.0)
+
+
+@dataclass
+class ProfilerConfig:
+    export_path: str = _opt("", "folder for torch.profiler traces; empty disables")
+    wait_steps: int = _opt(2, "steps skipped before profiling", min=0)
+    active_steps: int = _opt(3, "steps recorded", min=1)
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.job.out_dir) / self.job.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.dp * self.parallelism.tp * self.parallelism.pp
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: pp, times pp_stages_per_rank for multi-stage engines."""
+        p = self.parallelism
+        return p.pp * (p.pp_stages_per_rank if PP_ENGINES[p.pp_engine].multi_stage else 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in asdict(self).items()}

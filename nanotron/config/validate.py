@@ -1,0 +1,125 @@
+"""Cross-field checks of a resolved config: run before any process group exists, so an error is one line."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from nanotron.config.schema import PP_ENGINES, PRESET_COMMON, PRESETS, Config, ModelConfig
+from nanotron.errors import ConfigError
+
+
+def check_ranges(section_name: str, section: object) -> None:
+    """Every field's choices and lower bound, as the schema declares them."""
+    for f in fields(section):
+        value, meta = getattr(section, f.name), f.metadata
+        key = f"{section_name}.{f.name}"
+        if value is None:
+            continue
+        if meta.get("choices") and value not in meta["choices"]:
+            opts = ", ".join(repr(c) for c in meta["choices"])
+            raise ConfigError(f"{key}: expected one of {opts}, got {value!r}")
+        if meta.get("min") is not None and value < meta["min"]:
+            raise ConfigError(f"{key}: expected a value >= {meta['min']}, got {value!r}")
+
+
+def resolve_model(model: ModelConfig) -> None:
+    """Fills the fields left unset from the `model.size` preset, then checks the shape is a valid Llama."""
+    check_ranges("model", model)
+    for key, value in {**PRESET_COMMON, **PRESETS[model.size]}.items():
+        if getattr(model, key) is None:
+            setattr(model, key, value)
+    check_ranges("model", model)
+    m = model
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.hidden_size / model.num_heads = {m.head_dim} must be even for RoPE")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
+            "pick num_kv_heads among its divisors"
+        )
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Resolves presets and derived values, then checks every constraint between keys."""
+    for section in fields(cfg):
+        if section.name != "model":
+            check_ranges(section.name, getattr(cfg, section.name))
+    resolve_model(cfg.model)
+    m, p, t, o = cfg.model, cfg.parallelism, cfg.training, cfg.optimizer
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {o.betas}")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
+    if not 0.0 <= cfg.data.validation_split < 1.0:
+        raise ConfigError(f"data.validation_split: expected a fraction in [0, 1), got {cfg.data.validation_split}")
+    _validate_parallelism(cfg)
+    if world_size is not None and world_size != cfg.world_size:
+        raise ConfigError(
+            f"parallelism dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {cfg.world_size} but {world_size} "
+            f"processes were launched; set dp, tp, pp so their product is {world_size}"
+        )
+    _resolve_batch(cfg)
+    if p.pp > 1 and PP_ENGINES[p.pp_engine].needs_pp_microbatches and t.grad_accum_steps < p.pp:
+        raise ConfigError(
+            f"parallelism.pp_engine='{p.pp_engine}' with pp={p.pp} needs at least {p.pp} microbatches "
+            f"per step, got grad_accum_steps={t.grad_accum_steps}; raise grad_accum_steps "
+            "(or global_batch_size)"
+        )
+
+
+def _validate_parallelism(cfg: Config) -> None:
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    if m.num_kv_heads % p.tp:
+        raise ConfigError(
+            f"parallelism.tp={p.tp} must divide model.num_kv_heads={m.num_kv_heads} "
+            "(each tp rank holds whole key/value heads)"
+        )
+    if m.vocab_size % p.tp:
+        raise ConfigError(f"parallelism.tp={p.tp} must divide model.vocab_size={m.vocab_size} (vocab-parallel head)")
+    if p.tp_mode == "reduce_scatter" and t.seq_len % p.tp:
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={p.tp} "
+            "with tp_mode='reduce_scatter' (sequence parallel); or use tp_mode='all_reduce'"
+        )
+    if p.pp_engine == "zbv" and p.pp_stages_per_rank != 2:
+        raise ConfigError("parallelism.pp_engine='zbv' needs parallelism.pp_stages_per_rank=2 (a V of two stages)")
+    stages = cfg.num_stages
+    if p.pp > 1 and m.num_layers < stages:
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is too few for {stages} pipeline stages "
+            f"(parallelism.pp={p.pp}"
+            + (f" x pp_stages_per_rank={p.pp_stages_per_rank}" if stages > p.pp else "")
+            + "); every stage needs at least one layer: lower pp or add layers"
+        )
+    if p.pp > 1 and m.tie_word_embeddings:
+        raise ConfigError(
+            "model.tie_word_embeddings=true needs parallelism.pp=1 "
+            "(embedding and lm_head live on different pipeline stages)"
+        )
+
+
+def _resolve_batch(cfg: Config) -> None:
+    t, dp = cfg.training, cfg.parallelism.dp
+    per_accum = t.micro_batch_size * dp
+    if t.global_batch_size == 0:
+        if t.grad_accum_steps == 0:
+            raise ConfigError("training.grad_accum_steps=0 needs training.global_batch_size > 0 to derive it from")
+        t.global_batch_size = per_accum * t.grad_accum_steps
+    elif t.global_batch_size % per_accum:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} is not divisible by "
+            f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {per_accum}; "
+            "change one of them"
+        )
+    elif t.grad_accum_steps == 0:
+        t.grad_accum_steps = t.global_batch_size // per_accum
+    elif t.grad_accum_steps * per_accum != t.global_batch_size:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} disagrees with micro_batch_size*"
+            f"grad_accum_steps*dp = {per_accum * t.grad_accum_steps}; set grad_accum_steps=0 "
+            "to derive it, or global_batch_size=0"
+        )

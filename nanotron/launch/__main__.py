@@ -1,0 +1,5 @@
+import sys
+
+from nanotron.launch.cluster import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""Starting workers on this machine: torchrun in-process, with the exit code and signals a job needs.
+
+    python -m nanotron.launch.local [torchrun options] -m nanotron.train --config ...
+
+is `torchrun` with two differences: when workers fail on bad input (exit code 2, or 3 for a diverged run)
+it exits with that code and prints nothing more than the workers' own one-line errors, and SIGUSR1 (the
+Slurm/preemption "checkpoint now" signal, which would kill torchrun itself) is handed to the workers.
+`python -m nanotron.train --nproc_per_node N ...` uses it after validating the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from nanotron.errors import ConfigError, DivergenceError, UserError
+
+QUIET_EXIT_CODES = {UserError.exit_code, DivergenceError.exit_code}
+
+
+def pop_nproc(argv: list[str]) -> int:
+    """Removes `--nproc_per_node N` (or `=N`) from argv and returns N (0 when absent)."""
+    for i, arg in enumerate(argv):
+        if arg == "--nproc_per_node" or arg.startswith("--nproc_per_node="):
+            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            del argv[i : i + (1 if "=" in arg else 2)]
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--nproc_per_node: expected a positive integer, got {value!r}")
+            return int(value)
+    return 0
+
+
+def spawn_local(nproc: int, command: list[str]) -> int:
+    """`command` (e.g. ["-m", "nanotron.train", ...]) in `nproc` processes on this machine."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return run_torchrun(["--standalone", f"--nproc_per_node={nproc}", *command])
+
+
+def run_torchrun(args: list[str]) -> int:
+    """torchrun's main with the exit code of the first failed worker and SIGUSR1 forwarded to workers."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    signal.signal(signal.SIGUSR1, _forward_to_workers)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
+    try:
+        run(parse_args(args))
+    except ChildFailedError as error:
+        _, failure = error.get_first_failure()
+        if failure.exitcode in QUIET_EXIT_CODES:  # the worker has printed its one-line error
+            return failure.exitcode
+        print(error.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _forward_to_workers(signum: int, frame: object) -> None:
+    """torchrun would die of SIGUSR1 (it doesn't handle it) and its workers run in their own sessions:
+    hand the signal to the workers (our children), which checkpoint and exit 0, and so does torchrun."""
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if stat.read_text().rpartition(")")[2].split()[1] == me:
+                os.kill(int(stat.parent.name), signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_torchrun(list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

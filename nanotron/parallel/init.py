@@ -1,0 +1,43 @@
+"""Layout-independent initialisation: every rank gets its slice of the same full weights.
+
+Each parameter's full tensor is drawn from a generator seeded by (seed, parameter name) alone, one tensor at
+a time, and only this rank's shard is kept; so dp/tp/pp never change the weights, and no rank ever holds
+more than one full tensor beyond its own shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from nanotron.models.llama import LlamaForCausalLM, param_init_std
+
+
+@torch.no_grad()
+def init_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Fills every parameter (plain or DTensor shard) of `model`, which may come from the meta device."""
+    model.init_buffers(_device(model))
+    for name, param in model.named_parameters():
+        full = torch.empty(param.shape, dtype=torch.float32)
+        std = param_init_std(model.config, name)
+        if std is None:
+            full.fill_(1.0)
+        else:
+            full.normal_(0.0, std, generator=torch.Generator().manual_seed(name_seed(seed, name)))
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from the run seed and a parameter name, stable across processes."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    param = next(model.parameters())
+    return param.to_local().device if isinstance(param, DTensor) else param.device
