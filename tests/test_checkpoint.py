@@ -86,6 +86,7 @@ def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, list[float]]:
     return root / "saved" / "checkpoints", train_losses(root / "saved")
 
 
+@pytest.mark.slow
 def test_saving_changes_nothing_and_resume_is_bit_exact(tiny_data, tmp_path, reference, saved_run):
     folder, saved_losses = saved_run
     assert saved_losses == reference
@@ -99,6 +100,7 @@ def test_saving_changes_nothing_and_resume_is_bit_exact(tiny_data, tmp_path, ref
     assert (state["step"], state["consumed_samples"], state["consumed_tokens"]) == (10, 80, 80 * 16)
 
 
+@pytest.mark.slow
 def test_resume_at_another_layout_continues_within_1e5(tiny_data, tmp_path):
     """Saved at dp2 x pp2 with FSDP (zero 1), resumed at tp2: model, optimizer and data all reshard."""
     common = [*tiny_data.overrides(), *TINY_MODEL, f"--job.out_dir={tmp_path}", "--training.steps=8"]
@@ -146,36 +148,51 @@ def _wait_for_training(proc: subprocess.Popen) -> list[str]:
     raise AssertionError("training never started:\n" + "".join(lines))
 
 
+def _kill_mid_save(args: list[str], folder: Path, tries: int = 5) -> list[str]:
+    """Kills runs as soon as a step-N.tmp appears until a kill leaves one behind (a save cut short);
+    returns the .tmp dirs of that kill. A save can finish between seeing its .tmp and the kill: try again."""
+    for _ in range(tries):
+        proc = _popen(args)
+        _wait_for_training(proc)
+        deadline = time.monotonic() + 30
+        while not list(folder.glob("step-*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proc.kill()
+        proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
+        left = sorted(p.name for p in folder.glob("step-*.tmp"))
+        if left:
+            return left
+    raise AssertionError(f"no kill landed mid-save in {tries} tries")
+
+
+@pytest.mark.slow
 def test_killed_at_random_moments_then_resumed_ends_like_an_uninterrupted_run(tiny_data, tmp_path, reference):
-    """SIGTERM once (clean stop + checkpoint), then SIGKILL at seeded random moments, one of them mid-save."""
+    """SIGTERM once (clean stop + checkpoint), then SIGKILL at seeded random moments and once mid-save."""
     args = args_for(tiny_data, tmp_path, "killed", "--checkpoint.interval=1", "--checkpoint.keep_last=2")
     folder = tmp_path / "killed" / "checkpoints"
     rng = random.Random(1234)
     events = []
     for attempt, how in enumerate(["sigterm", "random", "mid-save", "random"]):
-        proc = _popen(args)
-        _wait_for_training(proc)
-        if how == "sigterm":
-            proc.send_signal(signal.SIGTERM)
-        elif how == "mid-save":
-            deadline = time.monotonic() + 30
-            while not list(folder.glob("step-*.tmp")) and time.monotonic() < deadline:
-                time.sleep(0.001)
-            proc.kill()
+        if how == "mid-save":
+            events.append((attempt, how, _kill_mid_save(args, folder)))  # fails unless a kill cut a save
         else:
-            time.sleep(rng.uniform(0.0, 0.25))
-            proc.kill()
-        output = proc.communicate(timeout=120)[0]
-        latest = latest_checkpoint(folder)
-        events.append(
-            (attempt, how, proc.returncode, latest and latest.name, sorted(p.name for p in folder.glob("step-*.tmp")))
-        )
-        if how == "sigterm":
-            assert proc.returncode == 0 and "preempted: stopped at step" in output, output[-2000:]
-            assert f"saved {latest}" in output
-        else:
-            assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill: {events}"
+            proc = _popen(args)
+            _wait_for_training(proc)
+            if how == "sigterm":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                time.sleep(rng.uniform(0.0, 0.25))
+                proc.kill()
+            output = proc.communicate(timeout=120)[0]
+            events.append((attempt, how, proc.returncode))
+            if how == "sigterm":
+                assert proc.returncode == 0 and "preempted: stopped at step" in output, output[-2000:]
+                assert f"saved {latest_checkpoint(folder)}" in output
+            else:
+                assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill: {events}"
         # What `auto` would pick next is complete and loads.
+        latest = latest_checkpoint(folder)
         assert latest is not None and read_model_weights(latest)
     run_train(args)
     logged = losses_by_step(tmp_path / "killed")
@@ -197,6 +214,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_sigusr1_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tiny_data, tmp_path):
     args = [
         *tiny_data.overrides(),
@@ -224,6 +242,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tiny_
 # ---- corrupt and untrusted files ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_truncated_shard_is_a_one_line_error_naming_the_file(tiny_data, tmp_path, saved_run):
     step = tmp_path / "step-10"
     shutil.copytree(saved_run[0] / "step-10", step)
@@ -235,6 +254,7 @@ def test_truncated_shard_is_a_one_line_error_naming_the_file(tiny_data, tmp_path
     assert len(errors) == 1 and errors[0].startswith("error: ") and f"'{shard}' is truncated" in errors[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_corrupt_files_are_errors_naming_them(tmp_path, saved_run):
     step = tmp_path / "step-10"
     shutil.copytree(saved_run[0] / "step-10", step)
@@ -271,6 +291,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_non_tensor_values_are_loaded_weights_only(tmp_path, saved_run):
     """Optimizer hyper-parameters travel as torch.save'd bytes: a pickled object among them is refused."""
     step = tmp_path / "step-10"

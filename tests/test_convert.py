@@ -95,6 +95,7 @@ def first_global_batch(tiny_data, args: list[str]) -> torch.Tensor:
     return torch.cat([next(loader) for _ in range(cfg.training.grad_accum_steps)])
 
 
+@pytest.mark.slow
 def test_init_from_an_import_at_tp2_starts_from_the_hf_weights(tiny_data, tmp_path):
     model = hf_model(seed=1)
     model.save_pretrained(tmp_path / "source")

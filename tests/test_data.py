@@ -242,6 +242,7 @@ def _rank_main(rank: int, root: str, data: DataConfig, init_file: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True])
 def test_only_rank_zero_builds_and_its_errors_reach_every_rank(tmp_path, workspace, broken):
     data = data_config(workspace, cache_dir=str(tmp_path / "cache"), text_column="body" if broken else "text")

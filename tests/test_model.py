@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from nanotron.config import ModelConfig
 from nanotron.models.llama import LlamaForCausalLM, flops_per_token, num_params
@@ -82,8 +85,20 @@ def test_init_depends_only_on_seed_and_meta_init_matches_eager():
     assert not torch.equal(other.lm_head.weight, eager.lm_head.weight)
 
 
-def test_param_count_and_flops_follow_the_config():
+def test_param_count_follows_the_config():
     cfg = small_config()
     assert num_params(cfg) == sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
-    non_embedding = num_params(cfg, include_embedding=False)
-    assert flops_per_token(cfg, seq_len=32) == 6 * non_embedding + 12 * cfg.num_layers * cfg.hidden_size * 32
+    tied = small_config(tie_word_embeddings=True)
+    assert num_params(tied) == sum(p.numel() for p in LlamaForCausalLM(tied).parameters())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_per_token_equals_the_matmul_flops_torch_counts(tied):
+    """An independent count: FlopCounterMode over a real forward + backward (SDPA's math backend, whose
+    matmuls the counter sees; the fused CPU kernel is invisible to it)."""
+    cfg = small_config(tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert counter.get_total_flops() == flops_per_token(cfg, seq_len=48) * tokens.numel()

@@ -1,4 +1,5 @@
-"""Same math at any layout: every (dp, tp, pp) run reproduces the 1-process losses and final weights."""
+"""Same math at any layout: every (dp, tp, pp) run reproduces the 1-process losses, evaluation losses and
+final weights, starting from the same initial weights."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODEL, run_train, train_losses
+from conftest import TINY_MODEL, read_metrics, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from nanotron.config import load_config, parse_overrides
+from nanotron.models.llama import LlamaForCausalLM, param_init_std
+from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import split_layers
 
 STEPS = 5
@@ -53,6 +57,8 @@ def train(tiny_data, out: Path, name: str, nproc: int, extra: list[str]) -> Path
             f"--job.out_dir={out}",
             f"--job.name={name}",
             f"--training.steps={STEPS}",
+            f"--training.eval_interval={STEPS}",  # evaluates before the first step and after the last
+            "--training.eval_steps=1",
             "--checkpoint.save_final=true",
             *extra,
         ],
@@ -61,16 +67,20 @@ def train(tiny_data, out: Path, name: str, nproc: int, extra: list[str]) -> Path
     return out / name
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    target = run_dir / "weights.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{STEPS}", target)
+def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    target = run_dir / f"weights-{step}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{step}", target)
     return torch.load(target, weights_only=True)["model"]
 
 
+def eval_losses(run_dir: Path) -> list[float]:
+    return [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_data, tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(tiny_data, tmp_path_factory) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     run_dir = train(tiny_data, tmp_path_factory.mktemp("reference"), "ref", 1, [])
-    return train_losses(run_dir), final_weights(run_dir)
+    return train_losses(run_dir), eval_losses(run_dir), weights(run_dir)
 
 
 @pytest.mark.slow
@@ -84,25 +94,52 @@ def test_layout_matches_one_process(layout, reference, tiny_data, tmp_path):
         dp * tp * pp,
         [f"--parallelism.dp={dp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}", *extra],
     )
-    ref_losses, ref_weights = reference
-    losses = train_losses(run_dir)
-    assert len(losses) == STEPS
+    ref_losses, ref_evals, ref_weights = reference
+    losses, evals = train_losses(run_dir), eval_losses(run_dir)
+    assert len(losses) == STEPS and len(evals) == len(ref_evals) == 2
     assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0), (losses, ref_losses)
-    weights = final_weights(run_dir)
-    assert weights.keys() == ref_weights.keys()
-    diff = torch.cat([(weights[n] - ref).flatten() for n, ref in ref_weights.items()])
+    assert torch.allclose(torch.tensor(evals), torch.tensor(ref_evals), rtol=RTOL, atol=0), (evals, ref_evals)
+    final = weights(run_dir)
+    assert final.keys() == ref_weights.keys()
+    diff = torch.cat([(final[n] - ref).flatten() for n, ref in ref_weights.items()])
     total = torch.cat([ref.flatten() for ref in ref_weights.values()])
-    per_tensor = {n: ((weights[n] - ref).norm() / ref.norm()).item() for n, ref in ref_weights.items()}
+    per_tensor = {n: ((final[n] - ref).norm() / ref.norm()).item() for n, ref in ref_weights.items()}
     worst = max(per_tensor, key=per_tensor.get)
     print(
         f"{layout_id(layout)}: max loss rel diff "
-        f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)):.2e}, weights rel diff "
+        f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)):.2e}, eval loss rel diff "
+        f"{max(abs(a - b) / abs(b) for a, b in zip(evals, ref_evals)):.2e}, weights rel diff "
         f"{(diff.norm() / total.norm()).item():.2e} (worst tensor {worst}: {per_tensor[worst]:.2e})"
     )
     # All weights together within RTOL; one tensor alone may drift more: Adam turns reduction-order noise in
     # near-zero gradient entries into full-size updates (m / sqrt(v) ~ +-1), so allow 10x per tensor.
     assert (diff.norm() / total.norm()).item() <= RTOL
     assert per_tensor[worst] <= 10 * RTOL, f"{worst}: relative difference {per_tensor[worst]:.2e}"
+
+
+@pytest.mark.slow
+def test_initial_weights_follow_the_configured_std_and_equal_one_process_init_at_dp2_tp2_pp2(tiny_data, tmp_path):
+    """Each rank draws its shards of the same full tensors: the step-0 checkpoint of a 3D layout equals the
+    1-process init bit for bit, and every tensor has mean 0 and the std `param_init_std` gives it."""
+    layout = ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.zero_stage=3"]
+    args = ["--training.steps=1", "--checkpoint.save_initial_state=true", "--checkpoint.save_final=false"]
+    run_dir = train(tiny_data, tmp_path, "init", 8, [*layout, *args])
+    sharded = weights(run_dir, step=0)
+    cfg = load_config(*parse_overrides([*TINY_MODEL, *tiny_data.overrides()]))
+    model = LlamaForCausalLM(cfg.model)
+    init_weights(model, cfg.job.seed)
+    assert sharded.keys() == model.state_dict().keys()
+    for name, expected in model.state_dict().items():
+        assert torch.equal(sharded[name], expected), name
+        std = param_init_std(cfg.model, name)
+        if std is None:
+            assert torch.all(expected == 1.0), name
+            continue
+        n = expected.numel()  # sampling error: std of the mean ~ std/sqrt(n), of the std ~ std/sqrt(2n)
+        assert abs(expected.mean().item()) < 5 * std / n**0.5, name
+        assert abs(expected.std().item() / std - 1) < 5 / (2 * n) ** 0.5, name
+    depth_scaled = param_init_std(cfg.model, "model.layers.0.mlp.down_proj.weight")
+    assert depth_scaled == pytest.approx(cfg.model.init_std / (2 * cfg.model.num_layers) ** 0.5)
 
 
 def test_stage_split_balances_cost_and_gives_every_stage_a_layer():

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.futures import Future
 
-from nanotron.checkpoint import layout
+import nanotron.checkpoint.layout as layout
 from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, short
 from nanotron.config import CheckpointConfig
 from nanotron.errors import CheckpointError

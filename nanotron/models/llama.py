@@ -146,12 +146,14 @@ def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (non-embedding params incl. lm_head) + causal-free attention 12·L·H·T.
+    """Training FLOPs per token: 6 x (matmul weights, lm_head included) + causal-free attention 12·L·H·T.
 
     The attention term counts QK^T and AV for forward (4·T·H per layer) times 3 for forward+backward,
-    as in the PaLM/Megatron MFU convention (no discount for the causal mask).
+    as in the PaLM/Megatron MFU convention (no discount for the causal mask). Norm weights and the
+    embedding lookup do no matmul and are not counted.
     """
-    matmul_params = num_params(cfg, include_embedding=False)
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    matmul_params = num_params(cfg, include_embedding=False) - norms
     if cfg.tie_word_embeddings:
         matmul_params += cfg.vocab_size * cfg.hidden_size
     return 6 * matmul_params + 12 * cfg.num_layers * cfg.hidden_size * seq_len
