@@ -123,6 +123,7 @@ def worker(args: list[str], out: Path) -> None:
         dist.all_gather_object(records, record)
     if trainer.ctx.rank == 0:
         out.write_text(json.dumps(records))
+    trainer.close()
     destroy_distributed()
 
 
@@ -186,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
     if args.worker:
+        from nanotron.errors import exit_process
+
         worker(rest, args.out)
-        return 0
+        exit_process(0)  # as nanotron.train does: no interpreter teardown after gloo (see errors.exit_process)
     size = "nano" if args.quick else args.size
     layouts = [layout for layout in LAYOUTS if not args.quick or layout[0] in QUICK_LAYOUTS]
     base_args = [

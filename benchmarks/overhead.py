@@ -71,10 +71,12 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     import torch.nn.functional as F
 
     from nanotron.config import load_config, parse_overrides
-    from nanotron.data import build_train_loader, load_corpus, load_tokenizer
+    from nanotron.data import build_train_loader, load_corpus
     from nanotron.distributed import pick_device
     from nanotron.models.llama import LlamaForCausalLM
     from nanotron.optim import build_optimizer
+    from nanotron.parallel.init import init_weights
+    from nanotron.tokenizer import load_tokenizer
 
     cfg = load_config(*parse_overrides(args))
     t, device = cfg.training, pick_device(cfg)
@@ -86,7 +88,7 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg.model)
     model.to_empty(device=device)
-    model.init_weights(cfg.job.seed)
+    init_weights(model, cfg.job.seed)
     if implementation == "transformers":
         model = hf_model(cfg.model, model.state_dict(), device)
     optimizer = build_optimizer(model, cfg.optimizer, device)  # plain AdamW, no decay on norms/embeddings
