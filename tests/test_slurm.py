@@ -1,7 +1,8 @@
 """Real Slurm jobs on a local cluster: `launch/slurm.sh` by hand, the launcher, and preempt → requeue → resume.
 
-The cluster is the one already answering (`.ci/run` starts one and exports SLURM_CONF), or one started here
-from ../shared/slurm for this module and stopped after it. Without Slurm and without those scripts the tests
+The cluster is the one already answering (`.ci/run` starts one and exports SLURM_CONF), or one started here with
+tests/slurm/cluster-up.sh for this module and stopped after it; the SLURM_LOCAL_* knobs of that script (ports, node
+prefix) pass through from the environment, so it can run beside another cluster. Without Slurm installed the tests
 skip; in CI (CI=true) they fail instead, so a cluster that can't start is never mistaken for a pass.
 """
 
@@ -20,7 +21,7 @@ from conftest import REPO, TINY_MODEL, TinyData, read_metrics, train_env
 
 pytestmark = pytest.mark.slow
 
-CLUSTER_SCRIPTS = REPO.parent / "shared" / "slurm"
+CLUSTER_SCRIPTS = REPO / "tests" / "slurm"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
@@ -46,23 +47,22 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     if cluster_answers(env):
         yield env
         return
-    if not CLUSTER_SCRIPTS.is_dir():
-        if shutil.which("sbatch") is None and not IN_CI:
-            pytest.skip(f"no sbatch on PATH and no {CLUSTER_SCRIPTS} to start a local Slurm cluster")
-        unavailable(f"no Slurm cluster answers `scontrol ping` and {CLUSTER_SCRIPTS} is missing")
+    if shutil.which("sbatch") is None and not IN_CI:  # CI lets cluster-up.sh install the packages
+        pytest.skip("Slurm is not installed; as root, `bash tests/slurm/cluster-up.sh DIR` installs and starts it")
     if os.geteuid() != 0:
-        unavailable("starting the local Slurm cluster needs root")
+        unavailable("no Slurm cluster answers `scontrol ping` and starting the local one needs root")
     cluster = tmp_path_factory.mktemp("slurm-cluster")
     setup = {**os.environ, "SLURM_LOCAL_NODES": "2", "SLURM_LOCAL_FAKE_GPUS": "2"}
-    up_script = [str(CLUSTER_SCRIPTS / "local-cluster-up.sh"), str(cluster)]
-    up = subprocess.run(["bash", *up_script], env=setup, capture_output=True, text=True, timeout=600)
+    up_script = ["bash", str(CLUSTER_SCRIPTS / "cluster-up.sh"), str(cluster)]
+    down = ["bash", str(CLUSTER_SCRIPTS / "cluster-down.sh"), str(cluster)]
+    up = subprocess.run(up_script, env=setup, capture_output=True, text=True, timeout=600)
     if up.returncode != 0:
-        subprocess.run(["bash", str(CLUSTER_SCRIPTS / "local-cluster-down.sh"), str(cluster)], capture_output=True)
+        subprocess.run(down, capture_output=True, timeout=300)
         unavailable(f"the local Slurm cluster did not start:\n{up.stdout[-2000:]}{up.stderr[-3000:]}")
     try:
         yield {**env, "SLURM_CONF": str(cluster / "etc" / "slurm.conf")}
     finally:
-        subprocess.run(["bash", str(CLUSTER_SCRIPTS / "local-cluster-down.sh"), str(cluster)], capture_output=True)
+        subprocess.run(down, capture_output=True, timeout=300)
 
 
 def job_args(data: TinyData, out_dir: Path, name: str, *overrides: str) -> list[str]:
