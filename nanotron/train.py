@@ -195,8 +195,8 @@ class Trainer:
             raise DivergenceError(
                 f"non-finite loss or gradients at {where}; stopped without applying it or saving a checkpoint "
                 f"({self.state.skipped_steps - 1} earlier steps skipped; training.max_skipped_steps="
-                f"{self.cfg.training.max_skipped_steps}). Lower optimizer.lr or raise training.clip_grad, then "
-                "resume from the last checkpoint"
+                f"{self.cfg.training.max_skipped_steps}); lower optimizer.lr (or training.clip_grad) and resume "
+                "from the last checkpoint"
             )
         self.metrics.info(f"warning: non-finite loss or gradients at {where}; step skipped")
 
@@ -280,7 +280,8 @@ class Trainer:
                 step_time, eta = timer.lap(self.state.step)
                 loss_value = self.dp_mean(loss)
                 if self.is_logging_rank:
-                    lr = lr_at(self.state.step - 1, cfg.optimizer, t.steps)
+                    group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
+                    lr = group["lr"] / group.get("lr_scale", 1.0)
                     record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
                     record |= _throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
                     self.metrics.log_step(record, t.steps, self.ctx.device)

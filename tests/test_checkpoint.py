@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, run_train, train_env, train_losses
+from conftest import REPO, TINY_MODEL, read_metrics, run_train, train_env, train_losses
 
 from nanotron.checkpoint import (
     CheckpointManager,
@@ -29,8 +29,9 @@ from nanotron.checkpoint import (
     read_model_weights,
     resolve_source,
 )
-from nanotron.config import CheckpointConfig
+from nanotron.config import CheckpointConfig, load_config, parse_overrides
 from nanotron.errors import CheckpointError
+from nanotron.optim import lr_at
 
 STEPS = 30  # long enough that interruptions land mid-run; every 1-process test shares this reference
 
@@ -98,6 +99,27 @@ def test_saving_changes_nothing_and_resume_is_bit_exact(tiny_data, tmp_path, ref
         assert train_losses(tmp_path / name) == reference[start:], f"resumed from step {start}"
     state = json.loads((folder / "step-10" / "trainer_state.json").read_text())
     assert (state["step"], state["consumed_samples"], state["consumed_tokens"]) == (10, 80, 80 * 16)
+
+
+@pytest.mark.slow
+def test_a_changed_learning_rate_is_honoured_on_resume(tiny_data, tmp_path, saved_run):
+    """The schedule is a function of (step, current config): a new optimizer.lr applies from the next step."""
+    folder, _ = saved_run
+    run_train(
+        args_for(
+            tiny_data,
+            tmp_path,
+            "new-lr",
+            f"--checkpoint.resume_from={folder / 'step-10'}",
+            "--optimizer.lr=1e-3",
+            "--optimizer.min_lr=1e-4",
+        )
+    )
+    cfg = load_config(
+        *parse_overrides([*TINY_MODEL, "--training.steps=30", "--optimizer.lr=1e-3", "--optimizer.min_lr=1e-4"])
+    )
+    logged = [r["lr"] for r in read_metrics(tmp_path / "new-lr") if "lr" in r]
+    assert logged == pytest.approx([lr_at(step, cfg.optimizer, 30) for step in range(10, 30)], rel=1e-12)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import REPO, TINY_MODEL, read_metrics, run_train, train_env, train_losses
 
+from nanotron.checkpoint import committed_steps, latest_checkpoint, read_model_weights
 from nanotron.config import OptimizerConfig
 from nanotron.optim import lr_at
 
@@ -75,6 +76,37 @@ def test_bf16_computes_the_same_at_dp1_and_dp2_and_differs_from_fp32(tiny_data, 
     assert torch.allclose(dp2, dp1, rtol=1e-5, atol=0), (dp1, dp2)
     # Measured: bf16 vs fp32 up to 1.9e-4 relative over these steps; fp32 layouts agree to ~1e-7.
     assert ((dp1 - fp32).abs() / fp32).max() > 2e-5, (dp1, fp32)
+
+
+@pytest.mark.slow
+def test_a_diverging_run_skips_then_stops_with_exit_3_and_keeps_only_finite_checkpoints(tiny_data, tmp_path):
+    """lr=1e3 gives non-finite gradients from step 2: the step is not applied, max_skipped_steps=1 lets one
+    pass, the next stops the run before a save, and every committed checkpoint is finite."""
+    proc = run_train(
+        [
+            *TINY_MODEL,
+            *tiny_data.overrides(),
+            f"--job.out_dir={tmp_path}",
+            "--job.name=diverge",
+            "--training.steps=10",
+            "--optimizer.lr=1e3",
+            "--optimizer.min_lr=1e3",
+            "--optimizer.warmup_steps=0",
+            "--training.max_skipped_steps=1",
+            "--checkpoint.interval=1",
+            "--checkpoint.keep_last=2",
+        ],
+        check=False,
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: non-finite loss or gradients at step 3"), proc.stderr
+    assert "warning: non-finite loss or gradients at step 2" in proc.stdout and "step skipped" in proc.stdout
+    folder = tmp_path / "diverge" / "checkpoints"
+    assert [p.name for p in committed_steps(folder)] == ["step-1", "step-2"]
+    assert latest_checkpoint(folder) == folder / "step-2"
+    for step_dir in committed_steps(folder):
+        assert all(torch.isfinite(t).all() for t in read_model_weights(step_dir).values()), step_dir
 
 
 @pytest.mark.parametrize("style, end", [("cosine", 0.1), ("linear", 0.1), ("1-sqrt", 0.1), ("constant", 1.0)])
