@@ -30,7 +30,7 @@ from nanotron.metrics import MetricsLogger, Profiler, StepTimer, detect_peak_tfl
 from nanotron.models.llama import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel import async_tp_available, build_model, enable_async_tp
-from nanotron.parallel.pipeline import build_schedule
+from nanotron.parallel.pipeline import build_schedule, forward_only
 from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
 
@@ -145,12 +145,13 @@ class Trainer:
         with self.compute_context():
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
-                self.schedule.eval(
-                    *([inputs] if self.has_first else []),
-                    target=targets if self.has_last else None,
-                    losses=losses if self.has_last else None,
-                    return_outputs=False,
-                )
+                with forward_only(self.schedule):
+                    self.schedule.eval(
+                        *([inputs] if self.has_first else []),
+                        target=targets if self.has_last else None,
+                        losses=losses if self.has_last else None,
+                        return_outputs=False,
+                    )
                 return torch.stack([_plain(loss).float() for loss in losses]).mean() if self.has_last else None
             n_micro = self.cfg.training.grad_accum_steps
             chunks = zip(inputs.chunk(n_micro), targets.chunk(n_micro))

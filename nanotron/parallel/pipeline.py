@@ -7,7 +7,8 @@ embedding / final norm / head set to None where they don't belong, so parameter 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed.pipelining as pipelining
@@ -103,3 +104,34 @@ def build_schedule(
     n_microbatches = cfg.training.grad_accum_steps
     staged = pipeline_stages if engine.multi_stage else pipeline_stages[0]
     return schedule_cls(staged, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+_FORWARD_ACTIONS = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
+
+
+@contextmanager
+def forward_only(schedule) -> Iterator[None]:
+    """Runs a multi-stage schedule's forward actions alone, for evaluation.
+
+    torch 2.13's `eval()` still walks a multi-stage schedule's backward actions (as no-ops), and where two
+    adjacent stages share a rank (the V of zbv) handing the missing input gradient over fails. Dropping the
+    backward and gradient-communication actions from the order keeps every forward send/recv pairing.
+    """
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        yield
+        return
+    forward = {rank: [a for action in actions for a in _forward_parts(action)] for rank, actions in order.items()}
+    schedule.pipeline_order_with_comms = forward
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
+
+
+def _forward_parts(action) -> list:
+    if action is None:
+        return []
+    if action.sub_actions:  # an overlapped forward + backward pair
+        return [a for sub in action.sub_actions for a in _forward_parts(sub)]
+    return [action] if action.computation_type.value in _FORWARD_ACTIONS else []
