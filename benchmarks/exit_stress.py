@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     base = [*QUIET_RUN, *ensure_data(args.work_dir), *model_overrides("nano"), "--training.steps=3"]
+    base += ["--training.micro_batch_size=2", "--training.global_batch_size=8", "--training.grad_accum_steps=0"]
     base += ["--checkpoint.save_final=false", f"--job.out_dir={args.work_dir / 'runs'}"]
     failed = False
     for layout in args.layouts.split(","):
