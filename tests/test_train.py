@@ -16,6 +16,7 @@ from nanotron.config import OptimizerConfig
 from nanotron.optim import lr_at
 
 
+@pytest.mark.slow
 def test_tiny_run_learns_and_writes_metrics_tensorboard_and_config(tiny_data, tmp_path):
     run_train(
         [
