@@ -96,7 +96,7 @@ class Trainer:
                 "world_size": self.ctx.world_size,
                 "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
             },
-            log=self.metrics.info,
+            log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
         )
 
     # ---- one step -------------------------------------------------------------------------------
