@@ -82,10 +82,12 @@ trap 'echo "SIGTERM: the trainer saves a checkpoint if it has time"' TERM
 # is the first failed node's (2 for bad input, 3 for a diverged run), not that of the peers stopped after it.
 work=$(mktemp -d "${TMPDIR:-/tmp}/nanotron-job-$SLURM_JOB_ID.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-mkfifo "$work/srun-stderr"
+mkfifo "$work/srun-stderr" && : >"$work/exits"
 (
   trap '' TERM INT USR1 HUP   # the reader must outlive signals to the job: srun would die writing to a closed pipe
-  tee /dev/stderr <"$work/srun-stderr" | grep --line-buffered ': task [0-9]*: Exited with exit code' >"$work/exits" || true
+  exec awk -v exits="$work/exits" '
+    { print | "cat >&2"; fflush("cat >&2") }
+    /: task [0-9]+: Exited with exit code [0-9]+/ { print > exits; fflush(exits) }' <"$work/srun-stderr"
 ) &
 reader_pid=$!
 

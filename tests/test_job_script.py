@@ -122,9 +122,21 @@ def test_the_job_exits_with_the_first_failed_nodes_code_not_the_killed_peers(tmp
         'echo "srun: error: node2: task 1: Killed" >&2\n'
         "exit 137"
     )
-    proc = run_script(tmp_path, env=job_env(tmp_path, srun=failing_srun))
-    assert proc.returncode == 2, proc.stderr
-    assert "error: [rank 0] training.stepz: unknown key\n" in proc.stderr  # srun's messages still reach the log
+    log = tmp_path / "nanotron-4242.out"
+    log.write_text("an earlier run of the job\n")
+    with log.open("a") as out:  # as Slurm opens the job's log: stdout and stderr appended to one file
+        proc = subprocess.run(
+            ["bash", str(JOB_SCRIPT), "configs/tiny.toml"],
+            cwd=REPO,
+            env=job_env(tmp_path, srun=failing_srun),
+            stdout=out,
+            stderr=out,
+        )
+    text = log.read_text()
+    assert proc.returncode == 2, text
+    assert text.startswith("an earlier run of the job\njob 4242 (restart 0): 1 node(s) x 1 process(es)"), text
+    assert "error: [rank 0] training.stepz: unknown key\n" in text  # srun's messages still reach the log
+    assert text.endswith("srun: error: node2: task 1: Killed\n"), text
 
 
 def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen) -> None:
