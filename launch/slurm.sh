@@ -48,6 +48,8 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 # All CPUs of the smallest node go to its one task (launcher, trainer processes, data workers): by default srun
 # gives a task one CPU, and clusters that bind tasks to CPUs would squeeze every process onto it.
 CPUS_PER_TASK=$(echo "${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}" | tr ',' '\n' | sed 's/(.*//' | sort -n | head -n 1)
+# ... shared by the node's trainer processes (torchrun would set 1 and warn about it).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS_PER_TASK / NPROC_PER_NODE > 1 ? CPUS_PER_TASK / NPROC_PER_NODE : 1 ))}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # Distinct per job (jobs may share a host), and below Linux's ephemeral range (32768-60999), from which the OS picks
 # the local ports of outgoing connections: one of those could already hold the rendezvous port.

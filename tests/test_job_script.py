@@ -61,7 +61,8 @@ def job_env(tmp_path: Path, srun: str = RECORDING_SRUN, job_id: int = 4242, **ex
     """A batch job's environment: Slurm's variables, the stand-ins first on PATH, then the venv (as if activated)."""
     stand_in(tmp_path / "bin", "srun", srun)
     stand_in(tmp_path / "bin", "scontrol", SCONTROL)
-    env = {k: v for k, v in train_env().items() if not k.startswith(("SLURM_", "NCCL_", "TORCH_NCCL_", "NANOTRON_"))}
+    prefixes = ("SLURM_", "NCCL_", "TORCH_NCCL_", "NANOTRON_", "OMP_NUM_THREADS")
+    env = {k: v for k, v in train_env().items() if not k.startswith(prefixes)}
     path = f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin"
     slurm = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1"}
     slurm |= {"SLURM_CPUS_ON_NODE": "6", "SLURM_JOB_CPUS_PER_NODE": "6(x1)"}
@@ -79,10 +80,12 @@ def srun_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_each_node_runs_the_local_launcher_with_every_cpu_of_the_node(tmp_path):
-    proc = run_script(tmp_path, "--training.steps=3", env=job_env(tmp_path, SLURM_JOB_CPUS_PER_NODE="8(x2),6"))
+    env = job_env(tmp_path, SLURM_JOB_CPUS_PER_NODE="8(x2),6", NPROC_PER_NODE="2")
+    proc = run_script(tmp_path, "--training.steps=3", env=env)
     assert proc.returncode == 0, proc.stderr
     args = (tmp_path / "srun-args").read_text().splitlines()
     assert "--cpus-per-task=6" in args  # the smallest node's CPUs: every task must fit
+    assert srun_env(tmp_path)["OMP_NUM_THREADS"] == "3"  # shared by the node's two trainer processes
     launcher = args.index("-m")
     assert args[launcher - 1 : launcher + 2] == ["python", "-m", "nanotron.launch.local"]
     assert args[-4:] == ["nanotron.train", "--config", "configs/tiny.toml", "--training.steps=3"]
@@ -157,7 +160,7 @@ def test_preemption_signal_reaches_trainers_tracked_by_process_group_and_pp_save
     sessions of their own: with pgid process tracking only the launcher can hand it on. At pp=2 the checkpoint is
     committed by rank 0, which is not the logging rank: its "checkpoint: saved" line must still be printed."""
     run = tmp_path / "pgid"
-    env = job_env(tmp_path, srun=PGID_SRUN, NPROC_PER_NODE="2")
+    env = job_env(tmp_path, srun=PGID_SRUN, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--job.name=pgid"]
     args += ["--parallelism.pp=2", "--training.steps=500", "--checkpoint.interval=0", "--training.device=cpu"]
     proc = subprocess.Popen(
