@@ -79,6 +79,15 @@ def srun_env(tmp_path: Path) -> dict[str, str]:
     return dict(line.split("=", 1) for line in (tmp_path / "srun-env").read_text().splitlines() if "=" in line)
 
 
+def test_the_job_waits_for_every_node_and_logs_where_it_was_submitted():
+    """Slurm reads these before the script runs: they can't be checked from inside it. A log folder that a fresh
+    checkout lacks would fail the job before it starts; a job started before every node booted fails its rendezvous."""
+    header = [line.split()[1] for line in JOB_SCRIPT.read_text().splitlines() if line.startswith("#SBATCH ")]
+    assert "--wait-all-nodes=1" in header
+    output = next(option.partition("=")[2] for option in header if option.startswith("--output="))
+    assert "/" not in output and output == "%x-%j.out"
+
+
 def test_each_node_runs_the_local_launcher_with_every_cpu_of_the_node(tmp_path):
     env = job_env(tmp_path, SLURM_JOB_CPUS_PER_NODE="8(x2),6", NPROC_PER_NODE="2")
     proc = run_script(tmp_path, "--training.steps=3", env=env)

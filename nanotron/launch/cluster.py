@@ -28,10 +28,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
+import nanotron.launch.preflight as preflight
 from nanotron.config import Config, load_config, parse_overrides, to_toml
 from nanotron.config.validate import RUN_NAME, RUN_NAME_RULE
 from nanotron.errors import ConfigError, LaunchError, run_command
-from nanotron.launch import preflight
 from nanotron.launch.flags import (
     CONFIG_FLAGS,
     config_overrides,
