@@ -82,8 +82,7 @@ def normalize_spellings(argv: list[str], parser: argparse.ArgumentParser) -> lis
         if not name.startswith("--") or name in flags or "." in name:
             out.append(arg)
             continue
-        spelled = "--config" if name in ("--config-file", "--config_file") else name.replace("-", "_")
-        spelled = "--" + spelled[2:] if spelled.startswith("__") else spelled
+        spelled = "--config" if name in ("--config-file", "--config_file") else "--" + name[2:].replace("-", "_")
         if spelled in flags:
             out.append(spelled + eq + value)
         elif name[2:] in ORIGINAL_FLAGS:
