@@ -95,14 +95,17 @@ reader_pid=$!
 
 # Each node runs `python -m nanotron.launch.local`: torchrun that exits with its first failed worker's code and hands
 # SIGUSR1 to its trainers, which run in sessions of their own that a cluster tracking processes by process group would
-# not signal. The launcher ignores SIGUSR1 until it can forward it. A worker stopped by bad input makes its peers stop
-# within seconds with the same code, so srun lets every node end by itself (--kill-on-bad-exit=0) and kills the nodes
-# still running 60 s after the first one ended (a crash that left peers blocked in a collective).
+# not signal. Launcher and trainers start with SIGUSR1 ignored ('trap "" USR1' survives exec), so a signal that comes
+# while they start can't kill them; each handles it once it can (the launcher forwards it, the trainer stops at a step
+# boundary). A worker stopped by bad input makes its peers stop within seconds with the same code, so srun lets every
+# node end by itself (--kill-on-bad-exit=0) and kills the nodes still running 60 s after the first one ended (a crash
+# that left peers blocked in a collective).
 srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=0 --wait=60 \
   bash -c 'trap "" USR1; exec "$@"' _ \
   "$PYTHON" -m nanotron.launch.local --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
-  --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
-  --max_restarts 0 -m nanotron.train --config "$CONFIG" "$@" 2>"$work/srun-stderr" &
+  --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --max_restarts 0 \
+  --no-python bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" -m nanotron.train --config "$CONFIG" "$@" \
+  2>"$work/srun-stderr" &
 srun_pid=$!
 
 # A trapped signal interrupts `wait` (status > 128) while srun still runs: wait again.

@@ -161,13 +161,27 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen) -> No
         time.sleep(0.25)
 
 
+def trainer_pids(out_dir: Path) -> list[int]:
+    """Processes running nanotron.train into `out_dir` (the stand-in cluster runs on this machine)."""
+    pids, marks = [], (b"nanotron.train", f"--job.out_dir={out_dir}".encode())
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes()
+        except OSError:
+            continue
+        if all(mark in text for mark in marks) and b"nanotron.launch.local" not in text and b"bash" not in text:
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
 @pytest.mark.slow
 def test_preemption_signal_reaches_trainers_tracked_by_process_group_and_pp_saves_are_reported(
     tiny_data: TinyData, tmp_path
 ):
     """SIGUSR1 to the script (Slurm's --signal=B:USR1) → srun → the node's launcher → its trainers, which live in
-    sessions of their own: with pgid process tracking only the launcher can hand it on. At pp=2 the checkpoint is
-    committed by rank 0, which is not the logging rank: its "checkpoint: saved" line must still be printed."""
+    sessions of their own: with pgid process tracking only the launcher can hand it on. A signal while the trainers
+    are still starting must not kill them. At pp=2 the checkpoint is committed by rank 0, which is not the logging
+    rank: its "checkpoint: saved" line must still be printed."""
     run = tmp_path / "pgid"
     env = job_env(tmp_path, srun=PGID_SRUN, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--job.name=pgid"]
@@ -180,9 +194,12 @@ def test_preemption_signal_reaches_trainers_tracked_by_process_group_and_pp_save
         stderr=subprocess.PIPE,
         text=True,
     )
+    wait_for(lambda: len(trainer_pids(tmp_path)) == 2, 60, "the trainer processes to start", proc)
+    os.kill(proc.pid, signal.SIGUSR1)  # while they import torch: ignored, or a stop at the first step boundary
     metrics = run / "metrics.jsonl"
-    wait_for(lambda: metrics.is_file() and read_metrics(run), 180, "the first training step", proc)
-    os.kill(proc.pid, signal.SIGUSR1)
+    wait_for(lambda: metrics.is_file() and read_metrics(run) or proc.poll() is not None, 180, "a step", proc)
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGUSR1)
     out, err = proc.communicate(timeout=180)
 
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
