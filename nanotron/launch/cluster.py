@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         config.add_argument(f"--{flag}", action="store_true" if bool_flag else None, default=None, help=flag_help(flag))
     run = p.add_argument_group("execution")
     run.add_argument("--show_logs", action="store_true", help="follow the job's log until the job ends")
-    run.add_argument("--dry_run", action="store_true", help="write the run dir and print everything; submit nothing")
+    run.add_argument(
+        "--dry_run", action="store_true", help="check, write the run dir and print everything; submit nothing"
+    )
     return p
 
 
