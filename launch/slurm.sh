@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The one Slurm job script of nanotron, used by hand and by `python -m nanotron.launch`.
 #
-#   mkdir -p logs && sbatch --nodes 4 --gpus-per-node 8 launch/slurm.sh configs/large.toml [--section.key=value ...]
+#   sbatch --nodes 4 --gpus-per-node 8 launch/slurm.sh configs/large.toml [--section.key=value ...]
 #   NPROC_PER_NODE=2 sbatch --nodes 2 launch/slurm.sh configs/tiny.toml --parallelism.dp=4   # CPU nodes
 #
-# Submit from the repository root (or with nanotron installed): the job runs in the submit directory.
+# Submit from the repository root with nanotron's Python environment active: the job runs in the submit directory,
+# inherits the submitting shell's environment and runs `python -m nanotron.launch.local` with the `python` found on
+# PATH (NANOTRON_PYTHON=/path/to/python picks another). The log is <job name>-<job id>.out in the submit directory.
 # Options given to sbatch on the command line override the #SBATCH defaults below.
 # Ten minutes before the time limit Slurm sends SIGUSR1 to this script ("B:"), which forwards it to
 # the trainer; the trainer saves a checkpoint at the next step boundary and exits, and the job
@@ -13,43 +15,97 @@
 #SBATCH --job-name=nanotron
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
-#SBATCH --output=logs/%x-%j.out
+#SBATCH --wait-all-nodes=1
+#SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@600
 #SBATCH --requeue
 set -euo pipefail
 
-if [ $# -lt 1 ] || [ ! -f "$1" ]; then
-  echo "error: config '${1:-}' not found; usage: sbatch [options] launch/slurm.sh CONFIG [--section.key=value ...]" >&2
+fail() {
+  echo "error: $*" >&2
   exit 2
+}
+
+if [ $# -lt 1 ] || [ ! -f "$1" ]; then
+  fail "config '${1:-}' not found; usage: sbatch [options] launch/slurm.sh CONFIG [--section.key=value ...]"
 fi
 CONFIG=$1
 shift
 
-# One torchrun per node; it starts one trainer process per GPU allocated on the node, or
+# ---- Python: checked here, so a job started without nanotron's environment fails in one line ----------------------
+PYTHON=${NANOTRON_PYTHON:-python}
+if ! "$PYTHON" -c 'import importlib.util as u, nanotron.launch.local; raise SystemExit(u.find_spec("torch") is None)' \
+  2>/dev/null; then
+  fail "'$PYTHON' cannot import nanotron and torch on ${SLURMD_NODENAME:-$(hostname)}: activate nanotron's" \
+    "environment before sbatch (the job inherits it) or set NANOTRON_PYTHON=/path/to/env/bin/python"
+fi
+
+# ---- Layout and rendezvous -----------------------------------------------------------------------------------------
+# One launcher per node; it starts one trainer process per GPU allocated on the node, or
 # NPROC_PER_NODE processes (CPU nodes, or to use fewer GPUs than allocated).
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+# All CPUs of the smallest node go to its one task (launcher, trainer processes, data workers): by default srun
+# gives a task one CPU, and clusters that bind tasks to CPUs would squeeze every process onto it.
+CPUS_PER_TASK=$(echo "${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}" | tr ',' '\n' | sed 's/(.*//' | sort -n | head -n 1)
+# ... shared by the node's trainer processes (torchrun would set 1 and warn about it).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS_PER_TASK / NPROC_PER_NODE > 1 ? CPUS_PER_TASK / NPROC_PER_NODE : 1 ))}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))   # distinct per job: jobs may share a host
+# Distinct per job (jobs may share a host), and below Linux's ephemeral range (32768-60999), from which the OS picks
+# the local ports of outgoing connections: one of those could already hold the rendezvous port.
+MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
 export MASTER_ADDR MASTER_PORT
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # keeps TP communication kernels ordered before compute on GPUs
 
-echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) x $NPROC_PER_NODE" \
-  "process(es), rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG $*"
+# ---- NCCL defaults (values set in the submitting environment win) --------------------------------------------------
+# WARN reports NCCL problems without flooding the log; error handling 1 aborts the communicator and ends the process
+# when a collective fails or times out, so a job with a dead peer fails (and can requeue) instead of hanging.
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 
+echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) x $NPROC_PER_NODE" \
+  "process(es), $CPUS_PER_TASK CPUs per node, rendezvous $MASTER_ADDR:$MASTER_PORT, python $PYTHON," \
+  "config $CONFIG $*"
+
+# ---- Signals -------------------------------------------------------------------------------------------------------
 preempted=0 srun_pid=
 forward_usr1() {
   preempted=1
   echo "SIGUSR1: asking the trainer to checkpoint and exit"
-  [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null || true   # srun forwards it to the step's processes
+  [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null || true   # srun hands it to each node's launcher
 }
 trap forward_usr1 USR1
+# At the time limit, on preemption or scancel, Slurm sends SIGTERM to the trainers too; this script keeps waiting, so
+# the trainers have the cluster's KillWait to save a checkpoint.
+trap 'echo "SIGTERM: the trainer saves a checkpoint if it has time"' TERM
 
-# torchrun ignores SIGUSR1 (its default action, exit, would kill the workers); the trainer handles it.
-srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec "$@"' _ \
-  torchrun --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
-  --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
-  --max_restarts 0 -m nanotron.train --config "$CONFIG" "$@" &
+# ---- Run -----------------------------------------------------------------------------------------------------------
+# srun's own messages pass through a reader that keeps its "task N: Exited with exit code C" lines: the job's exit code
+# is the first failed node's (2 for bad input, 3 for a diverged run), not that of the peers stopped after it.
+work=$(mktemp -d "${TMPDIR:-/tmp}/nanotron-job-$SLURM_JOB_ID.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+mkfifo "$work/srun-stderr" && : >"$work/exits"
+(
+  trap '' TERM INT USR1 HUP   # the reader must outlive signals to the job: srun would die writing to a closed pipe
+  exec awk -v exits="$work/exits" '
+    { print | "cat >&2"; fflush("cat >&2") }
+    /: task [0-9]+: Exited with exit code [0-9]+/ { print > exits; fflush(exits) }' <"$work/srun-stderr"
+) &
+reader_pid=$!
+
+# Each node runs `python -m nanotron.launch.local`: torchrun that exits with its first failed worker's code and hands
+# SIGUSR1 to its trainers, which run in sessions of their own that a cluster tracking processes by process group would
+# not signal. Launcher and trainers start with SIGUSR1 ignored ('trap "" USR1' survives exec), so a signal that comes
+# while they start can't kill them; each handles it once it can (the launcher forwards it, the trainer stops at a step
+# boundary). A worker stopped by bad input makes its peers stop within seconds with the same code, so srun lets every
+# node end by itself (--kill-on-bad-exit=0) and kills the nodes still running 60 s after the first one ended (a crash
+# that left peers blocked in a collective).
+srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=0 --wait=60 \
+  bash -c 'trap "" USR1; exec "$@"' _ \
+  "$PYTHON" -m nanotron.launch.local --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
+  --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --max_restarts 0 \
+  --no-python bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" -m nanotron.train --config "$CONFIG" "$@" \
+  2>"$work/srun-stderr" &
 srun_pid=$!
 
 # A trapped signal interrupts `wait` (status > 128) while srun still runs: wait again.
@@ -59,6 +115,12 @@ while :; do
   if [ "$status" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null; then continue; fi
   break
 done
+wait "$reader_pid" || true
+
+first_failure=$(sed -n 's/.*: task [0-9]*: Exited with exit code \([0-9]*\).*/\1/p' "$work/exits" | head -n 1)
+if [ "$status" != 0 ] && [ -n "$first_failure" ] && [ "$first_failure" != 0 ]; then
+  status=$first_failure
+fi
 
 if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then
   echo "preempted: requeueing job $SLURM_JOB_ID; it resumes from the latest checkpoint"

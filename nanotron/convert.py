@@ -128,17 +128,26 @@ def to_hf(
     (out / "config.json").write_text(json.dumps(hf_config(model, DTYPES[dtype], eos_id), indent=2) + "\n")
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:
-        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        _save_safetensors(tensors, out / "model.safetensors")
         return step_dir
     weight_map = {}
     for index, part in enumerate(shards, 1):
         file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(part, out / file, metadata={"format": "pt"})
+        _save_safetensors(part, out / file)
         weight_map |= dict.fromkeys(part, file)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return step_dir
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """save_file, with the permissions of any new file (0644 under the usual umask; safetensors makes it 0600),
+    so others on a shared cluster can read the export."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _export_tokenizer(source: Path, out: Path) -> int | None:

@@ -265,6 +265,19 @@ class StepSampler(Sampler[list[int]]):
         return int(self._permutation[position])
 
 
+def check_corpus_size(corpus: Corpus, training: TrainingConfig) -> None:
+    """One global batch of training samples, and the validation samples evaluation reads: checked as soon as the
+    corpus is known, before a model is built (and by the Slurm launcher before submitting)."""
+    if corpus.num_train_samples < training.global_batch_size:
+        raise DataError(
+            f"data.path: the train split has {corpus.num_train_samples} samples of seq_len+1 tokens, fewer than one "
+            f"global batch (training.global_batch_size={training.global_batch_size}); use more data, or lower "
+            "training.global_batch_size or training.seq_len"
+        )
+    if training.eval_interval > 0:
+        _check_validation(corpus, training)
+
+
 def build_train_loader(
     corpus: Corpus,
     training: TrainingConfig,
@@ -281,14 +294,7 @@ def build_train_loader(
     """
     if training.global_batch_size != training.micro_batch_size * training.grad_accum_steps * dp:
         raise ValueError("training.global_batch_size must equal micro_batch_size * grad_accum_steps * dp")
-    if corpus.num_train_samples < training.global_batch_size:
-        raise DataError(
-            f"data.path: the train split has {corpus.num_train_samples} samples of seq_len+1 tokens, fewer than one "
-            f"global batch (training.global_batch_size={training.global_batch_size}); use more data, or lower "
-            "training.global_batch_size or training.seq_len"
-        )
-    if training.eval_interval > 0:
-        _check_validation(corpus, training)
+    check_corpus_size(corpus, training)
     sampler = StepSampler(corpus.num_train_samples, training, seed, dp, dp_rank, start_sample)
     workers = corpus.num_workers if num_workers is None else num_workers
     return DataLoader(PackedSamples(corpus.train, corpus.seq_len), batch_sampler=sampler, num_workers=workers)

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, check_writable, resolve_source
 from nanotron.config import Config, help_text, load_config, parse_overrides, to_toml
-from nanotron.data import Corpus, build_train_loader, eval_batches, load_corpus
+from nanotron.data import Corpus, build_train_loader, check_corpus_size, eval_batches, load_corpus
 from nanotron.distributed import ParallelContext, destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import ConfigError, DivergenceError, exit_process, run_command
 from nanotron.io import write_atomic
@@ -96,7 +96,7 @@ class Trainer:
                 "world_size": self.ctx.world_size,
                 "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
             },
-            log=self.metrics.info,
+            log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
         )
 
     # ---- one step -------------------------------------------------------------------------------
@@ -318,7 +318,9 @@ def prepare_data(cfg: Config) -> Corpus:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}, {cfg.data.tokenizer}); raise model.vocab_size"
         )
-    return load_corpus(cfg.data, tokenizer, seq_len=cfg.training.seq_len, seed=cfg.job.seed)
+    corpus = load_corpus(cfg.data, tokenizer, seq_len=cfg.training.seq_len, seed=cfg.job.seed)
+    check_corpus_size(corpus, cfg.training)  # before the model is built: a large one takes minutes
+    return corpus
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:

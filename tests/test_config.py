@@ -153,3 +153,39 @@ def test_pipeline_schedules_that_need_pp_microbatches_say_so():
         [("parallelism.pp", "2"), ("parallelism.pp_engine", "afab"), ("training.global_batch_size", "4")],
     )
     assert cfg.training.grad_accum_steps == 1
+
+
+CONTROL_CHARACTERS = "".join(map(chr, [*range(0x20), 0x7F]))
+
+
+def test_control_characters_in_strings_survive_the_saved_config(tmp_path):
+    cfg = load_config(f"{REPO}/configs/tiny.toml", [("data.text_column", f"a{CONTROL_CHARACTERS}b")])
+    saved = tmp_path / "config.toml"
+    saved.write_text(to_toml(cfg))
+    assert load_config(str(saved)) == cfg and len(saved.read_text().splitlines()) == len(to_toml(cfg).splitlines())
+
+
+@pytest.mark.parametrize("name", ["../../x", "/tmp/abs", "", ".", "..", "a/b", "a\nb", "tab\there", "-flag", "x" * 101])
+def test_job_names_that_would_leave_out_dir_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, name):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--config", f"{REPO}/configs/tiny.toml", f"--job.name={name}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: job.name {name!r}: expected ") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_resolved_config_runs_at_another_layout_with_the_same_global_batch(tmp_path):
+    saved = tmp_path / "config.toml"
+    saved.write_text(to_toml(load_config(f"{REPO}/configs/tiny.toml", [("parallelism.dp", "1")])))
+    for dp, accum in ((1, 4), (2, 2), (4, 1)):
+        training = load_config(str(saved), [("parallelism.dp", str(dp))]).training
+        assert (training.global_batch_size, training.grad_accum_steps) == (16, accum)
+
+
+def test_nanotrons_config_file_spelling_is_accepted_and_yaml_gets_a_hint(tmp_path, capsys):
+    assert parse_overrides(["--config-file", "a.toml", "--training.steps=3"]) == ("a.toml", [("training.steps", "3")])
+    yaml = tmp_path / "config.yaml"
+    yaml.write_text("general:\n  project: debug\n")
+    assert main(["--config-file", str(yaml)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --config: '{yaml}' is YAML; nanotron configs are TOML") and err.count("\n") == 1

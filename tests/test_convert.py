@@ -4,6 +4,8 @@ an import starts training at any layout, and `generate` decodes a checkpoint."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -202,3 +204,16 @@ def test_generate_errors_are_one_line_with_exit_code_2(trained, capsys, argv, me
     assert generate.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_exported_files_get_the_usual_permissions(trained, tmp_path):
+    """Other users of a shared cluster read an export: safetensors' own writer creates files 0600."""
+    out = tmp_path / "hf"
+    mask = os.umask(0o022)
+    try:
+        assert convert.main(["to-hf", str(trained), str(out), "--max_shard_size", "30KB"]) == 0
+    finally:
+        os.umask(mask)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.rglob("*") if f.is_file()}
+    assert sum(name.endswith(".safetensors") for name in modes) > 1
+    assert set(modes.values()) == {0o644}, modes

@@ -6,7 +6,9 @@ real submissions run in tests/test_slurm.py.
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from nanotron.config import load_config
+from nanotron import train
+from nanotron.config import Config, load_config, parse_overrides
 from nanotron.launch import cluster as launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,71 +48,132 @@ def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_dry_run_writes_the_resolved_config_and_prints_the_exact_sbatch_command(in_tmp, capsys):
+@pytest.fixture
+def checked_data(in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list:
+    """For tests of flags and commands: records the configs whose data the launcher checks instead of tokenizing
+    the corpus they name (the data checks themselves are tested below with a real corpus). The configs' local
+    corpus folder exists, so data.path is a path and not a hub dataset name."""
+    (in_tmp / "data" / "corpus").mkdir(parents=True)
+    checked: list = []
+    monkeypatch.setattr(launch.preflight, "check_data", checked.append)
+    return checked
+
+
+def as_file(cfg: Config, root: Path) -> Config:
+    """`cfg` with its relative paths made absolute from `root`, as the launcher writes them."""
+    cfg = copy.deepcopy(cfg)
+    for key in ("job.out_dir", "data.path", "data.tokenizer", "data.cache_dir"):
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, str(root / getattr(getattr(cfg, section), name)))
+    return cfg
+
+
+def test_dry_run_writes_the_resolved_config_and_prints_the_exact_sbatch_command(in_tmp, checked_data, capsys):
     assert launch.main("--run_name exp1 --nodes 2 --dp 8 --tp 2 --model_size small --dry_run".split()) == 0
     out = capsys.readouterr().out
 
     cfg = load_config("runs/exp1/config.toml")
     assert (cfg.job.name, cfg.model.size, cfg.model.hidden_size) == ("exp1", "small", 768)
     assert (cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp) == (8, 2, 1)
+    assert checked_data == [cfg]
     expected = [
         "sbatch",
         "--parsable",
         "--job-name=exp1",
         "--nodes=2",
         "--time=1:00:00",
-        "--output=runs/exp1/slurm-%j.out",
+        f"--output={in_tmp}/runs/exp1/slurm-%j.out",
         "--signal=B:USR1@360",
         "--partition=hopper-prod",
         "--gpus-per-node=8",
-        "--export=ALL,NPROC_PER_NODE=8",
+        f"--export=ALL,NPROC_PER_NODE=8,NANOTRON_PYTHON={sys.executable}",
         str(launch.JOB_SCRIPT),
-        "runs/exp1/config.toml",
+        f"{in_tmp}/runs/exp1/config.toml",
     ]
     assert f"  {shlex.join(expected)}\n" in out
     assert (in_tmp / "runs/exp1/submit.sh").read_text().splitlines()[-1] == shlex.join(expected)
     assert "dry run: nothing submitted" in out
 
 
-def test_without_config_the_seed_launcher_defaults_apply(in_tmp):
-    assert launch.main(["--run_name", "defaults", "--dry_run"]) == 0
-    cfg = load_config("runs/defaults/config.toml")
-    assert (cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp) == (8, 2, 1)
-    assert (cfg.training.steps, cfg.training.micro_batch_size, cfg.training.grad_accum_steps) == (10000, 2, 8)
-    assert cfg.training.global_batch_size == 2 * 8 * 8
-    assert (cfg.optimizer.lr, cfg.data.path, cfg.checkpoint.interval) == (3e-4, "stas/openwebtext-10k", 1000)
+@pytest.mark.parametrize("size", ["small", "base", "large"])
+def test_a_model_size_trains_as_its_config_file_says(in_tmp, checked_data, size):
+    assert launch.main(["--run_name", "sized", "--model_size", size, "--nodes", "4", "--dry_run"]) == 0
+    cfg = load_config("runs/sized/config.toml")
+    file = as_file(load_config(str(REPO / f"configs/{size}.toml"), [("job.name", "sized")]), in_tmp)
+    assert cfg == file  # dtype, seq_len, batch, ZeRO stage, schedule, data: everything
 
 
-def test_with_config_only_the_given_flags_override_the_file(in_tmp):
+def test_custom_architecture_flags_start_from_the_nearest_preset_with_a_llama_intermediate_size(in_tmp, checked_data):
+    argv = "--run_name custom --hidden_size 2048 --num_layers 4 --num_heads 16 --num_kv_heads 4 --dry_run"
+    assert launch.main(argv.split()) == 0
+    m, t = (cfg := load_config("runs/custom/config.toml")).model, cfg.training
+    assert (m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads, m.num_kv_heads) == (2048, 5632, 4, 16, 4)
+    assert (m.vocab_size, m.max_seq_len, t.seq_len, t.dtype) == (32000, 2048, 2048, "bfloat16")  # base.toml's
+
+
+@pytest.mark.parametrize(("hidden", "intermediate"), [(2048, 5632), (4096, 11008), (5120, 13824)])
+def test_the_derived_intermediate_size_is_llamas(hidden, intermediate):
+    from nanotron.launch.flags import llama_intermediate_size
+
+    assert llama_intermediate_size(hidden) == intermediate
+
+
+def test_the_dry_run_prints_the_resolved_model(in_tmp, checked_data, capsys):
+    assert launch.main("--run_name shown --model_size base --dry_run".split()) == 0
+    assert (
+        "model: 1.74B parameters | 24 layers | hidden 2048 | intermediate 8192 | 16 heads (16 kv) | vocab 32000 | "
+        "seq_len 2048 (max 2048) | bfloat16\n"
+    ) in capsys.readouterr().out
+
+
+def test_with_config_only_the_given_flags_override_the_file(in_tmp, checked_data):
     argv = f"--run_name fromfile --config {REPO}/configs/tiny.toml --train_steps 7 --gpus_per_node 0 --dry_run"
     assert launch.main(argv.split()) == 0
     cfg = load_config("runs/fromfile/config.toml")
-    file = load_config(str(REPO / "configs/tiny.toml"))
+    file = as_file(load_config(str(REPO / "configs/tiny.toml")), in_tmp)
     assert cfg.training.steps == 7
     assert cfg.parallelism == file.parallelism and cfg.optimizer == file.optimizer and cfg.data == file.data
 
 
-def test_flags_and_overrides_reach_their_config_keys(in_tmp):
+def test_flags_and_overrides_reach_their_config_keys(in_tmp, checked_data):
+    (in_tmp / "corpus").mkdir()
     argv = (
-        "--run_name mapped --gpus_per_node 0 --nodes 1 --dp 1 --tp 1 --pp 1 --hidden_size 64 --num_layers 3 "
-        "--num_heads 4 --num_kv_heads 2 --max_seq_len 64 --train_steps 5 --learning_rate 1e-3 --micro_batch_size 3 "
-        "--grad_accum_steps 2 --warmup_steps 1 --dataset data/corpus --pp_engine afab --tp_mode all_reduce "
-        "--save_interval 2 --save_initial_state --resume_from_checkpoint none --profiler_export_path traces "
-        "--optimizer.min_lr=1e-4 --training.eval_interval 0 --dry_run"
+        "--run_name mapped --gpus_per_node 0 --nodes 1 --dp 1 --tp 1 --pp 1 --hidden_size 64 --intermediate_size 96 "
+        "--num_layers 3 --num_heads 4 --num_kv_heads 2 --vocab_size 640 --max_seq_len 64 --seq_len 32 --train_steps 5 "
+        "--learning_rate 1e-3 --micro_batch_size 3 --grad_accum_steps 2 --warmup_steps 1 --dataset corpus "
+        "--pp_engine afab --tp_mode all_reduce --save_interval 2 --save_initial_state --resume_from_checkpoint none "
+        "--profiler_export_path traces --optimizer.min_lr=1e-4 --training.eval_interval 0 --dry_run"
     )
     assert launch.main(argv.split()) == 0
     c = load_config("runs/mapped/config.toml")
     m, t, p = c.model, c.training, c.parallelism
-    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.max_seq_len) == (64, 3, 4, 2, 64)
-    assert (t.seq_len, t.steps, t.micro_batch_size, t.grad_accum_steps, t.global_batch_size) == (64, 5, 3, 2, 6)
+    assert (m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads, m.num_kv_heads) == (64, 96, 3, 4, 2)
+    assert (m.vocab_size, m.max_seq_len, t.seq_len) == (640, 64, 32)
+    assert (t.steps, t.micro_batch_size, t.global_batch_size, t.grad_accum_steps) == (5, 3, 6, 2)
     assert (c.optimizer.lr, c.optimizer.warmup_steps, c.optimizer.min_lr, t.eval_interval) == (1e-3, 1, 1e-4, 0)
-    assert (p.pp_engine, p.tp_mode, c.data.path) == ("afab", "all_reduce", "data/corpus")
-    assert c.profiler.export_path == "traces"
+    assert (p.pp_engine, p.tp_mode, c.data.path) == ("afab", "all_reduce", str(in_tmp / "corpus"))
+    assert c.profiler.export_path == str(in_tmp / "traces")
     assert (c.checkpoint.interval, c.checkpoint.save_initial_state, c.checkpoint.resume_from) == (2, True, "none")
 
 
+def test_a_seq_len_beyond_the_models_max_seq_len_raises_it(in_tmp, checked_data):
+    assert launch.main("--run_name long --model_size small --seq_len 4096 --dry_run".split()) == 0
+    cfg = load_config("runs/long/config.toml")
+    assert (cfg.training.seq_len, cfg.model.max_seq_len) == (4096, 4096)
+
+
+def test_the_run_config_names_every_path_absolutely_and_runs_at_another_layout(in_tmp, checked_data):
+    argv = "--run_name paths --model_size base --dp 8 --tp 2 --job.out_dir=out --data.cache_dir=~/cache --dry_run"
+    assert launch.main(argv.split()) == 0
+    cfg = load_config("out/paths/config.toml")
+    assert cfg.job.out_dir == str(in_tmp / "out") and cfg.data.cache_dir == str(Path.home() / "cache")
+    assert cfg.data.path == str(in_tmp / "data/corpus") and cfg.data.tokenizer == str(in_tmp / "data/tokenizer")
+    elsewhere = load_config("out/paths/config.toml", [("parallelism.dp", "4")]).training
+    assert (elsewhere.global_batch_size, elsewhere.grad_accum_steps) == (256, 32)
+
+
 def test_more_processes_than_gpus_is_one_error_line_with_exit_code_2(tmp_path):
-    argv = "--run_name x --nodes 1 --gpus_per_node 8 --dp 8 --tp 2 --dry_run".split()
+    argv = "--run_name x --model_size base --nodes 1 --gpus_per_node 8 --dp 8 --tp 2 --dry_run".split()
     proc = run_launcher(*argv, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr == (
@@ -127,19 +191,21 @@ def test_more_processes_than_gpus_is_one_error_line_with_exit_code_2(tmp_path):
         (["--nodes", "2", "--gpus_per_node", "8", "--dp", "6", "--tp", "2"], 2, "--gpus-per-node=6"),
     ],
 )
-def test_only_the_nodes_and_gpus_that_dp_tp_pp_needs_are_requested(in_tmp, capsys, flags, nodes, per_node):
-    assert launch.main(["--run_name", "shrink", *flags, "--dry_run"]) == 0
+def test_only_the_nodes_and_gpus_that_dp_tp_pp_needs_are_requested(
+    in_tmp, checked_data, capsys, flags, nodes, per_node
+):
+    assert launch.main(["--run_name", "shrink", *flags, "--grad_accum_steps", "1", "--dry_run"]) == 0
     out, err = capsys.readouterr()
     command = out.split("sbatch command")[1].splitlines()[1].split()
     assert f"--nodes={nodes}" in command and per_node in command
     assert err.startswith("note: dp*tp*pp = ") and "requesting only that" in err
 
 
-def test_cpu_nodes_get_nproc_per_node_processes_and_no_gpu_request(in_tmp, capsys):
+def test_cpu_nodes_get_nproc_per_node_processes_and_no_gpu_request(in_tmp, checked_data, capsys):
     argv = "--run_name cpu --nodes 2 --gpus_per_node 0 --nproc_per_node 2 --dp 4 --tp 1 --dry_run".split()
     assert launch.main([*argv, "--partition", ""]) == 0
     command = capsys.readouterr().out.split("sbatch command")[1].splitlines()[1].split()
-    assert "--nodes=2" in command and "--export=ALL,NPROC_PER_NODE=2" in command
+    assert "--nodes=2" in command and f"--export=ALL,NPROC_PER_NODE=2,NANOTRON_PYTHON={sys.executable}" in command
     assert not any(arg.startswith(("--gpus-per-node", "--partition")) for arg in command)
 
 
@@ -168,7 +234,7 @@ def test_unsafe_run_names_are_refused_before_anything_is_written(tmp_path, name)
         (["--training.stepz=3"], "error: unknown key 'training.stepz' in command line; did you mean 'steps'?"),
     ],
 )
-def test_bad_flags_are_one_error_line_with_exit_code_2(in_tmp, capsys, flags, message):
+def test_bad_flags_are_one_error_line_with_exit_code_2(in_tmp, checked_data, capsys, flags, message):
     assert launch.main(["--run_name", "bad", *flags, "--dry_run"]) == 2
     out, err = capsys.readouterr()
     assert err.startswith(message) and err.count("\n") == 1 and out == ""
@@ -183,26 +249,26 @@ def test_missing_sbatch_is_a_clear_error_pointing_to_dry_run(tmp_path):
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
 
 
-def test_submit_runs_the_printed_command_and_reports_job_id_and_log(in_tmp, capsys, monkeypatch):
+def test_submit_runs_the_printed_command_and_reports_job_id_and_log(in_tmp, checked_data, capsys, monkeypatch):
     fake_command(in_tmp / "bin", "sbatch", f'printf "%s\\n" "$@" > {in_tmp}/sbatch-args; echo "4242;cluster"')
     monkeypatch.setenv("PATH", f"{in_tmp / 'bin'}:{os.environ['PATH']}")
     assert launch.main("--run_name real --nodes 1 --dp 4 --tp 2".split()) == 0
     out = capsys.readouterr().out
     printed = out.split("sbatch command")[1].splitlines()[1].strip()
     assert shlex.split(printed)[1:] == (in_tmp / "sbatch-args").read_text().splitlines()
-    assert "submitted job 4242; log: runs/real/slurm-4242.out" in out
+    assert f"submitted job 4242; log: {in_tmp}/runs/real/slurm-4242.out" in out
 
 
-def test_sbatch_refusal_is_reported_in_one_line(in_tmp, capsys, monkeypatch):
+def test_sbatch_refusal_is_reported_in_one_line(in_tmp, checked_data, capsys, monkeypatch):
     fake_command(in_tmp / "bin", "sbatch", 'echo "sbatch: error: invalid partition specified: hopper-prod" >&2; exit 1')
     monkeypatch.setenv("PATH", f"{in_tmp / 'bin'}:{os.environ['PATH']}")
     assert launch.main(["--run_name", "refused"]) == 2
-    assert capsys.readouterr().err == (
+    assert capsys.readouterr().err.splitlines()[-1] + "\n" == (
         "error: sbatch refused the job: sbatch: error: invalid partition specified: hopper-prod\n"
     )
 
 
-def test_show_logs_follows_the_log_and_stops_when_the_job_ends(in_tmp, capsys, monkeypatch):
+def test_show_logs_follows_the_log_and_stops_when_the_job_ends(in_tmp, checked_data, capsys, monkeypatch):
     log = in_tmp / "runs/follow/slurm-7.out"
     # The job runs for two polls, appending a line each time, then completes.
     fake_command(in_tmp / "bin", "sbatch", "echo 7")
@@ -221,7 +287,7 @@ def test_show_logs_follows_the_log_and_stops_when_the_job_ends(in_tmp, capsys, m
     assert out.endswith("line 0\nline 1\nline 2\njob 7: COMPLETED\n")
 
 
-def test_show_logs_does_not_hang_when_the_log_file_is_elsewhere(in_tmp, capsys, monkeypatch):
+def test_show_logs_does_not_hang_when_the_log_file_is_elsewhere(in_tmp, checked_data, capsys, monkeypatch):
     fake_command(in_tmp / "bin", "sbatch", "echo 8")
     fake_command(in_tmp / "bin", "scontrol", 'echo "JobId=8 JobState=FAILED StdOut=/nonexistent/other-8.out"')
     monkeypatch.setenv("PATH", f"{in_tmp / 'bin'}:{os.environ['PATH']}")
@@ -237,7 +303,7 @@ def test_time_limits_in_every_slurm_format(text, seconds):
     assert launch.time_limit_seconds(text) == seconds
 
 
-def test_the_checkpoint_signal_comes_a_tenth_of_the_time_limit_early_at_most_ten_minutes(in_tmp, capsys):
+def test_the_checkpoint_signal_comes_a_tenth_of_the_time_limit_early_at_most_ten_minutes(in_tmp, checked_data, capsys):
     for limit, signal in (("20", "--signal=B:USR1@120"), ("24:00:00", "--signal=B:USR1@600")):
         launch.main(["--run_name", "sig", "--time_limit", limit, "--dry_run"])
         assert signal in capsys.readouterr().out
@@ -253,3 +319,162 @@ def test_every_launcher_flag_is_documented():
     guide = (REPO / "docs/multi-node-training.md").read_text()
     flags = [o for a in launch.build_parser()._actions for o in a.option_strings if o.startswith("--")]
     assert [f for f in flags if f"`{f}" not in guide and f != "--help"] == []
+
+
+# ---- strings the launcher writes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--dataset", "corpus\ntouch pwned"], "--dataset"),
+        (["--profiler_export_path=traces\r"], "--profiler_export_path"),
+        (["--data.tokenizer", "tok\x1b[2J"], "--data.tokenizer"),
+        (["--run_name=a\nb"], "--run_name"),
+    ],
+)
+def test_control_characters_in_any_value_are_refused_before_anything_is_written(tmp_path, args, flag):
+    proc = run_launcher(*(["--run_name", "inj"] if flag != "--run_name" else []), *args, "--dry_run", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {flag}: ") and "control character" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no submit.sh whose comment line a newline would have ended
+
+
+def test_control_characters_from_a_config_file_are_refused_too(in_tmp, checked_data, capsys):
+    (in_tmp / "job.toml").write_text('[data]\ntext_column = "text\\n#"\n')
+    assert launch.main(["--run_name", "ctrl", "--config", "job.toml", "--dry_run"]) == 2
+    assert capsys.readouterr().err.startswith("error: data.text_column: 'text\\n#' contains a control character")
+    assert not (in_tmp / "runs").exists()
+
+
+# ---- first contact: spellings of the original nanotron --------------------------------------------------------------
+
+
+def test_nanotrons_hyphenated_spellings_are_accepted(in_tmp, checked_data, capsys):
+    argv = f"--run_name spelled --config-file {REPO}/configs/tiny.toml --train-steps 7 --gpus-per-node 0 --dry-run"
+    assert launch.main(argv.split()) == 0
+    assert load_config("runs/spelled/config.toml").training.steps == 7
+    assert "dry run: nothing submitted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mbs", "4"], "error: unrecognized argument --mbs: nanotron's original --mbs is --micro_batch_size\n"),
+        (["--model", "7b"], "error: unrecognized argument --model: nanotron's original --model is --model_size"),
+        (["--config", "config.yaml"], "error: --config: 'config.yaml' is YAML; nanotron configs are TOML"),
+    ],
+)
+def test_the_original_launchers_other_flags_and_yaml_configs_get_a_one_line_hint(in_tmp, capsys, args, message):
+    (in_tmp / "config.yaml").write_text("general:\n  project: x\n")
+    assert launch.main(["--run_name", "hint", *args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+# ---- what would fail in the queue ---------------------------------------------------------------------------------
+
+
+def test_paths_on_node_local_filesystems_are_named_and_unknown_ones_said_so(tmp_path):
+    for folder in ("tmp", "scratch", "home", "odd"):
+        (tmp_path / folder).mkdir()
+    kinds = {"tmp": "tmpfs", "scratch": "lustre", "home": "nfs4", "odd": "fuse.unknownfs"}
+    mounts = [("/", "nfs"), *((str(tmp_path / folder), kind) for folder, kind in kinds.items())]
+    paths = {
+        "job.out_dir": tmp_path / "scratch/runs",
+        "data.path": tmp_path / "home/me/corpus-not-there-yet",
+        "data.cache_dir": tmp_path / "tmp/cache",
+        "the working directory": tmp_path / "tmp",
+        "data.tokenizer": tmp_path / "odd/tok",
+    }
+    notes = launch.preflight.shared_filesystem_notes(paths, mounts)
+    assert len(notes) == 2, notes
+    assert notes[0].startswith(
+        f"warning: data.cache_dir, the working directory on a node-local filesystem (tmpfs at {tmp_path}/tmp)"
+    )
+    assert notes[1].startswith(f"note: cannot tell whether data.tokenizer (fuse.unknownfs at {tmp_path}/odd) is shared")
+
+
+def test_the_launcher_reports_node_local_paths_before_submitting(in_tmp, checked_data, capsys, monkeypatch):
+    monkeypatch.setattr(launch.preflight, "mount_table", lambda: [("/", "nfs"), (str(in_tmp), "tmpfs")])
+    assert launch.main(["--run_name", "local", "--dry_run"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: the working directory, job.out_dir, data.tokenizer, data.cache_dir, data.path on a node-local "
+        f"filesystem (tmpfs at {in_tmp})"
+    )
+
+
+def test_a_corpus_too_small_for_the_config_fails_before_submitting(tiny_data, in_tmp, capsys, monkeypatch):
+    fake_command(in_tmp / "bin", "sbatch", f"touch {in_tmp}/submitted; echo 1")
+    monkeypatch.setenv("PATH", f"{in_tmp / 'bin'}:{os.environ['PATH']}")
+    argv = ["--run_name", "small", "--model_size", "small", *tiny_data.overrides()]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: data.path: the train split has ") and "training.global_batch_size=256" in err
+    assert not (in_tmp / "submitted").exists() and not (in_tmp / "runs").exists()
+
+
+def test_the_trainer_checks_the_corpus_size_before_building_the_model(tiny_data, tmp_path, capsys, monkeypatch):
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built before the data was checked")
+
+    monkeypatch.setattr(train, "build_model", build_model)
+    argv = ["--config", f"{REPO}/configs/small.toml", *tiny_data.overrides(), f"--job.out_dir={tmp_path}"]
+    assert train.main([*argv, "--parallelism.dp=1", "--training.seq_len=16", "--training.global_batch_size=16"]) == 2
+    assert (
+        capsys.readouterr().err.splitlines()[-1].startswith("error: data.validation_split: the validation split has ")
+    )
+
+
+@pytest.mark.parametrize("size", ["small", "base", "large"])
+def test_the_cluster_configs_say_what_data_they_need(size):
+    cfg = load_config(str(REPO / f"configs/{size}.toml"))
+    t = cfg.training
+    validation = t.eval_steps * t.global_batch_size * (t.seq_len + 1)
+    header = " ".join(line[1:].strip() for line in (REPO / f"configs/{size}.toml").read_text().splitlines()[:8])
+    expected = (
+        f"{t.eval_steps} x {t.global_batch_size} samples of {t.seq_len + 1} tokens = {validation / 1e6:.1f}M "
+        f"validation tokens, i.e. a corpus of at least {validation / cfg.data.validation_split / 1e6:.0f}M tokens "
+        f"at validation_split {cfg.data.validation_split}"
+    )
+    assert expected in header, header
+    assert f"{t.steps * t.global_batch_size * t.seq_len / 1e9:.1f}B tokens" in header
+
+
+# ---- the documented by-hand commands ------------------------------------------------------------------------------
+
+
+def documented_sbatch_lines() -> list[tuple[str, str]]:
+    """Every `sbatch ... launch/slurm.sh configs/X.toml ...` in the docs, the job script and the configs, with
+    continuation lines joined and comments dropped."""
+    found = []
+    for doc in (
+        "README.md",
+        "docs/multi-node-training.md",
+        "launch/slurm.sh",
+        *sorted((REPO / "configs").glob("*.toml")),
+    ):
+        text = re.sub(r"\\\n\s*", " ", (REPO / doc).read_text())
+        for line in text.splitlines():
+            for part in line.split("`")[1::2] if "`" in line else [line]:  # inline code, or a line of a code block
+                command = part.lstrip("# ").split("  #")[0].strip()
+                if "sbatch " in command and " launch/slurm.sh configs/" in command:
+                    found.append((str(doc), command))
+    return found
+
+
+def test_every_documented_by_hand_command_starts_as_many_processes_as_its_config_needs():
+    lines = documented_sbatch_lines()
+    assert len(lines) >= 6, lines
+    for doc, line in lines:
+        words = [w for w in shlex.split(line) if not re.match(r"^\[|\]$|^\.\.\.", w)]
+        script = words.index("launch/slurm.sh")
+        env = dict(w.split("=", 1) for w in words[: words.index("sbatch")])
+        options = dict(
+            zip(words[words.index("sbatch") + 1 : script : 2], words[words.index("sbatch") + 2 : script : 2])
+        )
+        assert "--output" not in options and "mkdir" not in line, (doc, line)  # the script's default log works as is
+        cfg = load_config(str(REPO / words[script + 1]), parse_overrides(words[script + 2 :])[1])
+        per_node = int(env.get("NPROC_PER_NODE", options.get("--gpus-per-node", 1)))
+        assert int(options["--nodes"]) * per_node == cfg.world_size, (doc, line)

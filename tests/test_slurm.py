@@ -9,6 +9,7 @@ skip; in CI (CI=true) they fail instead, so a cluster that can't start is never 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,7 @@ def cluster_answers(env: dict[str, str]) -> bool:
 def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Environment for sbatch/scontrol and the jobs (they inherit it): a running cluster, or one started here."""
     env = {k: v for k, v in train_env().items() if k != "NPROC_PER_NODE"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the venv activated, as the docs ask
     if cluster_answers(env):
         yield env
         return
@@ -71,8 +73,8 @@ def job_args(data: TinyData, out_dir: Path, name: str, *overrides: str) -> list[
     return ["configs/tiny.toml", *TINY_MODEL, *data.overrides(), *run, *overrides]
 
 
-def sbatch(args: list[str], env: dict[str, str]) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=REPO, env=env, capture_output=True, text=True)
+def sbatch(args: list[str], env: dict[str, str], cwd: Path = REPO) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
@@ -112,8 +114,12 @@ def train_steps(run_dir: Path) -> list[int]:
 
 
 def cluster_has_gpus(env: dict[str, str]) -> bool:
+    return gpus_per_node(env) > 0
+
+
+def gpus_per_node(env: dict[str, str]) -> int:
     nodes = subprocess.run(["scontrol", "show", "nodes", "-o"], env=env, capture_output=True, text=True).stdout
-    return "gpu:" in nodes
+    return int(match[1]) if (match := re.search(r"Gres=gpu:(\d+)", nodes)) else 0
 
 
 @pytest.mark.parametrize("allocation", ["NPROC_PER_NODE=2", "--gpus-per-node=2"])
@@ -191,3 +197,40 @@ def test_preempted_job_checkpoints_and_requeued_job_resumes_until_done(slurm_env
     assert text.count("preempted: stopped at step") == 2 and f"preempted: requeueing job {job}" in text
     assert train_steps(run) == list(range(1, steps + 1)), "each run must resume exactly after the last checkpoint"
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{steps}"
+
+
+def test_the_job_script_runs_as_documented_from_a_fresh_checkout(slurm_env, tiny_data, tmp_path):
+    """`sbatch launch/slurm.sh configs/tiny.toml` with no other option, from a checkout that has no logs/ folder."""
+    checkout = tmp_path / "checkout"
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True)
+    for name in listed.stdout.splitlines():
+        if (REPO / name).is_file():
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, checkout / name)
+    assert (checkout / "launch/slurm.sh").is_file() and not (checkout / "logs").exists()
+    # A whole node (--exclusive) comes with its GPUs, and the script starts one process per GPU.
+    dp = f"--parallelism.dp={max(1, gpus_per_node(slurm_env))}"
+    args = job_args(tiny_data, tmp_path, "fresh", dp, "--training.steps=2")
+    job = sbatch(["launch/slurm.sh", *args], slurm_env, checkout)
+    log = checkout / f"nanotron-{job}.out"
+
+    state = wait_until_done(job, slurm_env, log)
+
+    assert state == "COMPLETED", log.read_text()[-4000:] if log.is_file() else f"no log at {log}"
+    assert train_steps(tmp_path / "fresh") == [1, 2]
+
+
+def test_bad_input_in_a_two_node_job_is_one_error_line_and_exit_code_2(slurm_env, tiny_data, tmp_path):
+    env = {**slurm_env, "NPROC_PER_NODE": "2"}
+    missing = tmp_path / "no-tokenizer"
+    args = job_args(tiny_data, tmp_path, "bad", "--parallelism.dp=4", f"--data.tokenizer={missing}")
+    job = sbatch(["--nodes=2", f"--output={tmp_path}/%x-%j.out", "launch/slurm.sh", *args], env)
+    log = tmp_path / f"nanotron-{job}.out"
+
+    state = wait_until_done(job, env, log)
+
+    text = log.read_text()
+    assert (state, job_field(job, "ExitCode", env)) == ("FAILED", "2:0"), text[-4000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"data.tokenizer: no tokenizer.json at '{missing}'" in errors[0], text[-4000:]
+    assert errors[0].startswith("error: [rank ") and "Traceback" not in text

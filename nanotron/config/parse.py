@@ -23,6 +23,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 SECTIONS = {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
+CONFIG_SPELLINGS = ("config", "config-file", "config_file")  # --config-file: the original nanotron's spelling
 
 
 def _suggest(name: str, options: list[str]) -> str:
@@ -96,10 +97,10 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
             raise ConfigError(f"unexpected argument '{arg}': expected --section.key=value or --config FILE")
         name, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and name != "config"):
+            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and name not in CONFIG_SPELLINGS):
                 raise ConfigError(f"--{name}: missing value; use --{name}=VALUE")
             value, i = argv[i + 1], i + 1
-        if name == "config":
+        if name in CONFIG_SPELLINGS:
             config_path = value
         else:
             pairs.append((name, value))
@@ -111,6 +112,11 @@ def _read_tables(path: Path, what: str) -> dict[str, Any]:
     """The TOML file's top-level tables; a missing or malformed file is a ConfigError naming it."""
     if not path.is_file():
         raise ConfigError(f"{what}: file '{path}' not found; see configs/ for examples")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raise ConfigError(
+            f"{what}: '{path}' is YAML; nanotron configs are TOML with [section] tables (see configs/*.toml, "
+            "and `python -m nanotron.train --help` for every key)"
+        )
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -177,8 +183,15 @@ def toml_text(tables: dict[str, dict[str, Any]]) -> str:
 
 
 def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML: loading it again reproduces the run."""
-    return toml_text(cfg.to_dict())
+    """The resolved config as TOML: loading it again reproduces the run, at this layout or another one.
+
+    grad_accum_steps is written as 0 (derive) once global_batch_size is known: the accumulation a layout needs
+    follows from the global batch, so the file does not pin this layout's value.
+    """
+    tables = cfg.to_dict()
+    if tables["training"]["global_batch_size"] > 0:
+        tables["training"]["grad_accum_steps"] = 0
+    return toml_text(tables)
 
 
 def help_text() -> str:

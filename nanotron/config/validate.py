@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 
 from nanotron.config.schema import PP_ENGINES, PRESET_COMMON, PRESETS, Config, ModelConfig
 from nanotron.errors import ConfigError
+
+# A run name is one path component (the run dir under job.out_dir) and the Slurm job name: no separators, no "..",
+# nothing a shell or a file system treats specially.
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+RUN_NAME_RULE = "up to 100 letters, digits, '.', '_' and '-', starting with a letter or digit"
 
 
 def check_ranges(section_name: str, section: object) -> None:
@@ -46,6 +52,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for section in fields(cfg):
         if section.name != "model":
             check_ranges(section.name, getattr(cfg, section.name))
+    if not RUN_NAME.fullmatch(cfg.job.name):
+        raise ConfigError(f"job.name {cfg.job.name!r}: expected {RUN_NAME_RULE} (it names the run dir in job.out_dir)")
     resolve_model(cfg.model)
     m, p, t, o = cfg.model, cfg.parallelism, cfg.training, cfg.optimizer
     if t.seq_len > m.max_seq_len:

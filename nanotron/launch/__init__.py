@@ -1,5 +1,6 @@
 """Launching runs: `local` starts workers on this machine (torchrun with job-friendly exit codes and
-signals), `cluster` submits a run to Slurm with the seed launcher's flags (`python -m nanotron.launch`)."""
+signals; also each Slurm node's launcher), `cluster` submits a run to Slurm with the seed launcher's flags
+(`python -m nanotron.launch`): `flags` turns them into a config, `preflight` checks what would fail in the queue."""
 
 from nanotron.launch.cluster import main
 

@@ -3,10 +3,12 @@
     python -m nanotron.launch --run_name my_first_experiment --nodes 4 --model_size base
     python -m nanotron.launch --run_name cpu_test --nodes 2 --gpus_per_node 0 --nproc_per_node 2 --dp 4 --tp 1 --dry_run
 
-It resolves and validates the whole config here, on the login node, so a bad flag fails in a second instead
-of after the job waited in the queue. It writes `<out_dir>/<run_name>/config.toml` (the resolved config) and
-`submit.sh` (the exact `sbatch` command), then submits the one job script with `sbatch` options. Any
-`--section.key=value` argument is passed on as a config override, as for `nanotron.train`.
+A run starts from `configs/<model_size>.toml` (or `--config FILE`) and the flags override it. The whole config is
+resolved and checked here, on the login node, with what would fail in the queue (paths, Python, data and split
+sizes, filesystems the nodes share: `preflight.py`), so a mistake costs a second instead of a wait for nodes. It
+writes `<out_dir>/<run_name>/config.toml` (the resolved config, absolute paths) and `submit.sh` (the exact `sbatch`
+command), then submits the one job script with `sbatch` options. Any `--section.key=value` argument is passed on
+as a config override, as for `nanotron.train`.
 """
 
 from __future__ import annotations
@@ -22,55 +24,26 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import fields
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
+import nanotron.launch.preflight as preflight
 from nanotron.config import Config, load_config, parse_overrides, to_toml
+from nanotron.config.validate import RUN_NAME, RUN_NAME_RULE
 from nanotron.errors import ConfigError, LaunchError, run_command
+from nanotron.launch.flags import (
+    CONFIG_FLAGS,
+    config_overrides,
+    fit_max_seq_len,
+    flag_help,
+    model_summary,
+    normalize_spellings,
+    starting_config,
+)
 
 JOB_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "slurm.sh"
 
-# Launcher flag -> config keys it sets; help and choices come from the config schema, values are checked there.
-CONFIG_FLAGS: dict[str, tuple[str, ...]] = {
-    "model_size": ("model.size",),
-    "hidden_size": ("model.hidden_size",),
-    "num_layers": ("model.num_layers",),
-    "num_heads": ("model.num_heads",),
-    "num_kv_heads": ("model.num_kv_heads",),
-    "max_seq_len": ("model.max_seq_len", "training.seq_len"),
-    "train_steps": ("training.steps",),
-    "micro_batch_size": ("training.micro_batch_size",),
-    "grad_accum_steps": ("training.grad_accum_steps", "training.global_batch_size=0"),
-    "learning_rate": ("optimizer.lr",),
-    "warmup_steps": ("optimizer.warmup_steps",),
-    "dataset": ("data.path",),
-    "dp": ("parallelism.dp",),
-    "tp": ("parallelism.tp",),
-    "pp": ("parallelism.pp",),
-    "pp_engine": ("parallelism.pp_engine",),
-    "tp_mode": ("parallelism.tp_mode",),
-    "save_interval": ("checkpoint.interval",),
-    "save_initial_state": ("checkpoint.save_initial_state",),
-    "resume_from_checkpoint": ("checkpoint.resume_from",),
-    "profiler_export_path": ("profiler.export_path",),
-}
-
-# The seed launcher's defaults. They apply when no --config is given; with --config the file decides.
-LAUNCHER_DEFAULTS: dict[str, object] = {
-    "dp": 8,
-    "tp": 2,
-    "pp": 1,
-    "train_steps": 10000,
-    "learning_rate": 3e-4,
-    "micro_batch_size": 2,
-    "grad_accum_steps": 8,
-    "dataset": "stas/openwebtext-10k",
-    "save_interval": 1000,
-}
-
-SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 SAFE_PARTITION = re.compile(r"[A-Za-z0-9_.,-]*")
 SAFE_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+")
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD"}
@@ -96,16 +69,6 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def flag_help(flag: str) -> str:
-    """The config key's own help, choices and the launcher default: flags and config can't drift apart."""
-    key = CONFIG_FLAGS[flag][0]
-    section, name = key.split(".")
-    meta = next(f.metadata for f in fields(getattr(Config(), section)) if f.name == name)
-    choices = f"; one of {', '.join(map(str, meta['choices']))}" if meta.get("choices") else ""
-    default = f"; default {LAUNCHER_DEFAULTS[flag]} without --config" if flag in LAUNCHER_DEFAULTS else ""
-    return f"{meta['help']} [{', '.join(CONFIG_FLAGS[flag])}{choices}{default}]"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m nanotron.launch",
@@ -114,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with sbatch. Extra --section.key=value arguments are config overrides, as for nanotron.train.",
     )
     p.add_argument("--run_name", required=True, help="run dir name and Slurm job name (letters, digits, . _ -)")
-    p.add_argument("--config", help="TOML config to start from (default: built-in defaults + launcher defaults)")
+    p.add_argument(
+        "--config",
+        help="TOML config to start from (default: configs/<model_size>.toml; without --model_size, the preset "
+        "nearest --hidden_size, else tiny)",
+    )
     slurm = p.add_argument_group("Slurm")
     slurm.add_argument("--nodes", type=_int_at_least(1), default=2, help="most nodes to request (default 2)")
     slurm.add_argument(
@@ -132,32 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
         config.add_argument(f"--{flag}", action="store_true" if bool_flag else None, default=None, help=flag_help(flag))
     run = p.add_argument_group("execution")
     run.add_argument("--show_logs", action="store_true", help="follow the job's log until the job ends")
-    run.add_argument("--dry_run", action="store_true", help="write the run dir and print everything; submit nothing")
+    run.add_argument(
+        "--dry_run", action="store_true", help="check, write the run dir and print everything; submit nothing"
+    )
     return p
-
-
-def config_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """The (key, value) overrides for the flags the user gave, plus the launcher defaults without --config."""
-    given = {flag: getattr(args, flag) for flag in CONFIG_FLAGS if getattr(args, flag) is not None}
-    if args.config is None:
-        given = {**{k: v for k, v in LAUNCHER_DEFAULTS.items() if k not in given}, **given}
-    pairs = []
-    for flag, value in given.items():
-        for key in CONFIG_FLAGS[flag]:
-            key, fixed, fixed_value = key.partition("=")  # "key=value": a value the flag implies
-            pairs.append((key, fixed_value if fixed else str(value)))
-    if "learning_rate" in given:  # as the seed launcher: decay to a tenth of the peak, never above it
-        pairs.append(("optimizer.min_lr", str(float(given["learning_rate"]) / 10)))
-    return [*pairs, ("job.name", args.run_name)]
 
 
 def check_slurm_flags(args: argparse.Namespace) -> None:
     """Flags that reach sbatch or paths are restricted to safe characters, so nothing can inject commands."""
-    if not SAFE_NAME.fullmatch(args.run_name):
-        raise ConfigError(
-            f"--run_name {args.run_name!r}: use up to 100 letters, digits, '.', '_' and '-', "
-            "starting with a letter or digit (it names a folder and the Slurm job)"
-        )
+    if not RUN_NAME.fullmatch(args.run_name):
+        raise ConfigError(f"--run_name {args.run_name!r}: use {RUN_NAME_RULE} (it names a folder and the Slurm job)")
     if not SAFE_PARTITION.fullmatch(args.partition):
         raise ConfigError(f"--partition {args.partition!r}: expected a Slurm partition name (letters, digits, _.,-)")
     if args.email is not None and not SAFE_EMAIL.fullmatch(args.email):
@@ -222,7 +173,7 @@ def plan_nodes(cfg: Config, args: argparse.Namespace) -> tuple[int, int, list[st
     return nodes, procs, notes
 
 
-def sbatch_command(args: argparse.Namespace, cfg: Config, nodes: int, procs: int) -> list[str]:
+def sbatch_command(args: argparse.Namespace, cfg: Config, nodes: int, procs: int, python: str) -> list[str]:
     """sbatch options for the one job script: no templated second script, so hand and launcher runs agree."""
     run_dir = cfg.run_dir
     limit = time_limit_seconds(args.time_limit)
@@ -241,7 +192,7 @@ def sbatch_command(args: argparse.Namespace, cfg: Config, nodes: int, procs: int
         cmd.append(f"--gpus-per-node={procs}")
     if args.email:
         cmd += [f"--mail-user={args.email}", "--mail-type=END,FAIL"]
-    cmd.append(f"--export=ALL,NPROC_PER_NODE={procs}")
+    cmd.append(f"--export=ALL,NPROC_PER_NODE={procs},NANOTRON_PYTHON={python}")
     return [*cmd, _display_path(JOB_SCRIPT), str(run_dir / "config.toml")]
 
 
@@ -313,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch(argv: list[str]) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    preflight.check_printable(argv)
+    args, extra = parser.parse_known_args(normalize_spellings(argv, parser))
     _, passthrough = parse_overrides(extra)
     for key, _ in passthrough:
         if "." not in key:
@@ -324,9 +276,10 @@ def _launch(argv: list[str]) -> int:
         if key == "job.name":
             raise ConfigError("--job.name: set the run name with --run_name")
     check_slurm_flags(args)
-    cfg = load_config(args.config, config_overrides(args) + passthrough)
-    nodes, procs, notes = plan_nodes(cfg, args)
-    cmd = sbatch_command(args, cfg, nodes, procs)
+    cfg, notes = resolve_config(args, passthrough)
+    nodes, procs, layout_notes = plan_nodes(cfg, args)
+    python = preflight.job_python()
+    cmd = sbatch_command(args, cfg, nodes, procs, python)
     if not JOB_SCRIPT.is_file():
         raise LaunchError(f"{JOB_SCRIPT} not found: run from a source checkout of nanotron (pip install -e .)")
     if not args.dry_run and shutil.which("sbatch") is None:
@@ -334,11 +287,14 @@ def _launch(argv: list[str]) -> int:
             "sbatch not found: run this on a Slurm login node, or add --dry_run to only write "
             f"{cfg.run_dir}/config.toml and print the sbatch command"
         )
+    preflight.check_data(cfg)
+    notes += layout_notes + preflight.shared_filesystem_notes(preflight.job_paths(cfg, sys.prefix, Path.cwd()))
     for note in notes:
         print(note, file=sys.stderr)
     if (cfg.checkpoint_dir / "latest").exists() and cfg.checkpoint.resume_from == "auto":
         print(f"note: {cfg.checkpoint_dir} has checkpoints: the job resumes from the latest", file=sys.stderr)
     submit_file = write_run_dir(cfg, cmd, argv)
+    print(model_summary(cfg))
     print(f"resolved config: {cfg.run_dir / 'config.toml'}")
     print(f"sbatch command ({submit_file}):\n  {shlex.join(cmd)}")
     if args.dry_run:
@@ -353,6 +309,18 @@ def _launch(argv: list[str]) -> int:
     state = follow_log(job_id, log)
     print(f"job {job_id}: {state}")
     return 0 if state == "COMPLETED" else 1
+
+
+def resolve_config(args: argparse.Namespace, passthrough: list[tuple[str, str]]) -> tuple[Config, list[str]]:
+    """The run's config: the starting file, the flags and overrides, absolute paths; and notes on what was chosen."""
+    path, notes = starting_config(args)
+    if not path.is_file() and args.config is None:
+        raise LaunchError(f"{path} not found: run from a source checkout of nanotron, or pass --config FILE")
+    overrides = fit_max_seq_len(path, args, config_overrides(args, passthrough))
+    cfg = load_config(path, overrides)
+    preflight.make_paths_absolute(cfg)
+    preflight.check_config_strings(cfg)
+    return cfg, notes
 
 
 if __name__ == "__main__":
