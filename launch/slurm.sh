@@ -32,7 +32,9 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))   # distinct per job: jobs may share a host
 export MASTER_ADDR MASTER_PORT
-export CUDA_DEVICE_MAX_CONNECTIONS=1   # keeps TP communication kernels ordered before compute on GPUs
+# CUDA/NCCL defaults (CUDA_DEVICE_MAX_CONNECTIONS by layout, PYTORCH_CUDA_ALLOC_CONF=expandable_segments,
+# the NCCL flight recorder dumped into the run dir on a timeout) are set by the trainer from the resolved
+# config before CUDA starts (nanotron/gpu.py); export any of them before sbatch to override it.
 
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) x $NPROC_PER_NODE" \
   "process(es), rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG $*"

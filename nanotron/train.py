@@ -24,12 +24,21 @@ from nanotron.config import Config, help_text, load_config, parse_overrides, to_
 from nanotron.data import Corpus, build_train_loader, eval_batches, load_corpus
 from nanotron.distributed import ParallelContext, destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import ConfigError, DivergenceError, exit_process, run_command
+from nanotron.gpu import apply_env_defaults, set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.launch.local import pop_nproc, spawn_local
-from nanotron.metrics import MetricsLogger, Profiler, StepTimer, detect_peak_tflops, run_line, step_record
+from nanotron.metrics import (
+    MetricsLogger,
+    Profiler,
+    StepTimer,
+    detect_peak_tflops,
+    memory_record,
+    run_line,
+    step_record,
+)
 from nanotron.models.llama import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from nanotron.parallel import async_tp_available, build_model, enable_async_tp
+from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
 from nanotron.parallel.pipeline import build_schedule
 from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
@@ -60,17 +69,15 @@ class Trainer:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self.request_stop)
         self.ctx: ParallelContext = init_distributed(cfg)
+        set_matmul_precision(cfg, self.ctx.device)
         p = cfg.parallelism
         self.corpus = prepare_data(cfg)
         if p.tp_linear_async_communication:
-            if async_tp_available(cfg, self.ctx.device):
+            reason = async_tp_unavailable(cfg, self.ctx.device)
+            if reason is None:
                 enable_async_tp(self.ctx)
             elif self.ctx.rank == 0:
-                print(
-                    "warning: parallelism.tp_linear_async_communication is unavailable here (async TP needs "
-                    "CUDA, training.compile=true and tp > 1); using synchronous TP",
-                    flush=True,
-                )
+                print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)
         self.stages = build_model(cfg, self.ctx)
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
@@ -262,9 +269,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
         peak = cfg.logging.peak_tflops or (
-            detect_peak_tflops(self.ctx.device, torch.bfloat16 if t.dtype == "bfloat16" else torch.float32)
-            if self.is_logging_rank
-            else 0.0
+            detect_peak_tflops(self.ctx.device, t.dtype, t.tf32) if self.is_logging_rank else 0.0
         )
         timer, stop = StepTimer(self.state.step, t.steps), False
         profiler = Profiler.start(
@@ -279,11 +284,12 @@ class Trainer:
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
                 step_time, eta = timer.lap(self.state.step)
                 loss_value = self.dp_mean(loss)
+                memory = memory_record(self.ctx.device)  # a collective: every rank
                 if self.is_logging_rank:
                     lr = lr_at(self.state.step - 1, cfg.optimizer, t.steps)
                     record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
                     record |= _throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
-                    self.metrics.log_step(record, t.steps, self.ctx.device)
+                    self.metrics.log_step(record | memory, t.steps)
             if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                 self.log_eval()
             if not stop and cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
@@ -347,6 +353,7 @@ def _main(argv: list[str]) -> int:
     cfg = load_config(path, overrides, world_size=nproc or launched_world_size())
     check_writable("job.out_dir", cfg.run_dir)
     check_writable("checkpoint.dir", cfg.checkpoint_dir)
+    apply_env_defaults(cfg)  # before anything touches CUDA or NCCL; local ranks inherit them
     if nproc:
         prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
         return spawn_local(nproc, ["-m", "nanotron.train", *argv])
