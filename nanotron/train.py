@@ -84,7 +84,7 @@ class Trainer:
         stage_ids = [index for index, _ in self.stages]
         self.has_first, self.has_last = 0 in stage_ids, cfg.num_stages - 1 in stage_ids
         self.schedule = (
-            build_schedule(self.stages, cfg, self.ctx.mesh["pp"], self.ctx.device, self.loss_fn) if p.pp > 1 else None
+            build_schedule(self.stages, cfg, self.ctx.mesh, self.ctx.device, self.loss_fn) if p.pp > 1 else None
         )
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
@@ -104,6 +104,7 @@ class Trainer:
                 "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
             },
             log=self.metrics.info,
+            device=self.ctx.device,
         )
 
     # ---- one step -------------------------------------------------------------------------------
@@ -189,6 +190,7 @@ class Trainer:
         if non_finite:
             self.skip_step(loss, grad_norm)
         else:
+            self.checkpoints.wait_for_staging()  # an async save's copy of the weights is complete
             for optimizer in self.optimizers:
                 optimizer.step()
         return loss, grad_norm, stop
@@ -310,7 +312,7 @@ class Trainer:
         copy_tokenizer(Path(self.cfg.data.tokenizer), step_dir / "tokenizer")
 
     def close(self) -> None:
-        self.checkpoints.wait()
+        self.checkpoints.close()
         self.metrics.close()
 
 

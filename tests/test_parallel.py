@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TINY_MODEL, read_metrics, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nanotron.config import load_config, parse_overrides
+from nanotron.distributed import destroy_distributed, init_distributed
 from nanotron.models.llama import LlamaForCausalLM, param_init_std
 from nanotron.parallel.init import init_weights
-from nanotron.parallel.pipeline import split_layers
+from nanotron.parallel.pipeline import build_schedule, split_layers, split_model
 
 STEPS = 5
 RTOL = 1e-5
@@ -177,6 +179,32 @@ def test_initial_weights_follow_the_configured_std_and_equal_one_process_init_at
         assert abs(expected.std().item() / std - 1) < 5 / (2 * n) ** 0.5, name
     depth_scaled = param_init_std(cfg.model, "model.layers.0.mlp.down_proj.weight")
     assert depth_scaled == pytest.approx(cfg.model.init_std / (2 * cfg.model.num_layers) ** 0.5)
+
+
+def test_first_pipeline_step_runs_each_stage_once_per_microbatch():
+    """Static stage shapes: step 1 runs no extra metadata forward+backward on placeholder tensors. Two
+    interleaved stages on one rank (a world of one) exercise the same PipelineStage path as pp ranks."""
+    args = ["--config", "configs/tiny.toml", *TINY_MODEL, "--parallelism.pp_engine=interleaved_1f1b"]
+    cfg = load_config(*parse_overrides(args))
+    ctx = init_distributed(cfg)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg.model)
+        stages = split_model(model, cfg, pp_rank=0)
+        calls = {index: 0 for index, _ in stages}
+        for index, module in stages:
+            module.to_empty(device="cpu")
+            init_weights(module, cfg.job.seed)
+            module.register_forward_pre_hook(lambda m, a, index=index: calls.__setitem__(index, calls[index] + 1))
+        loss_fn = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # noqa: E731
+        schedule = build_schedule(stages, cfg, ctx.mesh, ctx.device, loss_fn)
+        batch = torch.randint(0, cfg.model.vocab_size, (cfg.training.global_batch_size, cfg.training.seq_len + 1))
+        losses: list[torch.Tensor] = []
+        schedule.step(batch[:, :-1], target=batch[:, 1:], losses=losses)
+        assert len(losses) == cfg.training.grad_accum_steps == 4
+        assert calls == {0: 4, 1: 4}
+    finally:
+        destroy_distributed()
 
 
 def test_stage_split_balances_cost_and_gives_every_stage_a_layer():
