@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.gpu import apply_env_defaults, env_defaults
+from nanotron.parallel import async_tp_unavailable
 
 
 def config(*overrides: str):
@@ -67,3 +69,19 @@ def test_apply_sets_the_defaults_in_this_process_for_the_ranks_it_starts(monkeyp
     applied = apply_env_defaults(config("--parallelism.dp=2"))
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == applied["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and "TORCH_NCCL_DUMP_ON_TIMEOUT" not in applied
+
+
+@pytest.mark.parametrize(
+    "overrides, device, reason",
+    [
+        (["--parallelism.tp_mode=all_reduce"], "cuda", "nothing to overlap"),
+        (["--training.compile=false"], "cuda", "training.compile=true"),
+        ([], "cpu", "needs CUDA"),
+        (["--parallelism.tp=1"], "cuda", "tp > 1"),
+        ([], "cuda", None),
+    ],
+)
+def test_async_tp_says_why_it_cannot_run(overrides, device, reason):
+    base = ["--parallelism.tp=2", "--parallelism.tp_linear_async_communication=true", "--training.compile=true"]
+    why = async_tp_unavailable(config(*base, *overrides), torch.device(device))
+    assert why == reason if reason is None else reason in why
