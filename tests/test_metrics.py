@@ -117,7 +117,7 @@ def _memory_worker(rank: int, world: int, init_file: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     if rank == 1:  # the rank that peaks higher, e.g. the first 1F1B stage
-        big = torch.ones(256 * 2**20, dtype=torch.uint8)  # 256 MiB touched: resident
+        big = torch.ones(512 * 2**20, dtype=torch.uint8)  # 512 MiB touched: resident
         del big
     record = memory_record(torch.device("cpu"))
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # this rank's own peak, GiB
@@ -133,5 +133,5 @@ def test_memory_is_the_maximum_over_ranks(tmp_path):
     mp.spawn(_memory_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2)
     results = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
     assert results[0]["record"] == results[1]["record"]
-    assert results[1]["own"] > results[0]["own"] + 0.2  # rank 1 really peaked higher
+    assert results[1]["own"] > results[0]["own"] + 0.25  # rank 1 really peaked higher
     assert results[0]["record"]["memory_gib"] == pytest.approx(results[1]["own"])
