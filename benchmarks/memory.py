@@ -94,7 +94,7 @@ def worker(args: list[str], out: Path) -> None:
 
     from nanotron.config import load_config, parse_overrides
     from nanotron.distributed import destroy_distributed, launched_world_size
-    from nanotron.metrics import peak_memory_gib
+    from nanotron.metrics import memory_record
     from nanotron.train import Trainer
 
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0
@@ -108,7 +108,7 @@ def worker(args: list[str], out: Path) -> None:
         for value in state.values()
         if torch.is_tensor(value)
     ]
-    peak = peak_memory_gib(trainer.ctx.device)
+    peak = memory_record(trainer.ctx.device)["memory_gib"]
     record = {
         "rank": trainer.ctx.rank,
         "param_bytes": sum(local_bytes(p) for p in trainer.params),

@@ -55,7 +55,9 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # the local ports of outgoing connections: one of those could already hold the rendezvous port.
 MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
 export MASTER_ADDR MASTER_PORT
-export CUDA_DEVICE_MAX_CONNECTIONS=1   # keeps TP communication kernels ordered before compute on GPUs
+# CUDA/NCCL defaults (CUDA_DEVICE_MAX_CONNECTIONS by layout, PYTORCH_CUDA_ALLOC_CONF=expandable_segments,
+# the NCCL flight recorder dumped into the run dir on a timeout) are set by the trainer from the resolved
+# config before CUDA starts (nanotron/gpu.py); export any of them before sbatch to override it.
 
 # ---- NCCL defaults (values set in the submitting environment win) --------------------------------------------------
 # WARN reports NCCL problems without flooding the log; error handling 1 aborts the communicator and ends the process

@@ -10,34 +10,60 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nanotron.config import Config, ProfilerConfig
+from nanotron.gpu import gpu_peak_tflops, math_mode
 from nanotron.models.llama import num_params
 
-# Dense bf16 peak TFLOP/s per GPU by name fragment (fp32 runs use the TF32 peak, half of it).
-GPU_PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
 
-
-def detect_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
-    """Per-device peak: a table for GPUs; on CPU, a measured matmul rate (what one rank really gets)."""
+def detect_peak_tflops(device: torch.device, dtype: str, tf32: bool) -> float:
+    """Per-device peak for MFU: the GPU table (0 with a warning for a device it doesn't know); on CPU, a
+    measured matmul rate (what one rank really gets: the best of a few 1024^3 probes)."""
+    mode = math_mode(dtype, tf32)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), 0.0)
-        return peak if dtype == torch.bfloat16 else peak / 2
-    a = torch.randn(512, 512, dtype=dtype)
+        peak = gpu_peak_tflops(name, mode)
+        if peak is None:
+            print(
+                f"warning: no {mode} peak TFLOP/s known for '{name}', so MFU is logged as 0; set "
+                f"logging.peak_tflops to the device's dense {mode} peak from its datasheet",
+                flush=True,
+            )
+        return peak or 0.0
+    a = torch.randn(1024, 1024, dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
     torch.mm(a, a)
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.2:
-        torch.mm(a, a)
-        n += 1
-    return 2 * 512**3 * n / (time.perf_counter() - start) / 1e12
+    rates = []
+    for _ in range(3):
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.1:
+            torch.mm(a, a)
+            n += 1
+        rates.append(2 * 1024**3 * n / (time.perf_counter() - start) / 1e12)
+    return max(rates)
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak allocated device memory on GPU; peak resident set size of this process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def memory_record(device: torch.device) -> dict[str, float]:
+    """Peak memory of the rank that must fit (e.g. the first 1F1B stage): the maximum over all ranks of
+    allocated and reserved (allocated + cached: fragmentation) device memory and host RSS on GPU, of RSS
+    alone on CPU. A collective of a few numbers that every rank calls (on logging steps only)."""
+    if device.type != "cuda":
+        local = {"memory_gib": _peak_rss_gib()}
+    else:
+        local = {
+            "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "host_memory_gib": _peak_rss_gib(),
+        }
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    values = torch.tensor(list(local.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(local, values.tolist()))
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def format_duration(seconds: float) -> str:
@@ -76,9 +102,8 @@ class MetricsLogger:
         if line:
             print(line, flush=True)
 
-    def log_step(self, record: dict, total_steps: int, device: torch.device) -> None:
-        """A training step's record, with this process's peak memory, as metrics and the step line."""
-        record = {**record, "memory_gib": peak_memory_gib(device)}
+    def log_step(self, record: dict, total_steps: int) -> None:
+        """A training step's record as metrics and the step line."""
         self.log(record, step_line(record, total_steps))
 
     def info(self, message: str) -> None:
@@ -97,8 +122,14 @@ def step_line(r: dict, total_steps: int) -> str:
     return (
         f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad_norm {r['grad_norm']:.3f}"
         f" | tokens/s {r['tokens_per_sec']:.0f} | tflops {r['tflops']:.3f} | mfu {100 * r['mfu']:.2f}%"
-        f" | mem {r['memory_gib']:.2f}GiB | eta {format_duration(r['eta_sec'])}"
+        f" | mem {r['memory_gib']:.2f}GiB{_memory_detail(r)} | eta {format_duration(r['eta_sec'])}"
     )
+
+
+def _memory_detail(r: dict) -> str:
+    if "memory_reserved_gib" not in r:
+        return ""
+    return f" (reserved {r['memory_reserved_gib']:.2f}GiB, host {r['host_memory_gib']:.2f}GiB)"
 
 
 def step_record(state: Any, loss: float | None, lr: float, grad_norm: float, step_time: float, eta: float) -> dict:

@@ -24,12 +24,21 @@ from nanotron.config import Config, help_text, load_config, parse_overrides, to_
 from nanotron.data import Corpus, build_train_loader, check_corpus_size, eval_batches, load_corpus
 from nanotron.distributed import ParallelContext, destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import ConfigError, DivergenceError, exit_process, run_command
+from nanotron.gpu import apply_env_defaults, set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.launch.local import pop_nproc, spawn_local
-from nanotron.metrics import MetricsLogger, Profiler, StepTimer, detect_peak_tflops, run_line, step_record
+from nanotron.metrics import (
+    MetricsLogger,
+    Profiler,
+    StepTimer,
+    detect_peak_tflops,
+    memory_record,
+    run_line,
+    step_record,
+)
 from nanotron.models.llama import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from nanotron.parallel import async_tp_available, build_model, enable_async_tp
+from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
 from nanotron.parallel.pipeline import build_schedule, forward_only
 from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
@@ -60,24 +69,22 @@ class Trainer:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self.request_stop)
         self.ctx: ParallelContext = init_distributed(cfg)
+        set_matmul_precision(cfg, self.ctx.device)
         p = cfg.parallelism
         self.corpus = prepare_data(cfg)
         if p.tp_linear_async_communication:
-            if async_tp_available(cfg, self.ctx.device):
+            reason = async_tp_unavailable(cfg, self.ctx.device)
+            if reason is None:
                 enable_async_tp(self.ctx)
             elif self.ctx.rank == 0:
-                print(
-                    "warning: parallelism.tp_linear_async_communication is unavailable here (async TP needs "
-                    "CUDA, training.compile=true and tp > 1); using synchronous TP",
-                    flush=True,
-                )
+                print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)
         self.stages = build_model(cfg, self.ctx)
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
         stage_ids = [index for index, _ in self.stages]
         self.has_first, self.has_last = 0 in stage_ids, cfg.num_stages - 1 in stage_ids
         self.schedule = (
-            build_schedule(self.stages, cfg, self.ctx.mesh["pp"], self.ctx.device, self.loss_fn) if p.pp > 1 else None
+            build_schedule(self.stages, cfg, self.ctx.mesh, self.ctx.device, self.loss_fn) if p.pp > 1 else None
         )
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
@@ -97,6 +104,7 @@ class Trainer:
                 "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
             },
             log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
+            device=self.ctx.device,
         )
 
     # ---- one step -------------------------------------------------------------------------------
@@ -183,6 +191,7 @@ class Trainer:
         if non_finite:
             self.skip_step(loss, grad_norm)
         else:
+            self.checkpoints.wait_for_staging()  # an async save's copy of the weights is complete
             for optimizer in self.optimizers:
                 optimizer.step()
         return loss, grad_norm, stop
@@ -263,9 +272,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
         peak = cfg.logging.peak_tflops or (
-            detect_peak_tflops(self.ctx.device, torch.bfloat16 if t.dtype == "bfloat16" else torch.float32)
-            if self.is_logging_rank
-            else 0.0
+            detect_peak_tflops(self.ctx.device, t.dtype, t.tf32) if self.is_logging_rank else 0.0
         )
         timer, stop = StepTimer(self.state.step, t.steps), False
         profiler = Profiler.start(
@@ -280,12 +287,13 @@ class Trainer:
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
                 step_time, eta = timer.lap(self.state.step)
                 loss_value = self.dp_mean(loss)
+                memory = memory_record(self.ctx.device)  # a collective: every rank
                 if self.is_logging_rank:
                     group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
                     lr = group["lr"] / group.get("lr_scale", 1.0)
                     record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
                     record |= _throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
-                    self.metrics.log_step(record, t.steps, self.ctx.device)
+                    self.metrics.log_step(record | memory, t.steps)
             if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                 self.log_eval()
             if not stop and cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
@@ -306,7 +314,7 @@ class Trainer:
         copy_tokenizer(Path(self.cfg.data.tokenizer), step_dir / "tokenizer")
 
     def close(self) -> None:
-        self.checkpoints.wait()
+        self.checkpoints.close()
         self.metrics.close()
 
 
@@ -351,6 +359,7 @@ def _main(argv: list[str]) -> int:
     cfg = load_config(path, overrides, world_size=nproc or launched_world_size())
     check_writable("job.out_dir", cfg.run_dir)
     check_writable("checkpoint.dir", cfg.checkpoint_dir)
+    apply_env_defaults(cfg)  # before anything touches CUDA or NCCL; local ranks inherit them
     if nproc:
         prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
         return spawn_local(nproc, ["-m", "nanotron.train", *argv])

@@ -68,3 +68,15 @@ def test_memory_quick_counts_state_bytes_per_rank(tmp_path, work_dir):
     one = rows["1 process"]
     assert float(one["optimizer_mib"]) == pytest.approx(2 * float(one["param_mib"]), rel=1e-3)
     assert len(rows["dp2 zero3"]["rank_state_mib"].split()) == 2
+
+
+@pytest.mark.slow
+def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
+    """The GPU check's own smoke test on CPU: one device eager, dp2 with async saves, and a resume, each
+    checked (finite falling losses, dp2 equal to one device, the resume equal to the uninterrupted run)."""
+    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir)
+    rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
+    assert list(rows) == ["bf16 eager", "dp2 fsdp2", "dp2 resumed"]
+    assert all(r["verdict"] == "ok" for r in rows.values()), rows
+    assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
+    assert "device: cpu x 2" in stdout

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TINY_MODEL, read_metrics, run_train, train_env, train_losses
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from nanotron.checkpoint import (
     CheckpointManager,
@@ -418,3 +419,28 @@ def test_manager_saves_and_loads_any_stateful_components_without_a_trainer(tmp_p
     fresh.load(latest_checkpoint(tmp_path))
     assert torch.equal(fresh_weights.state["w"], torch.arange(6.0).reshape(2, 3) + 3)
     assert fresh_progress.state["step"] == 3
+
+
+def test_async_save_keeps_the_state_as_of_the_save_while_training_changes_it(tmp_path, monkeypatch):
+    """Async saves copy the state into staging buffers kept across saves, in a background thread; once
+    wait_for_staging() returns (the trainer calls it before each optimizer step) in-place updates no longer
+    reach the checkpoint, and the next save refills the same buffers with the new values."""
+    slow_stage = DefaultStager._stage
+
+    def stage_slowly(self, state_dict, **kwargs):  # as a GPU-to-host copy of many GB is
+        time.sleep(0.3)
+        return slow_stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_slowly)
+    weights, progress = Box(w=torch.zeros(1000)), Box(step=0)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=True), {"model": weights}, progress)
+    for step in (1, 2):
+        progress.state["step"] = step
+        manager.save(step)
+        manager.wait_for_staging()
+        weights.state["w"].add_(1)  # an optimizer step, in place, while the write to disk may still run
+    manager.close()
+    for step, value in ((1, 0.0), (2, 1.0)):
+        loaded = Box(w=torch.full((1000,), -1.0))
+        CheckpointManager(tmp_path, CheckpointConfig(), {"model": loaded}, Box(step=0)).load(tmp_path / f"step-{step}")
+        assert torch.all(loaded.state["w"] == value), step

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.futures import Future
 
 import nanotron.checkpoint.layout as layout
@@ -65,6 +66,10 @@ class CheckpointManager:
 
     `write_extras(step_dir)` runs on rank 0 before each commit (e.g. the resolved config and the tokenizer);
     `meta` is recorded in trainer_state.json for people and tools (layout, batch size) and never loaded.
+
+    Async saves copy the state to host memory in a background thread ("staging") into buffers kept from one
+    save to the next (pinned, with non-blocking copies, when `device` is CUDA); the write to disk follows in
+    another thread. Whoever changes the state in place (the optimizer step) calls `wait_for_staging()` first.
     """
 
     def __init__(
@@ -76,11 +81,15 @@ class CheckpointManager:
         write_extras: Callable[[Path], None] = lambda step_dir: None,
         meta: dict[str, Any] | None = None,
         log: Callable[[str], None] = print,
+        device: torch.device | str = "cpu",
     ):
         self.folder, self.options, self.states, self.progress = folder, options, states, progress
         self.write_extras, self.meta, self.log = write_extras, meta or {}, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: tuple[Future, Path, Path, dict] | None = None
+        self.staging: Future | None = None
+        self.device = torch.device(device)
+        self.stager: DefaultStager | None = None
         self.last_saved_step = -1
         # Async saves run collectives from a background thread: give them their own process group.
         self.async_group = dist.new_group(backend="gloo") if options.async_save and dist.is_initialized() else None
@@ -104,14 +113,37 @@ class CheckpointManager:
         progress = {**self.progress.state_dict(), **self.meta}  # as of now, even if an async save commits later
         with dcp_errors(tmp, "save"):
             if self.options.async_save and not final:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
-                self.pending = (future, tmp, target, progress)
+                self._async_save(state, tmp, target, progress)
                 return
             dcp.save(state, checkpoint_id=str(tmp))
         self._commit(tmp, target, progress)
 
+    def _async_save(self, state: dict, tmp: Path, target: Path, progress: dict) -> None:
+        if self.stager is None:
+            cuda = self.device.type == "cuda"
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+                )
+            )
+        if self.device.type == "cuda":  # the staging stream must not copy before the optimizer step's kernels ran
+            torch.cuda.current_stream(self.device).synchronize()
+        response = dcp.async_save(
+            state, checkpoint_id=str(tmp), process_group=self.async_group, async_stager=self.stager
+        )
+        self.staging = response.staging_completion
+        self.pending = (response.upload_completion, tmp, target, progress)
+
+    def wait_for_staging(self) -> None:
+        """Returns once an async save has its copy of the state: the state may then change in place."""
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            with dcp_errors(self.pending[1] if self.pending else self.folder, "save"):
+                staging.result()
+
     def wait(self) -> None:
         """Finishes and commits an async save still in flight."""
+        self.wait_for_staging()
         if self.pending is not None:
             future, tmp, target, progress = self.pending
             self.pending = None
@@ -133,6 +165,13 @@ class CheckpointManager:
             layout.prune(self.folder, layout.step_of(target), self.options.keep_last)
             self.log(f"checkpoint: saved {target}")
         _barrier()
+
+    def close(self) -> None:
+        """Finishes any save in flight and frees the staging buffers."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     # ---- load ---------------------------------------------------------------------------------------
 

@@ -114,7 +114,7 @@ class ParallelismConfig:
         "all_reduce (Megatron TP) or reduce_scatter (sequence parallel)",
         ("all_reduce", "reduce_scatter"),
     )
-    tp_linear_async_communication: bool = _opt(False, "async TP (needs CUDA + training.compile)")
+    tp_linear_async_communication: bool = _opt(False, "async TP (CUDA, training.compile, tp_mode=reduce_scatter)")
     zero_stage: int = _opt(
         0, "0 replicate (DDP), 1/2 FSDP keeping params after forward, 3 FSDP resharding", (0, 1, 2, 3)
     )
@@ -140,6 +140,7 @@ class TrainingConfig:
     eval_interval: int = _opt(50, "steps between validation passes; 0 disables", min=0)
     eval_steps: int = _opt(4, "global batches per validation pass", min=1)
     compile: bool = _opt(False, "torch.compile each decoder layer")
+    tf32: bool = _opt(True, "on CUDA, float32 matmuls on TF32 tensor cores (MFU vs the TF32 peak); false = full fp32")
     device: str = _opt("auto", "auto (cuda if available), cuda or cpu", ("auto", "cuda", "cpu"))
 
 

@@ -16,8 +16,26 @@ from nanotron.parallel.recompute import apply_recompute
 from nanotron.parallel.tensor import apply_tensor_parallel
 
 
-def async_tp_available(cfg: Config, device: torch.device) -> bool:
-    return device.type == "cuda" and cfg.training.compile and cfg.parallelism.tp > 1
+def async_tp_unavailable(cfg: Config, device: torch.device) -> str | None:
+    """Why parallelism.tp_linear_async_communication can't take effect here (None: it can).
+
+    Async TP is inductor's micro-pipelining of sequence parallelism: it splits each all-gather before a
+    column-parallel matmul and each reduce-scatter after a row-parallel one into chunks that overlap the
+    matmul. Plain Megatron TP (all_reduce) has neither pattern, so there it would overlap nothing.
+    """
+    p = cfg.parallelism
+    if p.tp == 1:
+        return "async TP needs tp > 1"
+    if p.tp_mode == "all_reduce":
+        return (
+            "with tp_mode='all_reduce' async TP has nothing to overlap (it overlaps the all-gathers and "
+            "reduce-scatters of tp_mode='reduce_scatter' with the matmuls); use tp_mode='reduce_scatter'"
+        )
+    if not cfg.training.compile:
+        return "async TP is an inductor pass: it needs training.compile=true"
+    if device.type != "cuda":
+        return "async TP needs CUDA (symmetric memory)"
+    return None
 
 
 def enable_async_tp(ctx: ParallelContext) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed.pipelining as pipelining
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor, Shard
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.llama import LlamaForCausalLM
@@ -91,19 +92,63 @@ def split_model(model: LlamaForCausalLM, cfg: Config, pp_rank: int) -> list[tupl
 def build_schedule(
     stages: list[tuple[int, torch.nn.Module]],
     cfg: Config,
-    pp_mesh: DeviceMesh,
+    mesh: DeviceMesh,
     device: torch.device,
     loss_fn: Callable,
 ):
     """The `parallelism.pp_engine` schedule over this rank's stages (one microbatch per gradient-accumulation
-    step); gradients are averaged over the microbatches."""
+    step); gradients are averaged over the microbatches. `mesh` is the ("pp", "dp", "tp") mesh."""
     n = cfg.num_stages
-    pipeline_stages = [PipelineStage(module, index, n, device, group=pp_mesh.get_group()) for index, module in stages]
+    pipeline_stages = [
+        PipelineStage(module, index, n, device, group=mesh["pp"].get_group(), **stage_shapes(cfg, index, mesh))
+        for index, module in stages
+    ]
     engine = PP_ENGINES[cfg.parallelism.pp_engine]
     schedule_cls = getattr(pipelining, engine.schedule)
     n_microbatches = cfg.training.grad_accum_steps
     staged = pipeline_stages if engine.multi_stage else pipeline_stages[0]
     return schedule_cls(staged, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Meta-device examples of what stage `index` receives and sends, for PipelineStage's static mode.
+
+    Without them the first step runs an extra forward and backward on placeholder tensors to infer the
+    shapes (and exchanges them between stages). A stage passes this rank's part of the hidden states
+    (sequence-sharded under sequence parallelism) in the compute dtype; the last stage returns logits,
+    vocab-sharded DTensors under TP, whose gradient metadata static mode then needs as well.
+    """
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    dtype = torch.bfloat16 if t.dtype == "bfloat16" else torch.float32
+    seq = t.seq_len // p.tp if p.tp > 1 and p.tp_mode == "reduce_scatter" else t.seq_len
+
+    def hidden(requires_grad: bool) -> torch.Tensor:
+        return torch.empty(t.micro_batch_size, seq, m.hidden_size, dtype=dtype, device="meta").requires_grad_(
+            requires_grad
+        )
+
+    if index == 0:
+        inputs = torch.empty(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")
+    else:
+        inputs = hidden(True)
+    if index < cfg.num_stages - 1:
+        return {"input_args": (inputs,), "output_args": (hidden(True),)}
+    if p.tp == 1:
+        logits = torch.empty(t.micro_batch_size, t.seq_len, m.vocab_size, dtype=dtype, device="meta")
+        return {"input_args": (inputs,), "output_args": (logits.requires_grad_(),)}
+
+    def logits(requires_grad: bool) -> DTensor:
+        local = torch.empty(t.micro_batch_size, t.seq_len, m.vocab_size // p.tp, dtype=dtype, device="meta")
+        sharded = DTensor.from_local(local, mesh["tp"], [Shard(-1)], run_check=False)
+        return sharded.requires_grad_(requires_grad)
+
+    input_grad = None if index == 0 else hidden(False)
+    return {
+        "input_args": (inputs,),
+        "output_args": (logits(True),),
+        "input_grads": (input_grad,),
+        "output_grads": (logits(False),),
+    }
 
 
 _FORWARD_ACTIONS = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}

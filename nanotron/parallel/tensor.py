@@ -8,7 +8,9 @@ In both modes the embedding and lm_head are vocab-parallel and logits stay shard
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -52,6 +54,18 @@ def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence
         # Logits stay vocab-sharded (Shard(-1)) as a DTensor: loss_parallel never gathers them.
         top_plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, top_plan)
+    if model.model.embed_tokens is not None:
+        model.model.embed_tokens.register_forward_hook(_materialise_output)
     if model.config.tie_word_embeddings and model.lm_head is not None:
         # Both plans shard the shared [vocab, hidden] weight on dim 0: re-tie the two DTensors.
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _materialise_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The vocab-parallel embedding's output as a plain tensor, waited for with autograd intact.
+
+    RowwiseParallel hands it on as an AsyncCollectiveTensor. A compiled first layer must not receive one:
+    torch 2.13's AOTAutograd unwraps it outside autograd, so the embedding silently gets no gradient. The
+    first layer needs the value at once anyway, so waiting here (one copy of the activation) costs no overlap.
+    """
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output

@@ -1,0 +1,223 @@
+"""The first GPU run: do the numbers make sense (finite, falling losses that agree across compile and
+layouts) and how fast is it (tokens/s, TFLOP/s, MFU against the detected peak)?
+
+    python -m benchmarks.gpu_check [--micro-batch 8] [--steps 20] [--out runs/gpu_check]
+    bash benchmarks/gpu_check.sh          # the same, refusing to start without a CUDA device
+
+Every row is a fresh `python -m nanotron.train` of the ~1.1B model (TinyLlama's shape, seq 2048, bf16) on
+a synthetic corpus, with a warm-up and a sane LR (3e-4, cosine to 3e-5), and the same global batch so
+that losses compare step by step. One device: compile off and on. With two or more: dp2 (NCCL, FSDP2
+ZeRO-3, async checkpoints every `steps/2` steps), a resume from the middle checkpoint, and tp2 with
+compile and async TP. Each row is checked, and the command exits 1 if any check fails:
+- every loss finite, and the last loss below the first by at least 1 nat (the model learns);
+- compile, dp2, tp2: step-1 loss within 1e-3 and the last 5 within 2e-2 (relative) of the eager
+  1-device row (bf16 noise; a lost gradient is off by far more);
+- resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
+- tp2 async: no "unavailable" warning, i.e. async TP really ran.
+`--quick` runs a nano model on CPU (gloo for the 2-rank rows, no compile): the script's own smoke test.
+Writes gpu_check.csv/.md to --out; speed is the median over the steps after --warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.common import (
+    REPO,
+    ensure_data,
+    launch_nanotron,
+    median_after_warmup,
+    model_overrides,
+    write_table,
+)
+
+COLUMNS = (
+    "check",
+    "device",
+    "world",
+    "tokens_per_sec",
+    "tokens_per_sec_per_device",
+    "tflops",
+    "mfu",
+    "peak_tflops",
+    "memory_gib",
+    "first_loss",
+    "last_loss",
+    "verdict",
+)
+
+
+@dataclass
+class Check:
+    name: str
+    nproc: int
+    overrides: list[str]
+    reference: str | None = None  # the row whose losses this one must match
+    resume_of: str | None = None  # resumes this row's middle checkpoint
+    async_tp: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
+    compile_ = [] if settings.quick else [Check("bf16 compile", 1, ["--training.compile=true"], "bf16 eager")]
+    rows = [Check("bf16 eager", 1, []), *compile_]
+    if n_devices < 2:
+        return rows
+    half = settings.steps // 2
+    saving = [f"--checkpoint.interval={half}", "--checkpoint.async_save=true", "--checkpoint.keep_last=0"]
+    rows += [
+        Check("dp2 fsdp2", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3", *saving], "bf16 eager"),
+        Check("dp2 resumed", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3"], resume_of="dp2 fsdp2"),
+    ]
+    if not settings.quick:
+        async_tp = ["--parallelism.tp=2", "--training.compile=true", "--parallelism.tp_linear_async_communication=true"]
+        rows.append(Check("tp2 compile async", 2, async_tp, "bf16 eager", async_tp=True))
+    return rows
+
+
+def run_check(check: Check, settings: argparse.Namespace, common: list[str], done: dict[str, dict]) -> dict:
+    name = "gpu_check-" + check.name.replace(" ", "_")
+    args = [*common, *check.overrides]
+    if check.resume_of is not None:
+        saved = settings.work_dir / "runs" / done[check.resume_of]["run"] / "checkpoints"
+        args.append(f"--checkpoint.resume_from={saved / f'step-{settings.steps // 2}'}")
+    start = time.perf_counter()
+    proc, run_dir = launch_nanotron(name, args, check.nproc, settings.work_dir)
+    stdout, stderr = proc.communicate(timeout=settings.timeout)
+    records = _records(run_dir)
+    row = {"check": check.name, "run": name, "world": check.nproc, "seconds": time.perf_counter() - start}
+    if proc.returncode != 0 or not records:
+        check.problems.append(f"run failed (exit {proc.returncode}): {stderr.strip().splitlines()[-1:]}")
+        print(stdout[-3000:], stderr[-5000:], sep="\n", file=sys.stderr)
+        return row | {"losses": {}}
+    losses = {r["step"]: r["loss"] for r in records}
+    steady = records[settings.warmup :] or records
+    for key in ("tokens_per_sec", "tokens_per_sec_per_device", "tflops", "mfu"):
+        row[key] = statistics.median(r[key] for r in steady)
+    row["step_time_sec"] = median_after_warmup([r["step_time_sec"] for r in records], settings.warmup)
+    row["memory_gib"] = max(r["memory_gib"] for r in records)
+    row["first_loss"], row["last_loss"] = losses[min(losses)], losses[max(losses)]
+    row["losses"] = losses
+    if check.async_tp and "tp_linear_async_communication" in stdout + stderr:
+        check.problems.append("async TP did not run (see the trainer's warning)")
+    return row
+
+
+def verify(check: Check, row: dict, done: dict[str, dict]) -> None:
+    """Appends to check.problems what is wrong with this row's losses."""
+    losses = row["losses"]
+    if not losses:
+        return
+    if not all(math.isfinite(v) for v in losses.values()):
+        check.problems.append("non-finite loss")
+    if check.resume_of is None and not row["last_loss"] < row["first_loss"] - 1.0:
+        check.problems.append(f"loss did not fall ({row['first_loss']:.3f} -> {row['last_loss']:.3f})")
+    if check.reference is not None:
+        ref = done[check.reference]["losses"]
+        if not ref:
+            check.problems.append(f"no losses from {check.reference} to compare with")
+            return
+        first, tail = min(ref), sorted(ref)[-5:]
+        if _rel(losses.get(first), ref[first]) > 1e-3:
+            check.problems.append(f"step {first} loss {losses.get(first)} vs {ref[first]} ({check.reference})")
+        gap = _rel(statistics.mean(losses[s] for s in tail), statistics.mean(ref[s] for s in tail))
+        if gap > 2e-2:
+            check.problems.append(f"last 5 losses {gap:.2e} from {check.reference}")
+    if check.resume_of is not None:
+        ref = done[check.resume_of]["losses"]
+        gap = max(_rel(v, ref.get(step)) for step, v in losses.items())
+        if gap > 1e-3:
+            check.problems.append(f"resumed losses {gap:.2e} from the uninterrupted run")
+
+
+def _rel(a: float | None, b: float | None) -> float:
+    return math.inf if a is None or b is None else abs(a - b) / abs(b)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [r for r in map(json.loads, lines) if "step_time_sec" in r]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the speed medians")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per microbatch (lower it on <80 GB)")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step, every row")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as hung")
+    parser.add_argument("--quick", action="store_true", help="nano model on CPU: a smoke test of this script")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="folder for gpu_check.csv/.md")
+    parser.add_argument("--work-dir", type=Path, default=REPO / ".cache" / "gpu_check", help="corpus and run dirs")
+    settings = parser.parse_args(argv)
+    import torch
+
+    from nanotron.gpu import gpu_peak_tflops
+
+    if settings.quick:
+        settings.steps, settings.warmup, settings.micro_batch, settings.global_batch = 12, 2, 2, 8
+        device, n_devices, name, size, peak = "cpu", 2, "cpu", "nano", None
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device is visible (use --quick for the CPU smoke test)", file=sys.stderr)
+        return 2
+    else:
+        device, n_devices, name, size = "cuda", torch.cuda.device_count(), torch.cuda.get_device_name(0), "1b"
+        peak = gpu_peak_tflops(name, "bf16")
+    print(f"device: {name} x {n_devices}; bf16 dense peak {peak or 'unknown'} TFLOP/s per device", flush=True)
+    common = [
+        *ensure_data(settings.work_dir, n_docs=4000 if not settings.quick else 600),
+        *model_overrides(size),
+        f"--training.device={device}",
+        "--training.dtype=bfloat16",
+        f"--training.steps={settings.steps}",
+        f"--training.micro_batch_size={settings.micro_batch}",
+        f"--training.global_batch_size={settings.global_batch}",
+        "--training.grad_accum_steps=0",
+        "--training.eval_interval=0",
+        f"--optimizer.lr={3e-3 if settings.quick else 3e-4}",
+        f"--optimizer.min_lr={3e-4 if settings.quick else 3e-5}",
+        f"--optimizer.warmup_steps={max(settings.steps // 4, 1)}",
+        "--optimizer.decay_style=cosine",
+        "--logging.log_interval=1",
+        "--logging.tensorboard=false",
+        "--checkpoint.save_final=false",
+        "--checkpoint.resume_from=none",
+        *(["--logging.peak_tflops=1"] if settings.quick else []),
+    ]
+    done: dict[str, dict] = {}
+    rows, failed = [], False
+    for check in checks(settings, n_devices):
+        row = run_check(check, settings, common, done)
+        verify(check, row, done)
+        row |= {"device": name, "peak_tflops": peak or 0.0, "verdict": "; ".join(check.problems) or "ok"}
+        done[check.name] = row
+        rows.append(row)
+        failed |= bool(check.problems)
+        print(
+            f"{check.name:20s} {row.get('tokens_per_sec', 0):10.0f} tokens/s {row.get('tflops', 0):8.1f} TFLOP/s "
+            f"MFU {100 * row.get('mfu', 0):5.1f}%  loss {row.get('first_loss', math.nan):.3f} -> "
+            f"{row.get('last_loss', math.nan):.3f}  ({row['seconds']:.0f} s)  {row['verdict']}",
+            flush=True,
+        )
+    print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
+    for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
+        shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""MFU against the right peak for the device in use, and memory of the rank that must fit."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanotron.config import load_config, parse_overrides
+from nanotron.gpu import device_model, gpu_peak_tflops, math_mode, set_matmul_precision
+from nanotron.metrics import detect_peak_tflops, memory_record, step_line
+
+
+@pytest.mark.parametrize(
+    "name, model",
+    [
+        ("NVIDIA H100 80GB HBM3", ("H100", "")),
+        ("NVIDIA H100 PCIe", ("H100", "pcie")),
+        ("NVIDIA H100 NVL", ("H100", "nvl")),
+        ("NVIDIA H200 NVL", ("H200", "nvl")),
+        ("NVIDIA A100-PCIE-40GB", ("A100", "pcie")),
+        ("NVIDIA A100-SXM4-80GB", ("A100", "")),
+        ("Tesla V100-SXM2-32GB", ("V100", "")),
+        ("AMD Instinct MI300X", ("MI300X", "")),
+        ("NVIDIA H20", ("H20", "")),
+    ],
+)
+def test_device_names_parse_to_model_and_form_factor(name, model):
+    assert device_model(name) == model
+
+
+# Dense datasheet figures: each variant its own (substring matching gave every H100/H200 the SXM figure).
+@pytest.mark.parametrize(
+    "name, mode, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 PCIe", "bf16", 756.5),
+        ("NVIDIA H100 NVL", "bf16", 835.5),
+        ("NVIDIA H200", "bf16", 989.4),
+        ("NVIDIA H200 NVL", "bf16", 835.5),
+        ("NVIDIA H20", "bf16", 148.0),
+        ("NVIDIA B200", "bf16", 2250.0),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA L40S", "bf16", 362.05),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156.0),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+        ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
+        ("Tesla V100-SXM2-16GB", "fp32", 15.7),
+        ("AMD Instinct MI300X", "bf16", 1307.4),
+        # No figure rather than a wrong one: Volta has no bf16/TF32 tensor cores; unlisted parts.
+        ("Tesla V100-SXM2-16GB", "bf16", None),
+        ("Tesla V100-SXM2-16GB", "tf32", None),
+        ("NVIDIA A10G", "bf16", None),
+        ("NVIDIA GeForce RTX 4090", "bf16", None),
+        ("NVIDIA H100X", "bf16", None),
+    ],
+)
+def test_gpu_peak_table_matches_the_exact_variant(name, mode, expected):
+    assert gpu_peak_tflops(name, mode) == expected
+
+
+def test_fp32_runs_use_tf32_tensor_cores_on_cuda_and_its_peak(monkeypatch):
+    """fp32 MFU was divided by the TF32 peak while TF32 was never on: now training.tf32 turns it on (CUDA
+    only) and the peak follows the math mode."""
+    assert (math_mode("float32", True), math_mode("float32", False), math_mode("bfloat16", True)) == (
+        "tf32",
+        "fp32",
+        "bf16",
+    )
+    cfg = load_config(*parse_overrides(["--config", "configs/tiny.toml"]))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        set_matmul_precision(cfg, torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == "highest"  # CPU: fp32 stays fp32
+        set_matmul_precision(cfg, torch.device("cuda"))
+        assert torch.get_float32_matmul_precision() == "high"
+        cfg.training.tf32 = False
+        set_matmul_precision(cfg, torch.device("cuda"))
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert detect_peak_tflops(torch.device("cuda"), "float32", tf32=True) == 378.0
+    assert detect_peak_tflops(torch.device("cuda"), "float32", tf32=False) == 51.2
+
+
+def test_unknown_gpu_warns_naming_the_key_and_logs_no_mfu(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B300")
+    assert detect_peak_tflops(torch.device("cuda"), "bfloat16", tf32=True) == 0.0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("warning: ") and "'NVIDIA B300'" in out[0]
+    assert "logging.peak_tflops" in out[0] and "bf16" in out[0]
+
+
+def test_cuda_memory_record_has_allocated_reserved_and_host(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 5 * 2**30)
+    record = memory_record(torch.device("cuda"))
+    assert record["memory_gib"] == 3.0 and record["memory_reserved_gib"] == 5.0 and record["host_memory_gib"] > 0
+    line = step_line(
+        {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 10.0, "tflops": 1.0, "mfu": 0.5}
+        | record
+        | {"eta_sec": 0},
+        total_steps=2,
+    )
+    assert "| mem 3.00GiB (reserved 5.00GiB, host " in line
+
+
+def _memory_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if rank == 1:  # the rank that peaks higher, e.g. the first 1F1B stage
+        big = torch.ones(512 * 2**20, dtype=torch.uint8)  # 512 MiB touched: resident
+        del big
+    record = memory_record(torch.device("cpu"))
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # this rank's own peak, GiB
+    torch.save({"record": record, "own": own}, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_memory_is_the_maximum_over_ranks(tmp_path):
+    """The logging rank reports the largest rank's peak, not its own: every rank gets the same record,
+    equal to the peak of the rank that allocated most."""
+    mp.spawn(_memory_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2)
+    results = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+    assert results[0]["record"] == results[1]["record"]
+    assert results[1]["own"] > results[0]["own"] + 0.25  # rank 1 really peaked higher
+    assert results[0]["record"]["memory_gib"] == pytest.approx(results[1]["own"])
