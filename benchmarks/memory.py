@@ -80,18 +80,12 @@ def resident_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def local_bytes(tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
 def worker(args: list[str], out: Path) -> None:
-    """One rank: train two steps with the real Trainer, count what this rank holds, rank 0 writes all."""
+    """One rank: train with the real Trainer under the probe, count what this rank holds, rank 0 writes all."""
     import torch
     import torch.distributed as dist
 
+    from benchmarks.probe import StepProbe, nbytes
     from nanotron.config import load_config, parse_overrides
     from nanotron.distributed import destroy_distributed, launched_world_size
     from nanotron.metrics import peak_memory_gib
@@ -100,7 +94,8 @@ def worker(args: list[str], out: Path) -> None:
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0
     cfg = load_config(*parse_overrides(args), world_size=launched_world_size())
     trainer = Trainer(cfg)
-    trainer.train()
+    with StepProbe(trainer.modules, cfg.parallelism.recompute_layer).active() as probe:
+        trainer.train()
     optimizer_state = [
         value
         for optimizer in trainer.optimizers
@@ -111,9 +106,12 @@ def worker(args: list[str], out: Path) -> None:
     peak = peak_memory_gib(trainer.ctx.device)
     record = {
         "rank": trainer.ctx.rank,
-        "param_bytes": sum(local_bytes(p) for p in trainer.params),
-        "grad_bytes": sum(local_bytes(p.grad) for p in trainer.params if p.grad is not None),
-        "optimizer_bytes": sum(local_bytes(v) for v in optimizer_state),
+        "pp_rank": trainer.ctx.pp_rank,
+        "param_bytes": sum(nbytes(p) for p in trainer.params),
+        "grad_bytes": probe.grad_peak,
+        "optimizer_bytes": sum(nbytes(v) for v in optimizer_state),
+        "activation_bytes": probe.activation_peak,
+        "working_bytes": probe.working_peak,
         "peak_gib": peak,
         "peak_growth_gib": peak - baseline,
     }
