@@ -7,7 +7,7 @@
   they are saved until they are freed; the peak over the step is what the pipeline's in-flight
   microbatches really cost;
 - working-copy bytes: the unsharded (gathered, bf16 under mixed precision) parameters FSDP holds,
-  sampled at the same moments as gradients and after each root forward.
+  sampled at the same moments as gradients and before and after each FSDP module's forward.
 
 CPU has no allocator statistics, so these are counted from the tensors themselves; the same counters
 run on GPU, where they can be checked against `torch.cuda.max_memory_allocated`.
@@ -44,19 +44,25 @@ def fsdp_params(modules: list[nn.Module]) -> Iterator[object]:
 
 
 def held_gradient_bytes(modules: list[nn.Module]) -> int:
-    """Local gradients plus FSDP's unsharded gradients (accumulated across microbatches or not yet reduced)."""
+    """Gradient shards plus FSDP's unsharded gradients (accumulated across microbatches or not yet reduced).
+
+    Read from FSDP's records, not `module.parameters()`: while parameters are gathered the module holds the
+    unsharded ones, and the shards' gradients are then reachable only through the records."""
     storages: dict[int, int] = {}
+
+    def add(grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            storage = local(grad).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
     for module in modules:
         for param in module.parameters():
-            if param.grad is not None:
-                grad = local(param.grad)
-                storages[grad.untyped_storage().data_ptr()] = nbytes(grad)
+            add(param.grad)
     for record in fsdp_params(modules):
         unsharded = getattr(record, "_unsharded_param", None)
-        for grad in (record.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad):
-            if grad is not None:
-                grad = local(grad)
-                storages[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
+        add(record.sharded_param.grad)
+        add(record.unsharded_accumulated_grad)
+        add(None if unsharded is None else unsharded.grad)
     return sum(storages.values())
 
 
@@ -132,6 +138,8 @@ class StepProbe:
             for sub in module.modules():
                 if any(True for _ in sub.parameters(recurse=False)):
                     self.handles.append(sub.register_forward_pre_hook(self._remember_weights))
+                if isinstance(sub, FSDPModule):  # after FSDP's own pre-forward: this layer (and a prefetch) gathered
+                    self.handles.append(sub.register_forward_pre_hook(lambda *_: self.sample()))
             if self.recompute:
                 for layer in module.model.layers.values():
                     self.handles.append(layer.register_forward_pre_hook(self._checkpointed_input))

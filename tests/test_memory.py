@@ -49,7 +49,9 @@ def one_process(tiny_data, tmp_path_factory) -> tuple[list[dict], list[float]]:
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_zero_2_and_3_hold_only_gradient_shards_across_eight_microbatches(zero_stage, one_process, tiny_data, tmp_path):
     (reference,), ref_losses = one_process
-    ranks, losses = measure(tiny_data, tmp_path, "dp2", 2, ["--parallelism.dp=2", f"--parallelism.zero_stage={zero_stage}"])
+    ranks, losses = measure(
+        tiny_data, tmp_path, "dp2", 2, ["--parallelism.dp=2", f"--parallelism.zero_stage={zero_stage}"]
+    )
     held = [r["grad_bytes"] for r in ranks]
     print(f"zero {zero_stage}: gradient bytes held per rank {held} vs one process {reference['grad_bytes']}")
     assert max(held) <= 0.55 * reference["grad_bytes"], (held, reference["grad_bytes"])

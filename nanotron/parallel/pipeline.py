@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed.pipelining as pipelining
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.fsdp import ZeroPipelineStage
 
 
 def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
@@ -95,9 +95,12 @@ def build_schedule(
     loss_fn: Callable,
 ):
     """The `parallelism.pp_engine` schedule over this rank's stages (one microbatch per gradient-accumulation
-    step); gradients are averaged over the microbatches."""
-    n = cfg.num_stages
-    pipeline_stages = [PipelineStage(module, index, n, device, group=pp_mesh.get_group()) for index, module in stages]
+    step); gradients are averaged over the microbatches and reduced as the ZeRO stage says (ZeroPipelineStage)."""
+    n, zero_stage = cfg.num_stages, cfg.parallelism.zero_stage
+    pipeline_stages = [
+        ZeroPipelineStage(module, index, n, device, group=pp_mesh.get_group(), zero_stage=zero_stage)
+        for index, module in stages
+    ]
     engine = PP_ENGINES[cfg.parallelism.pp_engine]
     schedule_cls = getattr(pipelining, engine.schedule)
     n_microbatches = cfg.training.grad_accum_steps
