@@ -1,7 +1,7 @@
 """What one rank really holds during a training step, measured on any device (CPU included).
 
 - gradient bytes held: the local gradient shards plus every unsharded gradient FSDP keeps between
-  backward passes (its accumulation buffers), sampled after each backward call and after each step;
+  backward passes (its accumulation buffers), sampled after each microbatch's backward;
 - activation bytes: the storages autograd saves for backward (parameters and buffers excluded, each
   storage once), plus the layer inputs that activation checkpointing keeps, counted from the moment
   they are saved until they are freed; the peak over the step is what the pipeline's in-flight
@@ -23,6 +23,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from nanotron.parallel.fsdp import ZeroPipelineStage
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -32,6 +35,18 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def nbytes(tensor: torch.Tensor) -> int:
     t = local(tensor)
     return t.numel() * t.element_size()
+
+
+def storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages behind a tensor; a wrapper subclass (DTensor) is unwrapped without running an op, which
+    a saved-tensor hook must not do."""
+    if is_traceable_wrapper_subclass(tensor):
+        for name in tensor.__tensor_flatten__()[0]:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):
+                yield from storages(inner)
+    else:
+        yield tensor.untyped_storage()
 
 
 def fsdp_params(modules: list[nn.Module]) -> Iterator[object]:
@@ -97,15 +112,15 @@ class StepProbe:
         registration order), so gathered params are in place; reset per module because FSDP frees gathered
         copies and their addresses are reused by activations."""
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        self.excluded = {local(t).untyped_storage().data_ptr() for t in tensors}
+        self.excluded = {storage.data_ptr() for t in tensors for storage in storages(t)}
 
     def _track(self, tensor: torch.Tensor) -> None:
-        storage = local(tensor).untyped_storage()
-        key = storage.data_ptr()
-        if key in self.excluded or key in self.live or not storage.nbytes():
-            return
-        self.live[key] = storage.nbytes()
-        weakref.finalize(storage, self.live.pop, key, None)
+        for storage in storages(tensor):
+            key = storage.data_ptr()
+            if key in self.excluded or key in self.live or not storage.nbytes():
+                continue
+            self.live[key] = storage.nbytes()
+            weakref.finalize(storage, self.live.pop, key, None)
         self.activation_peak = max(self.activation_peak, sum(self.live.values()))
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -133,7 +148,9 @@ class StepProbe:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[StepProbe]:
-        """Hooks every module and wraps autograd's entry points (backward and grad: plain and pipelined)."""
+        """Hooks every module and samples after every backward: `torch.autograd.backward` (plain, and a pipeline
+        stage's full backward) and each pipeline stage's backward part, which for a split (zero-bubble) backward
+        ends after its weight gradients are reduced."""
         for module in self.modules:
             for sub in module.modules():
                 if any(True for _ in sub.parameters(recurse=False)):
@@ -144,13 +161,14 @@ class StepProbe:
                 for layer in module.model.layers.values():
                     self.handles.append(layer.register_forward_pre_hook(self._checkpointed_input))
             self.handles.append(module.register_forward_hook(lambda *_: self.sample()))
-        saved_backward, saved_grad = torch.autograd.backward, torch.autograd.grad
-        torch.autograd.backward, torch.autograd.grad = self._after(saved_backward), self._after(saved_grad)
+        saved_backward, saved_stage_backward = torch.autograd.backward, ZeroPipelineStage.backward_maybe_with_nosync
+        torch.autograd.backward = self._after(saved_backward)
+        ZeroPipelineStage.backward_maybe_with_nosync = self._after(saved_stage_backward)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
                 yield self
         finally:
-            torch.autograd.backward, torch.autograd.grad = saved_backward, saved_grad
+            torch.autograd.backward, ZeroPipelineStage.backward_maybe_with_nosync = saved_backward, saved_stage_backward
             for handle in self.handles:
                 handle.remove()
             self.handles.clear()

@@ -24,7 +24,6 @@ LAYOUTS = [
     (2, 1, 1, []),
     (2, 1, 1, ["--parallelism.zero_stage=3"]),
     (4, 1, 1, ["--parallelism.dp_shard=2", "--parallelism.zero_stage=3"]),
-    (2, 1, 2, ["--parallelism.pp_engine=1f1b", "--parallelism.zero_stage=2"]),
     (2, 1, 2, ["--parallelism.pp_engine=zero_bubble", "--parallelism.zero_stage=2"]),
     (1, 2, 1, ["--parallelism.tp_mode=reduce_scatter"]),
     (1, 2, 1, ["--parallelism.tp_mode=all_reduce"]),

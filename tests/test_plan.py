@@ -100,7 +100,8 @@ def test_search_prints_layouts_that_fit_ranked_by_throughput():
 
 
 def test_zero_stages_change_gradients_and_working_copies_as_documented():
-    cfg = {z: load_config("configs/large.toml", [("parallelism.zero_stage", str(z))]) for z in (0, 1, 2, 3)}
+    layout = [("parallelism.tp", "1"), ("parallelism.dp", "4"), ("parallelism.pp", "2")]
+    cfg = {z: load_config("configs/large.toml", [*layout, ("parallelism.zero_stage", str(z))]) for z in (0, 1, 2, 3)}
     mem = {z: stage_memory(c, 0) for z, c in cfg.items()}
     # large.toml (dp=4) accumulates microbatches: zero 1 keeps full (tp-local) fp32 gradients, 2/3 the shard.
     assert mem[1]["grads"] == mem[0]["grads"] == mem[0]["params"] == 4 * mem[1]["params"]
@@ -139,11 +140,14 @@ def test_launcher_refuses_70b_at_zero_1_naming_the_largest_part_and_accepts_zero
     assert forced.returncode == 0 and "memory: does not fit" in forced.stdout
 
 
-def test_launcher_prints_the_memory_line_and_cpu_nodes_skip_the_gpu_plan(tmp_path, monkeypatch, capsys):
+def test_launcher_prints_the_memory_line_when_it_submits_and_cpu_nodes_skip_the_gpu_plan(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert cluster.main(["--run_name", "gpu", "--nodes", "2", "--gpus_per_node", "8", "--dry_run"]) == 0
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(cluster, "submit", lambda cmd: "42")
+    assert cluster.main(["--run_name", "gpu", "--nodes", "2", "--gpus_per_node", "8"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^memory: fits: [\d.]+ GiB per GPU of [\d.]+ GiB usable on h100$", out, re.M), out
+    assert "submitted job 42" in out
     cpu = ["--run_name", "cpu", "--nodes", "2", "--gpus_per_node", "0", "--nproc_per_node", "8", "--dry_run"]
     assert cluster.main(cpu) == 0
     assert "GPU memory not planned" in capsys.readouterr().out

@@ -122,8 +122,10 @@ def param_bytes(cfg: Config, pp_rank: int, tp_rank: int = 0, dp_rank: int = 0) -
 def in_flight(cfg: Config, pp_rank: int) -> float:
     """Microbatches whose activations one stage of this rank holds at the schedule's peak.
 
-    1F1B: stage r holds pp - r (its warm-up); GPipe (afab): all of them; interleaved schedules: torch's warm-up
-    of (v-1)*pp + 2*(pp-1-r) + 1 chunk forwards spread over the rank's v stages; zbv: pp, like 1F1B's first stage.
+    1F1B: stage r holds pp - r (its warm-up); GPipe (afab): all of them; interleaved 1F1B: torch's warm-up of
+    (v-1)*pp + 2*(pp-1-r) + 1 chunk forwards spread over the rank's v stages. The zero-bubble schedules defer
+    weight gradients and keep what those need: measured (pp=2, 8 microbatches), the first rank holds about its
+    interleaved warm-up and the last rank about every microbatch; ranks between are interpolated (approximate).
     """
     p, n = cfg.parallelism, cfg.training.grad_accum_steps
     if p.pp == 1:
@@ -133,10 +135,11 @@ def in_flight(cfg: Config, pp_rank: int) -> float:
         return n
     if engine == "1f1b":
         return min(p.pp - pp_rank, n)
-    if engine == "zbv":
-        return min(p.pp, n)
     v = p.pp_stages_per_rank
-    return min(n * v, (v - 1) * p.pp + 2 * (p.pp - 1 - pp_rank) + 1) / v
+    interleaved = min(n * v, (v - 1) * p.pp + 2 * (p.pp - 1 - pp_rank) + 1) / v
+    if engine == "interleaved_1f1b":
+        return interleaved
+    return interleaved + (n - interleaved) * pp_rank / (p.pp - 1)
 
 
 def layer_activation_bytes(cfg: Config, tokens: int) -> tuple[float, float]:
@@ -177,6 +180,10 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
         largest_layer = max(largest_layer, sum(local_numel(q, p.tp, 0, shard, 0)[0] for q in per_layer))
     accumulates = n_micro > 1 or p.pp > 1
     full_grads = p.zero_stage == 0 or (p.zero_stage == 1 and accumulates)
+    # Measured: the vocab-parallel embedding's unsharded gradient covers the whole vocabulary (a partial sum
+    # over tp ranks), not the rank's rows; it lives while gradients accumulate unsharded, or during its reduction.
+    has_embedding = any(s.first for s in stages) and p.tp > 1
+    embedding_grad_extra = FP32 * m.vocab_size * m.hidden_size * (1 - 1 / p.tp) if has_embedding else 0.0
     layers_here = sum(s.num_layers for s in stages)
     if p.zero_stage == 3:  # the stage roots stay gathered; layers one at a time plus one prefetched
         working = e * (root_tp + min(2, layers_here) * largest_layer)
@@ -203,13 +210,14 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     logits_transient = tokens * (e + (FP32 if e == 2 else 0)) * m.vocab_size / p.tp if last else 0.0
 
     buffers = largest_layer * (FP32 + e)  # one layer's unsharded gradient and its fp32 reduce-scatter input
+    buffers += 0 if full_grads else embedding_grad_extra
     buffers += 2 * tokens * m.hidden_size * e if p.tp > 1 else 0  # sequence all-gather / reduce-scatter
     if p.pp > 1:  # torch's pipeline stage allocates receive buffers for every microbatch up front
         receives = sum((not s.first) + (not s.last) for s in stages)
         buffers += receives * n_micro * tokens * m.hidden_size * e
     parts = {
         "params": FP32 * sharded,
-        "grads": FP32 * (tp_local if full_grads else sharded),
+        "grads": FP32 * tp_local + embedding_grad_extra if full_grads else FP32 * sharded,
         "optimizer": 2 * FP32 * sharded + FP32 * tensors,
         "working": working,
         "activations": activations_saved + recompute_transient,
