@@ -16,7 +16,7 @@ from nanotron.config import load_config
 from nanotron.launch import cluster
 from nanotron.plan.memory import GIB, stage_memory
 from nanotron.plan.search import usable_bytes
-from nanotron.plan.timing import parse_gpu
+from nanotron.plan.timing import estimate_step, parse_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_70B = [
@@ -151,3 +151,20 @@ def test_launcher_prints_the_memory_line_when_it_submits_and_cpu_nodes_skip_the_
     cpu = ["--run_name", "cpu", "--nodes", "2", "--gpus_per_node", "0", "--nproc_per_node", "8", "--dry_run"]
     assert cluster.main(cpu) == 0
     assert "GPU memory not planned" in capsys.readouterr().out
+
+
+def test_step_estimate_puts_each_dimensions_traffic_on_its_link_and_zero_3_moves_most():
+    def step(**parallelism):
+        pairs = [(f"parallelism.{k}", str(v)) for k, v in parallelism.items()]
+        cfg = load_config("configs/large.toml", [*pairs, ("training.global_batch_size", "256")])
+        return estimate_step(cfg, parse_gpu("h100"), gpus_per_node=8, efficiency=0.5)
+
+    fsdp = {z: step(dp=16, tp=4, pp=1, zero_stage=z) for z in (1, 2, 3)}
+    assert fsdp[1].comm["dp"].gb < fsdp[2].comm["dp"].gb < fsdp[3].comm["dp"].gb  # per-microbatch collectives
+    assert fsdp[1].comm["dp"].link == "InfiniBand" and fsdp[1].comm["tp"].link == "NVLink"
+    hsdp = step(dp=16, dp_shard=2, tp=4, pp=1, zero_stage=3)  # 2 shards x 4 tp = one node
+    assert hsdp.comm["dp"].link == "NVLink" and hsdp.comm["dp_replicate"].link == "InfiniBand"
+    assert hsdp.step_s < fsdp[3].step_s
+    recompute = step(dp=16, tp=4, pp=1, zero_stage=1, recompute_layer="true")
+    assert recompute.compute_s > fsdp[1].compute_s and recompute.mfu < fsdp[1].mfu  # MFU counts model FLOPs
+    assert step(dp=8, tp=4, pp=2, zero_stage=1).compute_s > step(dp=16, tp=4, pp=1, zero_stage=1).compute_s  # bubble

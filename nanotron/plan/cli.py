@@ -84,9 +84,12 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
         "",
     ]
     step = estimate_step(cfg, gpu, gpus_per_node, efficiency)
-    comm = ", ".join(f"{k} {v:.3f}s" for k, v in step.comm_s.items())
+    comm = ", ".join(
+        f"{name} {t.gb:.2f} GB/GPU over {t.link} {t.seconds:.3f}s" for name, t in step.comm.items() if t.gb
+    )
     lines += [
-        f"step time ~{step.step_s:.2f}s (compute {step.compute_s:.2f}s incl. pipeline bubble; communication {comm}) "
+        f"step time ~{step.step_s:.2f}s (compute {step.compute_s:.2f}s incl. pipeline bubble; communication per "
+        f"step: {comm or 'none'}) "
         f"-> {step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1%}",
         ASSUMPTIONS.format(
             eff=efficiency,

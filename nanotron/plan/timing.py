@@ -51,20 +51,31 @@ def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None
     return Gpu(gpu.name, gpu.memory_gib, gpu.peak_tflops, nvlink_gbps or gpu.nvlink_gbps, ib_gbps or gpu.ib_gbps)
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """What one parallel dimension moves per step: gigabytes each GPU sends, over which link."""
+
+    gb: float
+    link: str
+    gbps: float
+
+    @property
+    def seconds(self) -> float:
+        return self.gb / self.gbps if self.gb else 0.0
+
+
 @dataclass
 class StepEstimate:
     step_s: float
     compute_s: float
     tokens_per_s: float
     mfu: float
-    comm_s: dict[str, float]  # seconds per step by dimension: tp, pp, dp (FSDP/replicate), dp_replicate (HSDP)
+    comm: dict[str, Transfer]  # by dimension: tp, pp, dp (FSDP/replicate), dp_replicate (HSDP)
 
 
-def _ring(bytes_: float, group: int, gbps: float, all_reduce: bool = False) -> float:
-    """Seconds for an all-gather / reduce-scatter (or all-reduce: twice) of `bytes_` over a ring of `group`."""
-    if group <= 1:
-        return 0.0
-    return (2 if all_reduce else 1) * bytes_ * (group - 1) / group / (gbps * 1e9)
+def ring_gb(bytes_: float, group: int, all_reduce: bool = False) -> float:
+    """GB each GPU sends in a ring all-gather / reduce-scatter of `bytes_` (an all-reduce is both)."""
+    return (2 if all_reduce else 1) * bytes_ * (group - 1) / group / 1e9 if group > 1 else 0.0
 
 
 def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) -> StepEstimate:
@@ -84,31 +95,32 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     compute_s = flops / world / (peak * efficiency) * (1 + bubble)
 
     tokens_micro = t.micro_batch_size * t.seq_len
-    link = {True: gpu.nvlink_gbps, False: gpu.ib_gbps}
+    nvlink, ib = ("NVLink", gpu.nvlink_gbps), ("InfiniBand", gpu.ib_gbps)
     layers_per_rank = m.num_layers / p.pp
-    comm: dict[str, float] = {}
+    comm: dict[str, Transfer] = {}
     # TP: per layer, forward and backward each move 4 activations (2 all-gathers + 2 reduce-scatters, or 2
     # all-reduces); the recomputed forward repeats the forward's share; plus embedding and head.
     per_layer = (8 + (4 if p.recompute_layer else 0)) * tokens_micro * m.hidden_size * e
     tp_bytes = n_micro * (layers_per_rank * per_layer + 2 * tokens_micro * m.hidden_size * e)
-    comm["tp"] = _ring(tp_bytes, p.tp, link[p.tp <= gpus_per_node])
+    comm["tp"] = Transfer(ring_gb(tp_bytes, p.tp), *(nvlink if p.tp <= gpus_per_node else ib))
     # PP: each microbatch's activation forward and its gradient backward cross a stage boundary.
     pp_bytes = 2 * n_micro * tokens_micro * m.hidden_size * e if p.pp > 1 else 0
-    comm["pp"] = pp_bytes / (link[world <= gpus_per_node] * 1e9)
+    comm["pp"] = Transfer(pp_bytes / 1e9, *(nvlink if world <= gpus_per_node else ib))
     # DP: the worst pipeline rank's tp-local parameters (gathered) and gradients (reduced).
     tp_local = max(_tp_local(cfg, r) for r in range(p.pp))
     if p.zero_stage == 0:
-        comm["dp"] = _ring(FP32 * tp_local, p.dp, link[p.dp * p.tp <= gpus_per_node], all_reduce=True)
+        link = nvlink if p.dp * p.tp <= gpus_per_node else ib
+        comm["dp"] = Transfer(ring_gb(FP32 * tp_local, p.dp, all_reduce=True), *link)
     else:
         gathers = 2 * n_micro if p.zero_stage == 3 else 1
         reductions = n_micro if p.zero_stage >= 2 else 1
-        in_node = shard * p.tp <= gpus_per_node
-        comm["dp"] = _ring((gathers * e + reductions * FP32) * tp_local, shard, link[in_node])
+        link = nvlink if shard * p.tp <= gpus_per_node else ib
+        comm["dp"] = Transfer(ring_gb((gathers * e + reductions * FP32) * tp_local, shard), *link)
         if shard < p.dp:  # HSDP: the shards' gradients are all-reduced across replicas
-            replicas = p.dp // shard
-            comm["dp_replicate"] = _ring(reductions * FP32 * tp_local / shard, replicas, gpu.ib_gbps, all_reduce=True)
-    overlapped = comm["dp"] + comm.get("dp_replicate", 0.0)
-    step_s = max(compute_s, overlapped) + comm["tp"] + comm["pp"]
+            replicated = reductions * FP32 * tp_local / shard
+            comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // shard, all_reduce=True), *ib)
+    overlapped = sum(comm[k].seconds for k in ("dp", "dp_replicate") if k in comm)
+    step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds
     return StepEstimate(step_s, compute_s, tokens_step / step_s, model_flops / (step_s * world * peak), comm)
 
 
