@@ -14,6 +14,7 @@ import pytest
 
 from nanotron.config import load_config
 from nanotron.launch import cluster
+from nanotron.plan.cli import main as plan_main
 from nanotron.plan.memory import GIB, stage_memory
 from nanotron.plan.search import usable_bytes
 from nanotron.plan.timing import estimate_step, parse_gpu
@@ -109,35 +110,36 @@ def test_zero_stages_change_gradients_and_working_copies_as_documented():
     assert mem[3]["working"] < mem[2]["working"] == mem[1]["working"]
 
 
-def test_bad_gpu_and_layout_larger_than_the_cluster_are_one_line_errors():
-    proc = plan("--gpu", "tpu9")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--gpu 'tpu9'" in proc.stderr
-    proc = plan("--parallelism.dp=16", "--nodes", "1", "--gpus_per_node", "8")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "16 GPUs but --nodes 1" in proc.stderr
+def test_bad_gpu_and_layout_larger_than_the_cluster_are_one_line_errors(capsys):
+    assert plan_main(["--gpu", "tpu9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpu 'tpu9'" in err
+    assert plan_main(["--parallelism.dp=16", "--nodes", "1", "--gpus_per_node", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "16 GPUs but --nodes 1" in err
 
 
-def launch_70b(tmp_path: Path, zero_stage: int, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def launch_70b(zero_stage: int, *extra: str) -> int:
     argv = ["--run_name", f"llama70b-zero{zero_stage}", "--nodes", "64", "--gpus_per_node", "8", "--gpu", "h100"]
     argv += ["--dp", "128", "--tp", "4", "--pp", "1", *LLAMA_70B, f"--parallelism.zero_stage={zero_stage}", *extra]
-    cmd = [sys.executable, "-m", "nanotron.launch", *argv]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return cluster.main(argv)
 
 
-def test_launcher_refuses_70b_at_zero_1_naming_the_largest_part_and_accepts_zero_3(tmp_path):
-    refused = launch_70b(tmp_path, 1)
-    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
-    assert refused.stderr.count("\n") == 1, refused.stderr
-    assert re.match(r"error: memory: does not fit: [\d.]+ GiB per GPU .* largest part: gradients", refused.stderr)
+def test_launcher_refuses_70b_at_zero_1_naming_the_largest_part_and_accepts_zero_3(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert launch_70b(1) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and refused.err.count("\n") == 1, refused
+    assert re.match(r"error: memory: does not fit: [\d.]+ GiB per GPU .* largest part: gradients", refused.err)
     assert not (tmp_path / "runs").exists()  # nothing written for a refused layout
 
-    accepted = launch_70b(tmp_path, 3, "--dry_run")
-    assert accepted.returncode == 0, accepted.stderr
-    assert "memory: fits:" in accepted.stdout and "dry run: nothing submitted" in accepted.stdout
-    assert "| pp rank | parameters | gradients |" in accepted.stdout  # --dry_run prints the plan
+    assert launch_70b(3, "--dry_run") == 0
+    accepted = capsys.readouterr().out
+    assert "memory: fits:" in accepted and "dry run: nothing submitted" in accepted
+    assert "| pp rank | parameters | gradients |" in accepted  # --dry_run prints the plan
 
-    forced = launch_70b(tmp_path, 1, "--dry_run", "--force")
-    assert forced.returncode == 0 and "memory: does not fit" in forced.stdout
+    assert launch_70b(1, "--dry_run", "--force") == 0
+    assert "memory: does not fit" in capsys.readouterr().out
 
 
 def test_launcher_prints_the_memory_line_when_it_submits_and_cpu_nodes_skip_the_gpu_plan(tmp_path, monkeypatch, capsys):
