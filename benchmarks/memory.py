@@ -1,13 +1,16 @@
-"""Model-state bytes per rank for each layout, against the one-process total, and peak memory per rank.
+"""What each rank holds per layout, measured, against the one-process run and against `nanotron plan`.
 
     python -m benchmarks.memory [--size small] [--quick]
 
 Each layout is a real run: torchrun starts the ranks, each builds nanotron's `Trainer` exactly as
-`python -m nanotron.train` does and trains two steps (so gradients and AdamW state exist), then sums
-the bytes it holds locally: parameters and gradients (a DTensor counts its local shard) and every
-optimizer-state tensor. Peak memory is the device's peak allocation on GPU; on CPU it is the peak
-resident set size, also shown as growth over the rank's size before it built anything (the Python
-runtime and libraries are ~0.4 GiB per process and would hide the model otherwise).
+`python -m nanotron.train` does and trains two steps of 8 microbatches per rank under `benchmarks/probe.py`,
+which measures what the rank holds: parameter shards and optimizer state (a DTensor counts its local
+shard), the gradients held at any point between microbatches (shards plus FSDP's unsharded accumulation
+buffers), the activations autograd saves for backward (peak over the step, all in-flight microbatches)
+and FSDP's gathered working copies. Each is compared with `nanotron.plan.memory.stage_memory` for the same
+config and pipeline rank (`*_err` = estimate / measured - 1, the worst rank). Peak memory is the device's
+peak allocation on GPU; on CPU the peak resident set size, also shown as growth over the rank's size
+before it built anything (the Python runtime and libraries are ~0.4 GiB per process).
 """
 
 from __future__ import annotations
@@ -31,16 +34,23 @@ from benchmarks.common import (
 )
 
 MIB = 2**20
+MICROBATCHES = 8
 # (name, overrides, target ratio of the largest rank's state bytes to the one-process total, or None).
 LAYOUTS: list[tuple[str, list[str], float | None]] = [
     ("1 process", [], None),
     ("dp2 zero0", ["--parallelism.dp=2", "--parallelism.zero_stage=0"], None),
     ("dp2 zero1", ["--parallelism.dp=2", "--parallelism.zero_stage=1"], None),
-    ("dp2 zero2", ["--parallelism.dp=2", "--parallelism.zero_stage=2"], None),
+    ("dp2 zero2", ["--parallelism.dp=2", "--parallelism.zero_stage=2"], 0.55),
     ("dp2 zero3", ["--parallelism.dp=2", "--parallelism.zero_stage=3"], 0.55),
+    ("dp4 hsdp2x2 zero2", ["--parallelism.dp=4", "--parallelism.dp_shard=2", "--parallelism.zero_stage=2"], 0.55),
     ("tp2 reduce_scatter", ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"], 0.55),
     ("tp2 all_reduce", ["--parallelism.tp=2", "--parallelism.tp_mode=all_reduce"], 0.55),
     ("pp2 1f1b", ["--parallelism.pp=2"], 0.6),
+    ("pp2 1f1b dp2 zero2", ["--parallelism.pp=2", "--parallelism.dp=2", "--parallelism.zero_stage=2"], 0.3),
+    ("pp2 afab", ["--parallelism.pp=2", "--parallelism.pp_engine=afab"], None),
+    ("pp2 interleaved_1f1b", ["--parallelism.pp=2", "--parallelism.pp_engine=interleaved_1f1b"], None),
+    ("recompute", ["--parallelism.recompute_layer=true"], None),
+    ("bf16 dp2 zero1", ["--training.dtype=bfloat16", "--parallelism.dp=2", "--parallelism.zero_stage=1"], None),
     ("dp2 tp2 zero3", ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.zero_stage=3"], None),
     (
         "dp2 tp2 pp2 zero3",
@@ -59,9 +69,24 @@ COLUMNS = (
     "vs_1_process",
     "target",
     "met",
+    "activation_mib",
+    "working_mib",
+    "param_err",
+    "grad_err",
+    "optimizer_err",
+    "activation_err",
+    "working_err",
     "rank_state_mib",
     "peak_gib",
     "peak_growth_gib",
+)
+# (record key, plan parts whose sum estimates it, table column)
+ESTIMATED = (
+    ("param_bytes", ("params",), "param_err"),
+    ("grad_bytes", ("grads",), "grad_err"),
+    ("optimizer_bytes", ("optimizer",), "optimizer_err"),
+    ("activation_bytes", ("activations_saved", "logits_saved"), "activation_err"),
+    ("working_bytes", ("working",), "working_err"),
 )
 
 
@@ -80,18 +105,12 @@ def resident_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def local_bytes(tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
 def worker(args: list[str], out: Path) -> None:
-    """One rank: train two steps with the real Trainer, count what this rank holds, rank 0 writes all."""
+    """One rank: train with the real Trainer under the probe, count what this rank holds, rank 0 writes all."""
     import torch
     import torch.distributed as dist
 
+    from benchmarks.probe import StepProbe, nbytes
     from nanotron.config import load_config, parse_overrides
     from nanotron.distributed import destroy_distributed, launched_world_size
     from nanotron.metrics import memory_record
@@ -100,7 +119,8 @@ def worker(args: list[str], out: Path) -> None:
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0
     cfg = load_config(*parse_overrides(args), world_size=launched_world_size())
     trainer = Trainer(cfg)
-    trainer.train()
+    with StepProbe(trainer.modules, cfg.parallelism.recompute_layer).active() as probe:
+        trainer.train()
     optimizer_state = [
         value
         for optimizer in trainer.optimizers
@@ -111,9 +131,12 @@ def worker(args: list[str], out: Path) -> None:
     peak = memory_record(trainer.ctx.device)["memory_gib"]
     record = {
         "rank": trainer.ctx.rank,
-        "param_bytes": sum(local_bytes(p) for p in trainer.params),
-        "grad_bytes": sum(local_bytes(p.grad) for p in trainer.params if p.grad is not None),
-        "optimizer_bytes": sum(local_bytes(v) for v in optimizer_state),
+        "pp_rank": trainer.ctx.pp_rank,
+        "param_bytes": sum(nbytes(p) for p in trainer.params),
+        "grad_bytes": probe.grad_peak,
+        "optimizer_bytes": sum(nbytes(v) for v in optimizer_state),
+        "activation_bytes": probe.activation_peak,
+        "working_bytes": probe.working_peak,
         "peak_gib": peak,
         "peak_growth_gib": peak - baseline,
     }
@@ -144,7 +167,7 @@ def measure(name: str, overrides: list[str], base_args: list[str], work_dir: Pat
         *base_args,
         *overrides,
         f"--job.out_dir={work_dir / 'runs'}",
-        f"--job.name=memory-{world}",
+        f"--job.name=memory-{name.replace(' ', '_')}",
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=bench_env(), capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not out.is_file():
@@ -152,7 +175,24 @@ def measure(name: str, overrides: list[str], base_args: list[str], work_dir: Pat
     return json.loads(out.read_text())
 
 
-def summarize(name: str, target: float | None, ranks: list[dict], reference_bytes: int) -> dict:
+def estimate_errors(ranks: list[dict], args: list[str]) -> dict[str, float]:
+    """The plan's estimate for each rank's pipeline stage against what that rank measured: the worst
+    relative error per part over all ranks."""
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.plan.memory import stage_memory
+
+    cfg = load_config(*parse_overrides(args))
+    estimates = {r: stage_memory(cfg, r) for r in range(cfg.parallelism.pp)}
+    errors = {}
+    for key, parts, column in ESTIMATED:
+        relative = [
+            sum(estimates[rank["pp_rank"]][part] for part in parts) / rank[key] - 1 for rank in ranks if rank[key]
+        ]
+        errors[column] = max(relative, key=abs) if relative else 0.0
+    return errors
+
+
+def summarize(name: str, target: float | None, ranks: list[dict], reference_bytes: int, args: list[str]) -> dict:
     """One table row: the largest rank's state (what must fit on a device) against the one-process total."""
     state = [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks]
     top = ranks[max(range(len(ranks)), key=state.__getitem__)]
@@ -167,6 +207,9 @@ def summarize(name: str, target: float | None, ranks: list[dict], reference_byte
         "vs_1_process": ratio,
         "target": f"<= {target}" if target else "",
         "met": ("yes" if ratio <= target else "NO") if target else "",
+        "activation_mib": max(r["activation_bytes"] for r in ranks) / MIB,
+        "working_mib": max(r["working_bytes"] for r in ranks) / MIB,
+        **estimate_errors(ranks, args),
         "rank_state_mib": " ".join(f"{s / MIB:.1f}" for s in state),
         "peak_gib": max(r["peak_gib"] for r in ranks),
         "peak_growth_gib": max(r["peak_growth_gib"] for r in ranks),
@@ -199,15 +242,15 @@ def main(argv: list[str] | None = None) -> int:
         *model_overrides(size),
         "--training.steps=2",
         "--training.micro_batch_size=2",
-        "--training.global_batch_size=8",
-        "--training.grad_accum_steps=0",
+        f"--training.grad_accum_steps={MICROBATCHES}",
+        "--training.global_batch_size=0",
     ]
     rows, reference = [], 0
     for name, overrides, target in layouts:
         ranks = measure(name, overrides, base_args, args.work_dir)
         if not reference:  # the first layout is the single process
             reference = sum(ranks[0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
-        rows.append(summarize(name, target, ranks, reference))
+        rows.append(summarize(name, target, ranks, reference, [*base_args, *overrides]))
         print(f"  {name:20s} state {rows[-1]['state_mib']:8.1f} MiB/rank  x{rows[-1]['vs_1_process']:.3f}", flush=True)
     print(f"model size '{size}'")
     print(write_table(rows, COLUMNS, args.out / "memory"))

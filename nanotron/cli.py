@@ -1,4 +1,4 @@
-"""The `nanotron` console script: `nanotron {train,launch,convert,generate,prepare} ...`."""
+"""The `nanotron` console script: `nanotron {train,launch,convert,generate,prepare,plan} ...`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ COMMANDS = {
     "convert": "nanotron.convert",
     "generate": "nanotron.generate",
     "prepare": "nanotron.prepare",
+    "plan": "nanotron.plan.cli",
 }
 
 

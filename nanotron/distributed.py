@@ -1,4 +1,5 @@
-"""Process group and the ("pp", "dp", "tp") DeviceMesh; nccl on CUDA, gloo on CPU.
+"""Process group and the DeviceMesh, ("pp", "dp", "tp") or with HSDP ("pp", "dp_replicate", "dp_shard", "tp");
+nccl on CUDA, gloo on CPU.
 
 A process group exists even for one plain process (`python -m nanotron.train`, no launcher): a world of
 one over an in-memory store, so every layout, dp=1 included, runs the same parallel code.
@@ -64,8 +65,7 @@ def init_distributed(cfg: Config) -> ParallelContext:
             dist.init_process_group(backend, **options)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
-    p = cfg.parallelism
-    mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = build_mesh(cfg, device.type)
     return ParallelContext(
         mesh,
         device,
@@ -75,6 +75,27 @@ def init_distributed(cfg: Config) -> ParallelContext:
         mesh["tp"].get_local_rank(),
         mesh["pp"].get_local_rank(),
     )
+
+
+def build_mesh(cfg: Config, device_type: str) -> DeviceMesh:
+    """tp innermost (fastest links), then the FSDP group, so both stay inside a node when they fit.
+
+    With HSDP (dp_shard < dp, zero_stage >= 1) dp splits into ("dp_replicate", "dp_shard"), and "dp" is
+    their flattening: `mesh["dp"]` always spans every data-parallel rank (data loading, loss averaging).
+    """
+    p, shard = cfg.parallelism, cfg.dp_shard_size
+    if p.zero_stage == 0 or shard == p.dp:
+        return init_device_mesh(device_type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
+    names = ("pp", "dp_replicate", "dp_shard", "tp")
+    mesh = init_device_mesh(device_type, (p.pp, p.dp // shard, shard, p.tp), mesh_dim_names=names)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP/replicate works on: 2-D (replicate, shard) for HSDP, else "dp"."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["dp_replicate", "dp_shard"] if "dp_shard" in names else mesh["dp"]
 
 
 def destroy_distributed() -> None:

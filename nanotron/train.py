@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import time
 import traceback
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -39,6 +40,7 @@ from nanotron.metrics import (
 from nanotron.models.llama import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
+from nanotron.parallel.fsdp import prepare_backward
 from nanotron.parallel.pipeline import build_schedule, forward_only
 from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
@@ -78,7 +80,11 @@ class Trainer:
                 enable_async_tp(self.ctx)
             elif self.ctx.rank == 0:
                 print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)
-        self.stages = build_model(cfg, self.ctx)
+        # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
+        self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
+        started = time.perf_counter()
+        self.stages = build_model(cfg, self.ctx, initialize=self.source is None)
+        self.build_seconds = time.perf_counter() - started
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
         stage_ids = [index for index, _ in self.stages]
@@ -137,9 +143,8 @@ class Trainer:
                 )
                 return torch.stack([_plain(loss).detach().float() for loss in losses]).mean() if self.has_last else None
             model, total = self.modules[0], torch.zeros((), device=self.ctx.device)
-            # FSDP/replicate reduce gradients only after the last microbatch; earlier ones accumulate locally.
             for index, (inp, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
-                model.set_requires_gradient_sync(index == n_micro - 1)
+                prepare_backward(model, self.cfg.parallelism.zero_stage, last_microbatch=index == n_micro - 1)
                 loss = self.loss_fn(model(inp), tgt) / n_micro
                 loss.backward()
                 total += _plain(loss).detach()
@@ -239,15 +244,16 @@ class Trainer:
             )
 
     def resume(self) -> None:
-        source = resolve_source(self.cfg.checkpoint_dir, self.cfg.checkpoint)
-        if source is None:
+        if self.source is None:
+            self.metrics.info(f"model: built and randomly initialised in {self.build_seconds:.2f}s")
             return
-        path, model_only = source
+        path, model_only = self.source
         self.checkpoints.load(path, model_only)
+        built = f"model built in {self.build_seconds:.2f}s, random init skipped"
         if model_only:
-            self.metrics.info(f"checkpoint: model weights initialised from {path}")
+            self.metrics.info(f"checkpoint: model weights initialised from {path} ({built})")
         else:
-            self.metrics.info(f"checkpoint: resumed from {path} at step {self.state.step}")
+            self.metrics.info(f"checkpoint: resumed from {path} at step {self.state.step} ({built})")
 
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.training

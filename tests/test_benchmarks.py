@@ -1,4 +1,4 @@
-"""Each benchmark runs end to end with its documented command (`--quick`: nano model, few steps) and
+"""Each benchmark runs end to end with its documented command (`--quick`: nano or tiny model, few steps) and
 writes its table. Speed is measured in benchmarks/, never asserted here: only that rows appear."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def work_dir(tmp_path_factory) -> Path:
-    """One synthetic corpus for all three benchmarks (each writes it on first use)."""
+    """One synthetic corpus for all the benchmarks (each writes it on first use)."""
     return tmp_path_factory.mktemp("bench_work")
 
 
@@ -68,6 +68,16 @@ def test_memory_quick_counts_state_bytes_per_rank(tmp_path, work_dir):
     one = rows["1 process"]
     assert float(one["optimizer_mib"]) == pytest.approx(2 * float(one["param_mib"]), rel=1e-3)
     assert len(rows["dp2 zero3"]["rank_state_mib"].split()) == 2
+    # The plan's estimate is reported against each measurement; parameter shards are exact.
+    assert float(rows["dp2 zero3"]["param_err"]) == 0.0 and rows["dp2 zero3"]["activation_err"] != ""
+
+
+@pytest.mark.slow
+def test_startup_quick_times_fresh_and_resumed_first_steps(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.startup", tmp_path, work_dir)
+    rows = {r["start"]: r for r in read_csv(tmp_path / "startup.csv")}
+    assert set(rows) == {"fresh", "resume"} and all(float(r["first_step_s"]) > 0 for r in rows.values())
+    assert "CPU init rate" in stdout
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ final weights, starting from the same initial weights."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,12 @@ from nanotron.parallel.pipeline import build_schedule, split_layers, split_model
 STEPS = 5
 RTOL = 1e-5
 
-# (dp, tp, pp, extra overrides): every tp_mode, pp_engine, zero stage 0/1/3 and recompute on/off.
+# (dp, tp, pp, extra overrides): every tp_mode, pp_engine, zero stage, HSDP, and recompute on/off.
 LAYOUTS = [
     (2, 1, 1, []),
     (2, 1, 1, ["--parallelism.zero_stage=3"]),
+    (4, 1, 1, ["--parallelism.dp_shard=2", "--parallelism.zero_stage=3"]),
+    (2, 1, 2, ["--parallelism.pp_engine=zero_bubble", "--parallelism.zero_stage=2"]),
     (1, 2, 1, ["--parallelism.tp_mode=reduce_scatter"]),
     (1, 2, 1, ["--parallelism.tp_mode=all_reduce"]),
     (1, 1, 2, ["--parallelism.pp_engine=1f1b"]),
@@ -243,3 +246,42 @@ def test_impossible_layouts_fail_with_one_line_before_spawning(overrides, nproc,
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_resume_reshards_between_one_process_hsdp_and_fsdp(tiny_data, tmp_path):
+    """One process saves, HSDP (2 replicas x 2 shards) resumes and saves, FSDP over dp=2 resumes: the losses
+    are the uninterrupted run's, so model, optimizer state and data position reshard both ways."""
+    common = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--checkpoint.save_final=true"]
+    common.append("--optimizer.decay_steps=4")  # the LR schedule no longer depends on each leg's training.steps
+    run_train([*common, "--job.name=reference", "--training.steps=6"])
+    legs = [  # (name, processes, layout, steps at the end of the leg)
+        ("one", 1, [], 2),
+        ("hsdp", 4, ["--parallelism.dp=4", "--parallelism.dp_shard=2", "--parallelism.zero_stage=2"], 4),
+        ("fsdp", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3"], 6),
+    ]
+    losses, previous = [], None
+    for name, nproc, layout, steps in legs:
+        resume = [f"--checkpoint.resume_from={previous}"] if previous else []
+        run_train([*common, f"--job.name={name}", f"--training.steps={steps}", *layout, *resume], nproc=nproc)
+        losses += train_losses(tmp_path / name)
+        previous = tmp_path / name / "checkpoints" / f"step-{steps}"
+    reference = train_losses(tmp_path / "reference")
+    assert len(losses) == len(reference) == 6
+    assert losses == pytest.approx(reference, rel=RTOL, abs=0), (losses, reference)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"dp": "4", "dp_shard": "3", "zero_stage": "3"}, "parallelism.dp_shard=3 must divide parallelism.dp=4"),
+        ({"dp": "4", "dp_shard": "2", "zero_stage": "0"}, "set parallelism.zero_stage >= 1 for HSDP"),
+        ({"pp": "2", "pp_engine": "zbv", "zero_stage": "3"}, "zero_stage=3 with pp_engine='zbv' computes wrong"),
+    ],
+)
+def test_hsdp_and_zero_stage_misconfigurations_name_the_key(overrides, expected):
+    from nanotron.errors import ConfigError
+
+    pairs = [(f"parallelism.{k}", v) for k, v in overrides.items()] + [("training.grad_accum_steps", "4")]
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config("configs/tiny.toml", pairs)

@@ -104,7 +104,14 @@ PP_ENGINES = {
 
 @dataclass
 class ParallelismConfig:
-    dp: int = _opt(1, "data-parallel degree", min=1)
+    dp: int = _opt(1, "data-parallel degree (replicas x shards)", min=1)
+    dp_shard: int = _opt(
+        0,
+        "FSDP group size: ranks that share one sharded copy of the model (tp, then dp_shard, are the innermost "
+        "mesh dims: keep tp*dp_shard within a node); dp/dp_shard such groups replicate it and all-reduce "
+        "gradients (HSDP); 0 = dp (plain FSDP); needs zero_stage >= 1",
+        min=0,
+    )
     tp: int = _opt(1, "tensor-parallel degree (innermost mesh dim)", min=1)
     pp: int = _opt(1, "pipeline-parallel degree", min=1)
     pp_engine: str = _opt("1f1b", "pipeline schedule", tuple(PP_ENGINES))
@@ -116,7 +123,10 @@ class ParallelismConfig:
     )
     tp_linear_async_communication: bool = _opt(False, "async TP (CUDA, training.compile, tp_mode=reduce_scatter)")
     zero_stage: int = _opt(
-        0, "0 replicate (DDP), 1/2 FSDP keeping params after forward, 3 FSDP resharding", (0, 1, 2, 3)
+        0,
+        "0 replicate (DDP); 1 shard params + optimizer state, reduce gradients once per step; 2 also "
+        "reduce-scatter gradients every microbatch (keep only the shard); 3 also free params after forward",
+        (0, 1, 2, 3),
     )
     recompute_layer: bool = _opt(False, "recompute each decoder layer in backward (activation checkpointing)")
 
@@ -216,6 +226,12 @@ class Config:
     @property
     def world_size(self) -> int:
         return self.parallelism.dp * self.parallelism.tp * self.parallelism.pp
+
+    @property
+    def dp_shard_size(self) -> int:
+        """Ranks in one FSDP group: parallelism.dp_shard, or all of dp when it is 0 (1 under zero_stage 0)."""
+        p = self.parallelism
+        return 1 if p.zero_stage == 0 else p.dp_shard or p.dp
 
     @property
     def num_stages(self) -> int:

@@ -93,6 +93,22 @@ def _validate_parallelism(cfg: Config) -> None:
             f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={p.tp} "
             "with tp_mode='reduce_scatter' (sequence parallel); or use tp_mode='all_reduce'"
         )
+    if p.dp_shard and p.dp % p.dp_shard:
+        raise ConfigError(
+            f"parallelism.dp_shard={p.dp_shard} must divide parallelism.dp={p.dp} "
+            "(dp = replicas x FSDP group size); pick a divisor of dp, or 0 for plain FSDP"
+        )
+    if p.dp_shard not in (0, p.dp) and p.zero_stage == 0:
+        raise ConfigError(
+            f"parallelism.dp_shard={p.dp_shard} shards within groups, but zero_stage=0 replicates everything; "
+            "set parallelism.zero_stage >= 1 for HSDP, or dp_shard=0"
+        )
+    if p.pp > 1 and p.zero_stage == 3 and p.pp_engine in ("zero_bubble", "zbv"):
+        raise ConfigError(
+            f"parallelism.zero_stage=3 with pp_engine='{p.pp_engine}' computes wrong gradients in torch's split "
+            "backward (parameters freed after forward); use zero_stage=2 (gradients stay sharded) or "
+            "pp_engine '1f1b' or 'interleaved_1f1b'"
+        )
     if p.pp_engine == "zbv" and p.pp_stages_per_rank != 2:
         raise ConfigError("parallelism.pp_engine='zbv' needs parallelism.pp_stages_per_rank=2 (a V of two stages)")
     stages = cfg.num_stages

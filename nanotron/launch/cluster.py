@@ -100,8 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("execution")
     run.add_argument("--show_logs", action="store_true", help="follow the job's log until the job ends")
     run.add_argument(
-        "--dry_run", action="store_true", help="check, write the run dir and print everything; submit nothing"
+        "--dry_run",
+        action="store_true",
+        help="check, write the run dir and print everything (the plan too); submit nothing",
     )
+    run.add_argument(
+        "--gpu",
+        default="h100",
+        help="GPU type the plan checks memory against: h100, h200, a100, or '<memory GiB>,<peak TFLOP/s>' "
+        "(default h100)",
+    )
+    run.add_argument("--force", action="store_true", help="submit even if the plan says the layout does not fit")
     return p
 
 
@@ -171,6 +180,23 @@ def plan_nodes(cfg: Config, args: argparse.Namespace) -> tuple[int, int, list[st
             "span nodes (slow); pick tp among the divisors of the processes per node"
         )
     return nodes, procs, notes
+
+
+def plan_before_submit(cfg: Config, args: argparse.Namespace, procs: int) -> list[str]:
+    """The per-GPU memory line (and with --dry_run the whole plan); refuses a layout that does not fit the GPUs
+    unless --force, so it fails here in a second instead of out of memory after its wait in the queue."""
+    from nanotron.plan.cli import describe, fit_line, fits
+    from nanotron.plan.timing import parse_gpu
+
+    if not args.gpus_per_node:
+        return ["note: CPU nodes (--gpus_per_node 0): GPU memory not planned"]
+    gpu = parse_gpu(args.gpu)
+    line = fit_line(cfg, gpu)
+    if not fits(cfg, gpu) and not args.force:
+        raise LaunchError(f"{line}; --force submits anyway")
+    if args.dry_run:
+        return ["plan:", *describe(cfg, gpu, math.ceil(cfg.world_size / procs), procs, efficiency=0.55)]
+    return [line]
 
 
 def sbatch_command(args: argparse.Namespace, cfg: Config, nodes: int, procs: int, python: str) -> list[str]:
@@ -278,6 +304,7 @@ def _launch(argv: list[str]) -> int:
     check_slurm_flags(args)
     cfg, notes = resolve_config(args, passthrough)
     nodes, procs, layout_notes = plan_nodes(cfg, args)
+    plan = plan_before_submit(cfg, args, procs)
     python = preflight.job_python()
     cmd = sbatch_command(args, cfg, nodes, procs, python)
     if not JOB_SCRIPT.is_file():
@@ -295,6 +322,7 @@ def _launch(argv: list[str]) -> int:
         print(f"note: {cfg.checkpoint_dir} has checkpoints: the job resumes from the latest", file=sys.stderr)
     submit_file = write_run_dir(cfg, cmd, argv)
     print(model_summary(cfg))
+    print("\n".join(plan))
     print(f"resolved config: {cfg.run_dir / 'config.toml'}")
     print(f"sbatch command ({submit_file}):\n  {shlex.join(cmd)}")
     if args.dry_run:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from nanotron.config import Config
-from nanotron.distributed import ParallelContext
+from nanotron.distributed import ParallelContext, data_parallel_mesh
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.fsdp import apply_fsdp
 from nanotron.parallel.init import init_weights
@@ -47,12 +47,9 @@ def enable_async_tp(ctx: ParallelContext) -> None:
     enable_symm_mem_for_group(ctx.mesh["tp"].get_group().group_name)
 
 
-def build_model(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]]:
-    """(global pipeline stage index, module) for every stage this rank runs, initialised and on device.
-
-    The model is built on the meta device, so no rank ever holds more than its own shards plus one
-    full tensor at a time during init.
-    """
+def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]]:
+    """(global pipeline stage index, module) for every stage this rank runs, sharded but still on the meta
+    device: no memory is allocated, so `nanotron plan --check` can build any rank of any world size."""
     p = cfg.parallelism
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg.model)
@@ -65,7 +62,21 @@ def build_model(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
         if cfg.training.compile:
             for layer in module.model.layers.values():
                 layer.compile()
-        apply_fsdp(module, ctx.mesh["dp"], p.zero_stage, cfg.training.dtype)
+        apply_fsdp(module, data_parallel_mesh(ctx.mesh), p.zero_stage, cfg.training.dtype)
+    return stages
+
+
+def build_model(cfg: Config, ctx: ParallelContext, initialize: bool = True) -> list[tuple[int, nn.Module]]:
+    """This rank's stages, on its device; randomly initialised unless `initialize` is False (a checkpoint
+    load is about to overwrite every weight: drawing them would only cost start-up time).
+
+    No rank ever holds more than its own shards plus one full tensor at a time during init.
+    """
+    stages = parallelize(cfg, ctx)
+    for _, module in stages:
         module.to_empty(device=ctx.device)
-        init_weights(module, cfg.job.seed)
+        if initialize:
+            init_weights(module, cfg.job.seed)
+        else:
+            module.init_buffers(ctx.device)
     return stages

@@ -1,8 +1,18 @@
-"""Data parallelism over the dp mesh: `replicate` (DDP semantics) or FSDP2 `fully_shard` (ZeRO-1/2/3).
+"""Data parallelism over the dp mesh: `replicate` (DDP semantics) or FSDP2 `fully_shard` (ZeRO-1/2/3), HSDP
+when the mesh has a replicate and a shard dimension.
 
 It is applied at every dp size, dp=1 included (its collectives are then no-ops), so that mixed precision is
 one mechanism everywhere: FSDP's MixedPrecisionPolicy casts parameters to bf16 for compute and reduces
 gradients in fp32 against fp32 master weights, and a dp=1 run computes exactly as a dp=8 run does.
+
+What each ZeRO stage keeps between the microbatches of a step (the memory promise, DESIGN contract 11):
+  0  full parameters, gradients and optimizer state; gradients all-reduced once per step.
+  1  sharded optimizer state and parameters; gradients accumulate unsharded and are reduce-scattered once
+     per step, and gathered parameters stay gathered until the step's last backward (fewest collectives).
+  2  gradients reduce-scattered after every microbatch's backward: only the gradient shard is kept.
+  3  as 2, and parameters are also freed after forward and after backward (re-gathered when needed).
+The same holds under pipeline parallelism, where `ZeroPipelineStage` replaces the schedule's default of
+deferring every reduction to the step's end.
 """
 
 from __future__ import annotations
@@ -10,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 
 from nanotron.models.llama import LlamaForCausalLM
 
@@ -25,8 +37,9 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str) -> None:
     """Wraps each decoder layer, then the root (a ModuleDict itself can't be wrapped).
 
-    zero_stage 0 keeps full replicas and all-reduces grads; 1/2 shard grads and optimizer state but keep
-    the gathered params between forward and backward; 3 also frees them after forward (re-gathers in backward).
+    `dp_mesh` is 1-D (FSDP over all of dp) or 2-D ("dp_replicate", "dp_shard"): HSDP, sharded within a
+    dp_shard group and replicated across groups. zero_stage 0 keeps full replicas; 1/2 keep the gathered
+    params between forward and backward; 3 frees them after forward (re-gathers in backward).
     """
     policy = mixed_precision(dtype)
     if zero_stage == 0:
@@ -38,3 +51,56 @@ def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dt
     for layer in model.model.layers.values():
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+
+
+def prepare_backward(module: FSDPModule, zero_stage: int, last_microbatch: bool) -> None:
+    """Before a microbatch's backward: whether it reduces its gradients now, and whether it frees the gathered
+    parameters after. Stages 0/1 defer both to the step's last microbatch; 2/3 reduce-scatter every time."""
+    module.set_requires_gradient_sync(zero_stage >= 2 or last_microbatch)
+    module.set_reshard_after_backward(zero_stage == 3 or last_microbatch)
+
+
+def reduce_gradients(module: FSDPModule, reshard: bool) -> None:
+    """Reduce-scatters the gradients `module` accumulated unsharded, now (outside autograd's hooks).
+
+    What torch's pipeline stage does once per step (`perform_reduce_grad`) minus the gradient scaling,
+    reaching into the same FSDP internals for it.
+    """
+    module.set_requires_gradient_sync(True)
+    module.set_reshard_after_backward(reshard)
+    state = fully_shard.state(module)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+class ZeroPipelineStage(PipelineStage):
+    """A pipeline stage whose gradient reduction follows the ZeRO stage.
+
+    torch's stage turns FSDP's gradient sync off for every microbatch and reduces once at the step's end,
+    so FSDP accumulates full unsharded gradients (and keeps every gathered parameter) across the step. For
+    stages 2/3 a full backward here runs with sync on, so FSDP reduce-scatters layer by layer as usual; a
+    zero-bubble schedule's split backward (input, then weight gradients) reduces right after the weight
+    part, when the microbatch's gradients are complete. The step-end reduction then finds nothing left.
+    """
+
+    def __init__(self, *args, zero_stage: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.zero_stage = zero_stage
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if self.zero_stage < 2 or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        reshard = self.zero_stage == 3
+        if backward_type == "full":
+            self.submod.set_is_last_backward(True)
+            prepare_backward(self.submod, self.zero_stage, last_microbatch=False)
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+            return grads, None
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if backward_type == "weight":
+            # The schedule finds pending weight passes' parameters by the module's registered (gathered) ones:
+            # free them only when no microbatch still waits for its weight gradients.
+            reduce_gradients(self.submod, reshard and not self.backward_state)
+        return result

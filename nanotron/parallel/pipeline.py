@@ -13,11 +13,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed.pipelining as pipelining
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Shard
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.fsdp import ZeroPipelineStage
 
 
 def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
@@ -97,10 +97,19 @@ def build_schedule(
     loss_fn: Callable,
 ):
     """The `parallelism.pp_engine` schedule over this rank's stages (one microbatch per gradient-accumulation
-    step); gradients are averaged over the microbatches. `mesh` is the ("pp", "dp", "tp") mesh."""
-    n = cfg.num_stages
+    step); gradients are averaged over the microbatches and reduced as the ZeRO stage says (ZeroPipelineStage).
+    `mesh` is the whole device mesh (its "pp" and "tp" dimensions are used)."""
+    n, zero_stage = cfg.num_stages, cfg.parallelism.zero_stage
     pipeline_stages = [
-        PipelineStage(module, index, n, device, group=mesh["pp"].get_group(), **stage_shapes(cfg, index, mesh))
+        ZeroPipelineStage(
+            module,
+            index,
+            n,
+            device,
+            group=mesh["pp"].get_group(),
+            zero_stage=zero_stage,
+            **stage_shapes(cfg, index, mesh),
+        )
         for index, module in stages
     ]
     engine = PP_ENGINES[cfg.parallelism.pp_engine]

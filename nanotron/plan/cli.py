@@ -1,0 +1,199 @@
+"""`nanotron plan` / `python -m nanotron.plan`: will this layout fit, how fast will it run, which layout is best.
+
+    nanotron plan --config configs/large.toml --nodes 4 --gpus_per_node 8 --gpu h100
+    nanotron plan --config configs/large.toml --nodes 8 --gpus_per_node 8 --gpu h100 --search
+    nanotron plan --config configs/large.toml --nodes 64 --gpus_per_node 8 --check \\
+        --parallelism.pp=4 --parallelism.dp=16 --parallelism.tp=8
+
+Extra `--section.key=value` arguments are config overrides, as for `nanotron train`. Nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+from nanotron.config import Config, load_config, parse_overrides
+from nanotron.errors import ConfigError, run_command
+from nanotron.models.llama import num_params
+from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
+from nanotron.plan.search import reserve_bytes, search, usable_bytes
+from nanotron.plan.timing import GPUS, Gpu, estimate_step, parse_gpu
+
+ASSUMPTIONS = (
+    "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s peak; FSDP/DP collectives overlap compute, TP and PP "
+    "transfers are exposed; ring collectives at {nvlink:g} GB/s per GPU over NVLink inside a node, {ib:g} GB/s "
+    "over InfiniBand across nodes; reserve {reserve:.1f} GiB per GPU for CUDA context, NCCL and fragmentation"
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nanotron plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML config (default: built-in defaults); overrides follow as --section.key=value")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
+    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument(
+        "--gpu", default="h100", help=f"{', '.join(GPUS)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (default h100)"
+    )
+    p.add_argument("--efficiency", type=float, default=0.55, help="achieved fraction of peak compute (default 0.55)")
+    p.add_argument("--nvlink_gbps", type=float, help="ring bandwidth per GPU inside a node, GB/s (default: by --gpu)")
+    p.add_argument("--ib_gbps", type=float, help="bandwidth per GPU across nodes, GB/s (default: by --gpu)")
+    p.add_argument("--search", action="store_true", help="rank every layout that fits this cluster by throughput")
+    p.add_argument("--top", type=int, default=15, help="rows of the --search table (default 15)")
+    p.add_argument("--check", action="store_true", help="build every distinct rank on a fake process group")
+    return p
+
+
+def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: float) -> list[str]:
+    """The plan of cfg's layout: memory per part for each pipeline rank, the verdict, step time and MFU."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    dp = f"dp={p.dp}" + (f" (HSDP {p.dp // cfg.dp_shard_size}x{cfg.dp_shard_size})" if cfg.dp_shard_size < p.dp else "")
+    lines = [
+        f"model {num_params(m) / 1e9:.2f}B params | {dp} tp={p.tp} pp={p.pp} ({p.pp_engine}) zero_stage={p.zero_stage}"
+        f" recompute={str(p.recompute_layer).lower()} {t.dtype} | {cfg.world_size} of {nodes}x{gpus_per_node} GPUs "
+        f"({gpu.name}, {gpu.memory_gib:g} GiB)",
+        f"global batch {t.global_batch_size} x {t.seq_len} tokens = micro_batch_size {t.micro_batch_size} x "
+        f"{t.grad_accum_steps} microbatches x dp {p.dp}",
+        "",
+        "memory per GPU in GiB, worst rank of each pipeline stage:",
+        "| pp rank | " + " | ".join(label for _, label in PARTS) + " | total | fits |",
+        "|" + "---|" * (len(PARTS) + 3),
+    ]
+    usable = usable_bytes(gpu)
+    for pp_rank in range(p.pp):
+        mem = stage_memory(cfg, pp_rank)
+        cells = " | ".join(f"{mem[key] / GIB:.2f}" for key, _ in PARTS)
+        fits = "yes" if mem["total"] <= usable else "NO"
+        lines.append(f"| {pp_rank} | {cells} | {mem['total'] / GIB:.2f} | {fits} |")
+    pp_rank, worst = worst_stage(cfg)
+    other = copy.deepcopy(cfg)
+    other.parallelism.recompute_layer = not p.recompute_layer
+    with_rc, without_rc = (
+        (worst, stage_memory(other, pp_rank)) if p.recompute_layer else (stage_memory(other, pp_rank), worst)
+    )
+    lines += [
+        f"activations on pp rank {pp_rank}: {without_rc['activations'] / GIB:.2f} GiB without recompute, "
+        f"{with_rc['activations'] / GIB:.2f} GiB with recompute ({worst['flights']:g} microbatches in flight)",
+        fit_line(cfg, gpu),
+        "",
+    ]
+    step = estimate_step(cfg, gpu, gpus_per_node, efficiency)
+    comm = ", ".join(
+        f"{name} {t.gb:.2f} GB/GPU over {t.link} {t.seconds:.3f}s" for name, t in step.comm.items() if t.gb
+    )
+    lines += [
+        f"step time ~{step.step_s:.2f}s (compute {step.compute_s:.2f}s incl. pipeline bubble; communication per "
+        f"step: {comm or 'none'}) "
+        f"-> {step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1%}",
+        ASSUMPTIONS.format(
+            eff=efficiency,
+            peak=gpu.peak_tflops,
+            nvlink=gpu.nvlink_gbps,
+            ib=gpu.ib_gbps,
+            reserve=reserve_bytes(gpu) / GIB,
+        ),
+    ]
+    return lines
+
+
+HINTS = {
+    "params": "shard them: zero_stage >= 1, a larger dp_shard, more tp or pp",
+    "grads": "zero_stage 2 or 3 keeps only the gradient shard; or more tp or pp",
+    "optimizer": "shard it: zero_stage >= 1, a larger dp_shard, more tp or pp",
+    "working": "zero_stage=3 frees gathered parameters after forward; or more tp or pp",
+    "activations": "parallelism.recompute_layer=true, a smaller micro_batch_size, or more tp/pp",
+    "logits": "a smaller micro_batch_size or more tp",
+    "buffers": "fewer microbatches (global_batch_size) or a larger micro_batch_size",
+}
+
+
+def fit_line(cfg: Config, gpu: Gpu) -> str:
+    """One line: the worst rank's total against the device, and when it does not fit, the largest part."""
+    pp_rank, mem = worst_stage(cfg)
+    total, usable = mem["total"] / GIB, usable_bytes(gpu) / GIB
+    where = f" (pp rank {pp_rank})" if cfg.parallelism.pp > 1 else ""
+    if mem["total"] <= usable_bytes(gpu):
+        return f"memory: fits: {total:.1f} GiB per GPU{where} of {usable:.1f} GiB usable on {gpu.name}"
+    key, label = max(PARTS, key=lambda part: mem[part[0]])
+    return (
+        f"memory: does not fit: {total:.1f} GiB per GPU{where} but {usable:.1f} GiB usable on {gpu.name}; largest "
+        f"part: {label} {mem[key] / GIB:.1f} GiB ({HINTS[key]})"
+    )
+
+
+def fits(cfg: Config, gpu: Gpu) -> bool:
+    return worst_stage(cfg)[1]["total"] <= usable_bytes(gpu)
+
+
+def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficiency: float, top: int) -> list[str]:
+    found, considered = search(cfg, world, gpus_per_node, gpu, efficiency)
+    lines = [
+        f"{len(found)} of {considered} valid layouts fit {world} x {gpu.name} at global batch "
+        f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first:",
+        "| # | dp | dp_shard | tp | pp | zero | recompute | micro batch | memory GiB | step s | tokens/s | MFU |",
+        "|" + "---|" * 12,
+    ]
+    for index, c in enumerate(found[:top], 1):
+        p, t = c.cfg.parallelism, c.cfg.training
+        lines.append(
+            f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.tp} | {p.pp} | {p.zero_stage} | "
+            f"{str(p.recompute_layer).lower()} | {t.micro_batch_size} | {c.memory['total'] / GIB:.1f} | "
+            f"{c.step.step_s:.2f} | {c.step.tokens_per_s:,.0f} | {c.step.mfu:.1%} |"
+        )
+    return lines
+
+
+def check_table(cfg: Config) -> list[str]:
+    from nanotron.plan.check import check_ranks
+
+    results = check_ranks(cfg)
+    lines = [
+        f"--check: built {len(results)} distinct ranks of {cfg.world_size} on a fake process group:",
+        "| rank | pp | dp | tp | parameter bytes built | formula | equal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        same = "yes" if r.built_bytes == r.formula_bytes else "NO"
+        lines.append(
+            f"| {r.rank} | {r.pp_rank} | {r.dp_rank} | {r.tp_rank} | {r.built_bytes} | {r.formula_bytes} | {same} |"
+        )
+    if any(r.built_bytes != r.formula_bytes for r in results):
+        raise ConfigError("plan --check: the built parameter shards differ from the formula:\n" + "\n".join(lines))
+    return lines
+
+
+def _plan(argv: list[str]) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    _, overrides = parse_overrides(extra)
+    for flag, value in (("--nodes", args.nodes), ("--gpus_per_node", args.gpus_per_node), ("--top", args.top)):
+        if value < 1:
+            raise ConfigError(f"{flag}: expected an integer >= 1, got {value}")
+    if not 0 < args.efficiency <= 1:
+        raise ConfigError(f"--efficiency: expected a fraction in (0, 1], got {args.efficiency}")
+    gpu = parse_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
+    cfg = load_config(args.config, overrides)
+    capacity = args.nodes * args.gpus_per_node
+    if cfg.world_size > capacity:
+        p = cfg.parallelism
+        raise ConfigError(
+            f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {cfg.world_size} GPUs but --nodes {args.nodes} x --gpus_per_node "
+            f"{args.gpus_per_node} = {capacity}; lower dp/tp/pp or raise --nodes"
+        )
+    out = describe(cfg, gpu, args.nodes, args.gpus_per_node, args.efficiency)
+    if args.search:
+        out += ["", *search_table(cfg, capacity, gpu, args.gpus_per_node, args.efficiency, args.top)]
+    if args.check:
+        out += ["", *check_table(cfg)]
+    print("\n".join(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(_plan, list(sys.argv[1:] if argv is None else argv))

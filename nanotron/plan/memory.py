@@ -1,0 +1,239 @@
+"""Per-rank memory of a layout, by part, from the config alone (no model, no GPU, no process group).
+
+Parameter shards are exact: every parameter's shape, the dimension tensor parallelism splits, and FSDP's split
+of dim 0 follow `torch.chunk` as DTensor and FSDP2 do, so `nanotron plan --check` can compare them byte for
+byte with a model really built on a fake process group. Activations count what autograd saves for backward
+in nanotron's Llama layer (derived from the code, validated against measured runs: benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from nanotron.config import Config, ModelConfig
+from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
+
+GIB = 2**30
+FP32 = 4
+# Memory parts in report order: (key, label).
+PARTS = (
+    ("params", "parameters"),
+    ("grads", "gradients"),
+    ("optimizer", "optimizer state"),
+    ("working", "working copies"),
+    ("activations", "activations"),
+    ("logits", "logits/loss"),
+    ("buffers", "communication buffers"),
+)
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dimension tensor parallelism splits; None = replicated on every tp rank
+
+
+def layer_params(m: ModelConfig, index: int) -> list[Param]:
+    h, q, kv, i = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
+    prefix = f"model.layers.{index}."
+    shapes = [
+        ("input_layernorm.weight", (h,), None),
+        ("self_attn.q_proj.weight", (q, h), 0),
+        ("self_attn.k_proj.weight", (kv, h), 0),
+        ("self_attn.v_proj.weight", (kv, h), 0),
+        ("self_attn.o_proj.weight", (h, q), 1),
+        ("post_attention_layernorm.weight", (h,), None),
+        ("mlp.gate_proj.weight", (i, h), 0),
+        ("mlp.up_proj.weight", (i, h), 0),
+        ("mlp.down_proj.weight", (h, i), 1),
+    ]
+    return [Param(prefix + name, shape, dim) for name, shape, dim in shapes]
+
+
+def stage_params(m: ModelConfig, layers: range, first: bool, last: bool) -> tuple[list[Param], list[Param]]:
+    """(root params, per-layer params) of one pipeline stage; FQNs as in the model (layout-independent)."""
+    root = []
+    if first:
+        root.append(Param("model.embed_tokens.weight", (m.vocab_size, m.hidden_size), 0))
+    if last:
+        root.append(Param("model.norm.weight", (m.hidden_size,), None))
+        if not m.tie_word_embeddings:
+            root.append(Param("lm_head.weight", (m.vocab_size, m.hidden_size), 0))
+    return root, [p for index in layers for p in layer_params(m, index)]
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Length of `torch.chunk(range(n), parts)[index]` (empty past the end), as DTensor and FSDP2 split."""
+    size = math.ceil(n / parts)
+    return max(0, min(size, n - index * size))
+
+
+def local_numel(param: Param, tp: int, tp_rank: int, shard: int, shard_rank: int) -> tuple[int, int]:
+    """(elements on this tp rank before FSDP, elements of this rank's FSDP shard)."""
+    dims = list(param.shape)
+    if tp > 1 and param.tp_dim is not None:
+        dims[param.tp_dim] = chunk(dims[param.tp_dim], tp, tp_rank)
+    tp_local = math.prod(dims)
+    dims[0] = chunk(dims[0], shard, shard_rank)
+    return tp_local, math.prod(dims)
+
+
+@dataclass
+class StageShape:
+    """The parameter tensors of one of a rank's pipeline stages."""
+
+    index: int
+    root: list[Param]
+    layers: list[Param]
+    num_layers: int
+    first: bool
+    last: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_ranges(num_layers: int, n_stages: int, costs: tuple[float, float, float]) -> list[range]:
+    """The pipeline's own split (cached: `--search` asks for the same splits thousands of times)."""
+    return split_layers(num_layers, n_stages, costs) if n_stages > 1 else [range(num_layers)]
+
+
+def rank_stages(cfg: Config, pp_rank: int) -> list[StageShape]:
+    m, n = cfg.model, cfg.num_stages
+    ranges = _layer_ranges(m.num_layers, n, stage_costs(m, cfg.training.seq_len))
+    out = []
+    for s in stage_indices(cfg, pp_rank) if cfg.parallelism.pp > 1 else [0]:
+        root, layers = stage_params(m, ranges[s], s == 0, s == n - 1)
+        out.append(StageShape(s, root, layers, len(ranges[s]), s == 0, s == n - 1))
+    return out
+
+
+def param_bytes(cfg: Config, pp_rank: int, tp_rank: int = 0, dp_rank: int = 0) -> int:
+    """fp32 bytes of this rank's parameter shards (what `to_local()` holds): the number `--check` confirms."""
+    p, shard = cfg.parallelism, cfg.dp_shard_size
+    total = 0
+    for stage in rank_stages(cfg, pp_rank):
+        for param in stage.root + stage.layers:
+            total += local_numel(param, p.tp, tp_rank, shard, dp_rank % shard)[1]
+    return FP32 * total
+
+
+def in_flight(cfg: Config, pp_rank: int) -> float:
+    """Microbatches whose activations one stage of this rank holds at the schedule's peak.
+
+    1F1B: stage r holds pp - r (its warm-up); GPipe (afab): all of them; interleaved 1F1B: torch's warm-up of
+    (v-1)*pp + 2*(pp-1-r) + 1 chunk forwards spread over the rank's v stages. The zero-bubble schedules defer
+    weight gradients and keep what those need: measured (pp=2, 8 microbatches), the first rank holds about its
+    interleaved warm-up and the last rank about every microbatch; ranks between are interpolated (approximate).
+    """
+    p, n = cfg.parallelism, cfg.training.grad_accum_steps
+    if p.pp == 1:
+        return 1
+    engine = p.pp_engine
+    if engine == "afab":
+        return n
+    if engine == "1f1b":
+        return min(p.pp - pp_rank, n)
+    v = p.pp_stages_per_rank
+    interleaved = min(n * v, (v - 1) * p.pp + 2 * (p.pp - 1 - pp_rank) + 1) / v
+    if engine == "interleaved_1f1b":
+        return interleaved
+    return interleaved + (n - interleaved) * pp_rank / (p.pp - 1)
+
+
+def layer_activation_bytes(cfg: Config, tokens: int) -> tuple[float, float]:
+    """(saved for backward by one decoder layer, kept per layer under recompute) for `tokens` tokens.
+
+    Each RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its normalised value in the
+    compute dtype; the q/k/v and gate/up projections save the norm output (all-gathered to the full sequence
+    under sequence parallelism); attention saves roped q, k, v, its output and the fp32 log-sum-exp; the MLP
+    saves gate, up, silu(gate) and their product. Recompute keeps only each layer's input.
+    """
+    m, p = cfg.model, cfg.parallelism
+    e = 2 if cfg.training.dtype == "bfloat16" else 4
+    tp, sp = p.tp, p.tp if p.tp_mode == "reduce_scatter" else 1
+    h, kv, i = m.hidden_size, m.num_kv_heads * m.head_dim, m.intermediate_size
+    norms = 2 * ((FP32 + e) * h / sp + e * h)
+    attention = e * (2 * h + 2 * kv) / tp + FP32 * m.num_heads / tp
+    mlp = 4 * e * i / tp
+    return tokens * (norms + attention + mlp), tokens * e * h / sp
+
+
+def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
+    """Bytes per part for the worst rank of pipeline rank `pp_rank` (tp and dp coordinate 0: the largest
+    chunks), plus "activations_saved" (what autograd holds: the measured quantity) and "total"."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    shard, n_micro = cfg.dp_shard_size, t.grad_accum_steps
+    e = 2 if t.dtype == "bfloat16" else 4
+    tokens = t.micro_batch_size * t.seq_len
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    stages = rank_stages(cfg, pp_rank)
+    sharded = tp_local = tensors = root_tp = 0
+    largest_layer = 0
+    for stage in stages:
+        for param in stage.root + stage.layers:
+            full, local = local_numel(param, p.tp, 0, shard, 0)
+            sharded, tp_local, tensors = sharded + local, tp_local + full, tensors + 1
+        root_tp += sum(local_numel(param, p.tp, 0, shard, 0)[0] for param in stage.root)
+        per_layer = layer_params(m, 0)
+        largest_layer = max(largest_layer, sum(local_numel(q, p.tp, 0, shard, 0)[0] for q in per_layer))
+    accumulates = n_micro > 1 or p.pp > 1
+    full_grads = p.zero_stage == 0 or (p.zero_stage == 1 and accumulates)
+    # Measured: the vocab-parallel embedding's unsharded gradient covers the whole vocabulary (a partial sum
+    # over tp ranks), not the rank's rows; it lives while gradients accumulate unsharded, or during its reduction.
+    has_embedding = any(s.first for s in stages) and p.tp > 1
+    embedding_grad_extra = FP32 * m.vocab_size * m.hidden_size * (1 - 1 / p.tp) if has_embedding else 0.0
+    layers_here = sum(s.num_layers for s in stages)
+    if p.zero_stage == 3:  # the stage roots stay gathered; layers one at a time plus one prefetched
+        working = e * (root_tp + min(2, layers_here) * largest_layer)
+    else:
+        working = e * tp_local
+
+    flights = in_flight(cfg, pp_rank)
+    saved_layer, kept_layer = layer_activation_bytes(cfg, tokens)
+    per_layer = kept_layer if p.recompute_layer else saved_layer
+    activations_saved = logits_saved = 0.0
+    for stage in stages:
+        held = stage.num_layers * per_layer
+        held += 0 if stage.first else tokens * e * m.hidden_size  # received input, kept for backward
+        held += 0 if stage.last else tokens * e * m.hidden_size  # output, kept for backward
+        held += tokens * 8 if stage.first else 0  # token ids
+        if stage.last:
+            held += tokens * ((FP32 + e) * m.hidden_size / sp + e * m.hidden_size)  # final norm
+            logits_saved += tokens * FP32 * m.vocab_size / p.tp * flights  # log-softmax output
+        # Measured with torch 2.13: after a pipelined step the first stage still holds most of one microbatch's
+        # saved activations (not freed by gc) until the next step replaces them; count one more microbatch.
+        activations_saved += held * (flights + (1 if stage.first and p.pp > 1 else 0))
+    recompute_transient = saved_layer if p.recompute_layer else 0.0
+    last = any(s.last for s in stages)
+    logits_transient = tokens * (e + (FP32 if e == 2 else 0)) * m.vocab_size / p.tp if last else 0.0
+
+    buffers = largest_layer * (FP32 + e)  # one layer's unsharded gradient and its fp32 reduce-scatter input
+    buffers += 0 if full_grads else embedding_grad_extra
+    buffers += 2 * tokens * m.hidden_size * e if p.tp > 1 else 0  # sequence all-gather / reduce-scatter
+    if p.pp > 1:  # torch's pipeline stage allocates receive buffers for every microbatch up front
+        receives = sum((not s.first) + (not s.last) for s in stages)
+        buffers += receives * n_micro * tokens * m.hidden_size * e
+    parts = {
+        "params": FP32 * sharded,
+        "grads": FP32 * tp_local + embedding_grad_extra if full_grads else FP32 * sharded,
+        "optimizer": 2 * FP32 * sharded + FP32 * tensors,
+        "working": working,
+        "activations": activations_saved + recompute_transient,
+        "logits": logits_saved + logits_transient,
+        "buffers": buffers,
+    }
+    return {
+        **parts,
+        "total": sum(parts.values()),
+        "activations_saved": activations_saved,
+        "logits_saved": logits_saved,
+        "flights": flights,
+    }
+
+
+def worst_stage(cfg: Config) -> tuple[int, dict[str, float]]:
+    """(pp rank, memory) of the pipeline rank that needs the most memory."""
+    stages = [(r, stage_memory(cfg, r)) for r in range(cfg.parallelism.pp)]
+    return max(stages, key=lambda item: item[1]["total"])

@@ -1,0 +1,71 @@
+"""`nanotron plan --search`: every layout of a cluster that passes the config checks, estimated and ranked."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from nanotron.config import Config, validate
+from nanotron.errors import ConfigError
+from nanotron.plan.memory import worst_stage
+from nanotron.plan.timing import Gpu, StepEstimate, estimate_step
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class Candidate:
+    cfg: Config
+    pp_rank: int  # the pipeline rank needing the most memory
+    memory: dict[str, float]
+    step: StepEstimate
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(base: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
+    """(dp, dp_shard, tp, pp, zero_stage, recompute, micro_batch_size) over `world` GPUs at the base config's
+    global batch: tp within a node, HSDP shard groups that fit in a node beside tp, and only combinations
+    the trainer itself would accept (the same `validate`)."""
+    for tp in divisors(gpus_per_node):
+        for pp in divisors(world // tp) if world % tp == 0 else []:
+            dp = world // (tp * pp)
+            for zero in (0, 1, 2, 3):
+                hsdp = [d for d in divisors(dp) if 1 < d < dp and d * tp <= gpus_per_node] if zero else []
+                for dp_shard in [0, *hsdp]:
+                    for recompute in (False, True):
+                        for micro in MICRO_BATCH_SIZES:
+                            cfg = copy.deepcopy(base)
+                            p, t = cfg.parallelism, cfg.training
+                            p.dp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, tp, pp, zero, dp_shard
+                            p.recompute_layer, t.micro_batch_size, t.grad_accum_steps = recompute, micro, 0
+                            try:
+                                validate(cfg, world)
+                            except ConfigError:
+                                continue
+                            yield cfg
+
+
+def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: float) -> tuple[list[Candidate], int]:
+    """(layouts that fit, fastest first; how many layouts were considered)."""
+    fitting, considered = [], 0
+    for cfg in layouts(base, world, gpus_per_node):
+        considered += 1
+        pp_rank, memory = worst_stage(cfg)
+        if memory["total"] <= usable_bytes(gpu):
+            fitting.append(Candidate(cfg, pp_rank, memory, estimate_step(cfg, gpu, gpus_per_node, efficiency)))
+    # Equal estimates (communication hidden under compute) keep the one with the most headroom first.
+    fitting.sort(key=lambda c: (-round(c.step.tokens_per_s, -2), c.memory["total"]))
+    return fitting, considered
+
+
+def reserve_bytes(gpu: Gpu) -> float:
+    """Kept free for the CUDA context, NCCL and allocator fragmentation: 5% of the device, at least 2 GiB."""
+    return max(2.0, 0.05 * gpu.memory_gib) * 2**30
+
+
+def usable_bytes(gpu: Gpu) -> float:
+    return gpu.memory_gib * 2**30 - reserve_bytes(gpu)

@@ -1,0 +1,135 @@
+"""Step time and MFU of a layout from FLOPs, a stated compute efficiency and the bytes each parallel dimension
+moves per step over stated NVLink / InfiniBand bandwidths.
+
+Assumptions (printed with every plan): FSDP/DP collectives overlap compute (the step pays the larger of
+the two); tensor-parallel and pipeline transfers are exposed; collectives run as rings at the link's
+bandwidth per GPU; a group inside one node uses NVLink, a group spanning nodes InfiniBand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanotron.config import Config
+from nanotron.errors import ConfigError
+from nanotron.gpu import GPU_PEAKS
+from nanotron.models.llama import flops_per_token
+from nanotron.plan.memory import FP32, layer_params, local_numel, rank_stages
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gib: float
+    peak_tflops: float  # dense bf16 (fp32 runs get half: TF32)
+    nvlink_gbps: float  # achievable ring bandwidth per GPU inside a node, GB/s
+    ib_gbps: float  # achievable bandwidth per GPU across nodes, GB/s
+
+
+# Memory as the device reports it (80 GB H100 = 79.6 GiB); bandwidths are typical NCCL bus bandwidths.
+GPUS = {
+    "h100": Gpu("h100", 79.6, GPU_PEAKS["H100", ""].bf16, 360.0, 45.0),
+    "h200": Gpu("h200", 139.8, GPU_PEAKS["H200", ""].bf16, 360.0, 45.0),
+    "a100": Gpu("a100", 79.2, GPU_PEAKS["A100", ""].bf16, 230.0, 22.0),
+}
+
+
+def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None = None) -> Gpu:
+    """`h100`, `h200`, `a100`, or `<memory GiB>,<peak TFLOP/s>` (then H100 links unless given)."""
+    if text.lower() in GPUS:
+        gpu = GPUS[text.lower()]
+    else:
+        try:
+            memory, peak = (float(x) for x in text.split(","))
+            if memory <= 0 or peak <= 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(
+                f"--gpu {text!r}: expected {', '.join(GPUS)} or '<memory GiB>,<peak bf16 TFLOP/s>' such as '80,989'"
+            ) from None
+        gpu = Gpu(f"{memory:g}GiB/{peak:g}TF", memory, peak, GPUS["h100"].nvlink_gbps, GPUS["h100"].ib_gbps)
+    return Gpu(gpu.name, gpu.memory_gib, gpu.peak_tflops, nvlink_gbps or gpu.nvlink_gbps, ib_gbps or gpu.ib_gbps)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What one parallel dimension moves per step: gigabytes each GPU sends, over which link."""
+
+    gb: float
+    link: str
+    gbps: float
+
+    @property
+    def seconds(self) -> float:
+        return self.gb / self.gbps if self.gb else 0.0
+
+
+@dataclass
+class StepEstimate:
+    step_s: float
+    compute_s: float
+    tokens_per_s: float
+    mfu: float
+    comm: dict[str, Transfer]  # by dimension: tp, pp, dp (FSDP/replicate), dp_replicate (HSDP)
+
+
+def ring_gb(bytes_: float, group: int, all_reduce: bool = False) -> float:
+    """GB each GPU sends in a ring all-gather / reduce-scatter of `bytes_` (an all-reduce is both)."""
+    return (2 if all_reduce else 1) * bytes_ * (group - 1) / group / 1e9 if group > 1 else 0.0
+
+
+def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) -> StepEstimate:
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    world, n_micro, shard = cfg.world_size, t.grad_accum_steps, cfg.dp_shard_size
+    e = 2 if t.dtype == "bfloat16" else 4
+    peak = gpu.peak_tflops * (1 if t.dtype == "bfloat16" else 0.5) * 1e12
+    tokens_step = t.global_batch_size * t.seq_len
+    model_flops = flops_per_token(m, t.seq_len) * tokens_step
+    flops = model_flops
+    if p.recompute_layer:  # one more forward of every decoder layer
+        flops += tokens_step * m.num_layers * layer_forward_flops(cfg)
+    bubble = 0.0
+    if p.pp > 1:
+        v = p.pp_stages_per_rank if p.pp_engine in ("interleaved_1f1b", "zero_bubble") else 1
+        bubble = (p.pp - 1) / (n_micro * v) * (1 / 3 if p.pp_engine in ("zero_bubble", "zbv") else 1)
+    compute_s = flops / world / (peak * efficiency) * (1 + bubble)
+
+    tokens_micro = t.micro_batch_size * t.seq_len
+    nvlink, ib = ("NVLink", gpu.nvlink_gbps), ("InfiniBand", gpu.ib_gbps)
+    layers_per_rank = m.num_layers / p.pp
+    comm: dict[str, Transfer] = {}
+    # TP: per layer, forward and backward each move 4 activations (2 all-gathers + 2 reduce-scatters, or 2
+    # all-reduces); the recomputed forward repeats the forward's share; plus embedding and head.
+    per_layer = (8 + (4 if p.recompute_layer else 0)) * tokens_micro * m.hidden_size * e
+    tp_bytes = n_micro * (layers_per_rank * per_layer + 2 * tokens_micro * m.hidden_size * e)
+    comm["tp"] = Transfer(ring_gb(tp_bytes, p.tp), *(nvlink if p.tp <= gpus_per_node else ib))
+    # PP: each microbatch's activation forward and its gradient backward cross a stage boundary.
+    pp_bytes = 2 * n_micro * tokens_micro * m.hidden_size * e if p.pp > 1 else 0
+    comm["pp"] = Transfer(pp_bytes / 1e9, *(nvlink if world <= gpus_per_node else ib))
+    # DP: the worst pipeline rank's tp-local parameters (gathered) and gradients (reduced).
+    tp_local = max(_tp_local(cfg, r) for r in range(p.pp))
+    if p.zero_stage == 0:
+        link = nvlink if p.dp * p.tp <= gpus_per_node else ib
+        comm["dp"] = Transfer(ring_gb(FP32 * tp_local, p.dp, all_reduce=True), *link)
+    else:
+        gathers = 2 * n_micro if p.zero_stage == 3 else 1
+        reductions = n_micro if p.zero_stage >= 2 else 1
+        link = nvlink if shard * p.tp <= gpus_per_node else ib
+        comm["dp"] = Transfer(ring_gb((gathers * e + reductions * FP32) * tp_local, shard), *link)
+        if shard < p.dp:  # HSDP: the shards' gradients are all-reduced across replicas
+            replicated = reductions * FP32 * tp_local / shard
+            comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // shard, all_reduce=True), *ib)
+    overlapped = sum(comm[k].seconds for k in ("dp", "dp_replicate") if k in comm)
+    step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds
+    return StepEstimate(step_s, compute_s, tokens_step / step_s, model_flops / (step_s * world * peak), comm)
+
+
+def layer_forward_flops(cfg: Config) -> float:
+    """Forward FLOPs of one decoder layer per token: its matmuls plus attention scores and values."""
+    matmuls = sum(2 * q.shape[0] * q.shape[1] for q in layer_params(cfg.model, 0) if len(q.shape) == 2)
+    return matmuls + 4 * cfg.model.hidden_size * cfg.training.seq_len
+
+
+def _tp_local(cfg: Config, pp_rank: int) -> int:
+    p = cfg.parallelism
+    return sum(local_numel(q, p.tp, 0, 1, 0)[0] for s in rank_stages(cfg, pp_rank) for q in s.root + s.layers)

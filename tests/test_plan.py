@@ -1,0 +1,182 @@
+"""`nanotron plan`: the memory formula against models really built for 512-rank worlds, the layout search, and
+the launcher refusing what does not fit before it waits in a queue."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotron.config import load_config
+from nanotron.launch import cluster
+from nanotron.plan.cli import main as plan_main
+from nanotron.plan.memory import GIB, stage_memory
+from nanotron.plan.search import usable_bytes
+from nanotron.plan.timing import estimate_step, parse_gpu
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_70B = [
+    "--model.hidden_size=8192",
+    "--model.intermediate_size=28672",
+    "--model.num_layers=80",
+    "--model.num_heads=64",
+    "--model.num_kv_heads=8",
+    "--model.vocab_size=128256",
+    "--model.max_seq_len=2048",
+    "--training.seq_len=2048",
+    "--training.micro_batch_size=2",
+    "--training.dtype=bfloat16",
+    "--training.global_batch_size=1024",
+    "--training.grad_accum_steps=0",
+]
+
+
+def plan(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "nanotron.plan", *argv]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def table_rows(stdout: str, header_start: str) -> list[list[str]]:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.mark.slow
+def test_check_builds_a_512_rank_layout_of_large_and_its_bytes_equal_the_formula():
+    started = time.monotonic()
+    layout = ["--parallelism.pp=4", "--parallelism.dp=16", "--parallelism.tp=8", "--training.global_batch_size=512"]
+    proc = plan("--config", "configs/large.toml", "--nodes", "64", "--gpus_per_node", "8", "--check", *layout)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert {int(r[1]) for r in rows} == {0, 1, 2, 3} and {int(r[0]) for r in rows} >= {0, 511}
+    assert all(int(r[4]) == int(r[5]) > 0 for r in rows), rows
+    assert elapsed < 120, f"--check took {elapsed:.0f}s"
+
+
+@pytest.mark.slow
+def test_check_agrees_on_uneven_shards_hsdp_and_interleaved_stages():
+    """dp_shard=3 does not divide 4096 rows, nor 11008; HSDP replicas; two stages per pipeline rank."""
+    layout = [
+        "--parallelism.dp=6",
+        "--parallelism.dp_shard=3",
+        "--parallelism.tp=2",
+        "--parallelism.pp=2",
+        "--parallelism.pp_engine=interleaved_1f1b",
+        "--parallelism.zero_stage=3",
+        "--training.global_batch_size=48",
+    ]
+    proc = plan("--config", "configs/large.toml", "--nodes", "3", "--gpus_per_node", "8", "--check", *layout)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert len({r[4] for r in rows}) > 1, "the first and last ranks should hold different chunk sizes"
+    assert all(r[4] == r[5] for r in rows), rows
+
+
+@pytest.mark.slow
+def test_search_prints_layouts_that_fit_ranked_by_throughput():
+    proc = plan("--config", "configs/large.toml", "--nodes", "8", "--gpus_per_node", "8", "--gpu", "h100", "--search")
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| # | dp |")
+    assert len(rows) == 15
+    throughput = [float(r[10].replace(",", "")) for r in rows]
+    assert throughput == sorted(throughput, reverse=True)
+    usable = usable_bytes(parse_gpu("h100")) / GIB
+    for r in rows:
+        dp, dp_shard, tp, pp = (int(x) for x in r[1:5])
+        assert dp * tp * pp == 64 and dp % dp_shard == 0 and tp <= 8
+        assert float(r[8]) <= usable
+
+
+def test_zero_stages_change_gradients_and_working_copies_as_documented():
+    layout = [("parallelism.tp", "1"), ("parallelism.dp", "4"), ("parallelism.pp", "2")]
+    cfg = {z: load_config("configs/large.toml", [*layout, ("parallelism.zero_stage", str(z))]) for z in (0, 1, 2, 3)}
+    mem = {z: stage_memory(c, 0) for z, c in cfg.items()}
+    # large.toml (dp=4) accumulates microbatches: zero 1 keeps full (tp-local) fp32 gradients, 2/3 the shard.
+    assert mem[1]["grads"] == mem[0]["grads"] == mem[0]["params"] == 4 * mem[1]["params"]
+    assert mem[2]["grads"] == mem[3]["grads"] == mem[1]["params"]
+    assert mem[3]["working"] < mem[2]["working"] == mem[1]["working"]
+
+
+def test_bad_gpu_and_layout_larger_than_the_cluster_are_one_line_errors(capsys):
+    assert plan_main(["--gpu", "tpu9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpu 'tpu9'" in err
+    assert plan_main(["--parallelism.dp=16", "--nodes", "1", "--gpus_per_node", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "16 GPUs but --nodes 1" in err
+
+
+@pytest.fixture
+def no_data_check(monkeypatch):
+    """These tests are about the memory plan: the launcher's data check (tested in test_launch.py) is skipped."""
+    monkeypatch.setattr(cluster.preflight, "check_data", lambda cfg: None)
+
+
+def launch_70b(zero_stage: int, *extra: str) -> int:
+    argv = ["--run_name", f"llama70b-zero{zero_stage}", "--nodes", "64", "--gpus_per_node", "8", "--gpu", "h100"]
+    argv += ["--dp", "128", "--tp", "4", "--pp", "1", *LLAMA_70B, f"--parallelism.zero_stage={zero_stage}", *extra]
+    return cluster.main(argv)
+
+
+def test_launcher_refuses_70b_at_zero_1_naming_the_largest_part_and_accepts_zero_3(
+    tmp_path, monkeypatch, capsys, no_data_check
+):
+    monkeypatch.chdir(tmp_path)
+    assert launch_70b(1) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and refused.err.count("\n") == 1, refused
+    assert re.match(r"error: memory: does not fit: [\d.]+ GiB per GPU .* largest part: gradients", refused.err)
+    assert not (tmp_path / "runs").exists()  # nothing written for a refused layout
+
+    assert launch_70b(3, "--dry_run") == 0
+    accepted = capsys.readouterr().out
+    assert "memory: fits:" in accepted and "dry run: nothing submitted" in accepted
+    assert "| pp rank | parameters | gradients |" in accepted  # --dry_run prints the plan
+
+    assert launch_70b(1, "--dry_run", "--force") == 0
+    assert "memory: does not fit" in capsys.readouterr().out
+
+
+def test_launcher_prints_the_memory_line_when_it_submits_and_cpu_nodes_skip_the_gpu_plan(
+    tmp_path, monkeypatch, capsys, no_data_check
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(cluster, "submit", lambda cmd: "42")
+    assert cluster.main(["--run_name", "gpu", "--nodes", "2", "--gpus_per_node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^memory: fits: [\d.]+ GiB per GPU of [\d.]+ GiB usable on h100$", out, re.M), out
+    assert "submitted job 42" in out
+    cpu = ["--run_name", "cpu", "--nodes", "2", "--gpus_per_node", "0", "--nproc_per_node", "8", "--dry_run"]
+    assert cluster.main(cpu) == 0
+    assert "GPU memory not planned" in capsys.readouterr().out
+
+
+def test_step_estimate_puts_each_dimensions_traffic_on_its_link_and_zero_3_moves_most():
+    def step(**parallelism):
+        pairs = [(f"parallelism.{k}", str(v)) for k, v in parallelism.items()]
+        cfg = load_config("configs/large.toml", [*pairs, ("training.global_batch_size", "256")])
+        return estimate_step(cfg, parse_gpu("h100"), gpus_per_node=8, efficiency=0.5)
+
+    fsdp = {z: step(dp=16, tp=4, pp=1, zero_stage=z) for z in (1, 2, 3)}
+    assert fsdp[1].comm["dp"].gb < fsdp[2].comm["dp"].gb < fsdp[3].comm["dp"].gb  # per-microbatch collectives
+    assert fsdp[1].comm["dp"].link == "InfiniBand" and fsdp[1].comm["tp"].link == "NVLink"
+    hsdp = step(dp=16, dp_shard=2, tp=4, pp=1, zero_stage=3)  # 2 shards x 4 tp = one node
+    assert hsdp.comm["dp"].link == "NVLink" and hsdp.comm["dp_replicate"].link == "InfiniBand"
+    assert hsdp.step_s < fsdp[3].step_s
+    recompute = step(dp=16, tp=4, pp=1, zero_stage=1, recompute_layer="true")
+    assert recompute.compute_s > fsdp[1].compute_s and recompute.mfu < fsdp[1].mfu  # MFU counts model FLOPs
+    assert step(dp=8, tp=4, pp=2, zero_stage=1).compute_s > step(dp=16, tp=4, pp=1, zero_stage=1).compute_s  # bubble
