@@ -114,7 +114,7 @@ def worker(args: list[str], out: Path) -> None:
     from nanotron.config import load_config, parse_overrides
     from nanotron.distributed import destroy_distributed, launched_world_size
     from nanotron.metrics import memory_record
-    from nanotron.train import Trainer
+    from nanotron.trainer import Trainer
 
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0
     cfg = load_config(*parse_overrides(args), world_size=launched_world_size())

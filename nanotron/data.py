@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from nanotron.config import DataConfig, TrainingConfig
-from nanotron.errors import DataError
-from nanotron.tokenizer import PREPARE_HINT, Tokenizer
+from nanotron.config import Config, DataConfig, TrainingConfig
+from nanotron.errors import ConfigError, DataError
+from nanotron.tokenizer import PREPARE_HINT, Tokenizer, load_tokenizer
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 CACHE_VERSION = 1  # bump when the cache layout or tokenization changes
@@ -50,6 +50,19 @@ class Corpus:
     @property
     def num_val_samples(self) -> int:
         return max(0, (len(self.val) - 1) // self.seq_len)
+
+
+def prepare_data(cfg: Config) -> Corpus:
+    """Tokenizer and tokenized corpus (cached on disk, so a second call only maps the cache)."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}, {cfg.data.tokenizer}); raise model.vocab_size"
+        )
+    corpus = load_corpus(cfg.data, tokenizer, seq_len=cfg.training.seq_len, seed=cfg.job.seed)
+    check_corpus_size(corpus, cfg.training)  # before the model is built: a large one takes minutes
+    return corpus
 
 
 def load_corpus(data: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> Corpus:

@@ -128,6 +128,6 @@ def job_paths(cfg: Config, environment: str, workdir: Path) -> dict[str, Path]:
 def check_data(cfg: Config) -> None:
     """Tokenizer, token cache and split sizes, as the trainer will find them: tokenizing here, on the login node,
     also spares the allocated nodes from waiting while rank 0 does it (and works where they have no network)."""
-    from nanotron.train import prepare_data
+    from nanotron.data import prepare_data
 
     prepare_data(cfg)

@@ -1,0 +1,340 @@
+"""The Trainer: one rank's model pieces, optimizer, data and checkpoints, and the training loop.
+
+Started by `nanotron.train` (the command line); everything a step does is here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
+from nanotron.config import Config, to_toml
+from nanotron.data import build_train_loader, eval_batches, prepare_data
+from nanotron.distributed import ParallelContext, init_distributed
+from nanotron.errors import DivergenceError
+from nanotron.gpu import set_matmul_precision
+from nanotron.io import write_atomic
+from nanotron.metrics import (
+    MetricsLogger,
+    Profiler,
+    StepTimer,
+    detect_peak_tflops,
+    memory_record,
+    run_line,
+    step_record,
+)
+from nanotron.models.llama import flops_per_token
+from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
+from nanotron.parallel.fsdp import prepare_backward
+from nanotron.parallel.pipeline import build_schedule, forward_only
+from nanotron.tokenizer import copy_tokenizer
+
+
+@dataclass
+class TrainState:
+    """Progress that travels with checkpoints (trainer_state.json). The data position is consumed_samples:
+    the global sample order is a pure function of (seed, sample index)."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, int(state.get(f.name, 0)))
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        # Trapped from the start, so a stop signal during set-up still stops cleanly at the first step boundary.
+        self.stop_requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self.request_stop)
+        self.ctx: ParallelContext = init_distributed(cfg)
+        set_matmul_precision(cfg, self.ctx.device)
+        p = cfg.parallelism
+        self.corpus = prepare_data(cfg)
+        if p.tp_linear_async_communication:
+            reason = async_tp_unavailable(cfg, self.ctx.device)
+            if reason is None:
+                enable_async_tp(self.ctx)
+            elif self.ctx.rank == 0:
+                print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)
+        # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
+        self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
+        started = time.perf_counter()
+        self.stages = build_model(cfg, self.ctx, initialize=self.source is None)
+        self.build_seconds = time.perf_counter() - started
+        self.modules = [module for _, module in self.stages]
+        self.params = [param for module in self.modules for param in module.parameters()]
+        stage_ids = [index for index, _ in self.stages]
+        self.has_first, self.has_last = 0 in stage_ids, cfg.num_stages - 1 in stage_ids
+        self.schedule = (
+            build_schedule(self.stages, cfg, self.ctx.mesh, self.ctx.device, self.loss_fn) if p.pp > 1 else None
+        )
+        # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
+        self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
+        self.state = TrainState()
+        # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/tp rank logs.
+        self.is_logging_rank = self.has_last and self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
+        self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
+        self.checkpoints = CheckpointManager(
+            cfg.checkpoint_dir,
+            cfg.checkpoint,
+            states={"model": ModelState(self.modules), "optimizer": OptimizerState(self.modules, self.optimizers)},
+            progress=self.state,
+            write_extras=self.write_checkpoint_extras,
+            meta={
+                "global_batch_size": cfg.training.global_batch_size,
+                "world_size": self.ctx.world_size,
+                "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
+            },
+            log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
+            device=self.ctx.device,
+        )
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of one microbatch; microbatches and dp ranks average to the global-batch mean."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """loss_parallel for vocab-sharded logits (bf16 is FSDP's MixedPrecisionPolicy at every layout)."""
+        return loss_parallel() if self.cfg.parallelism.tp > 1 else contextlib.nullcontext()
+
+    def next_batch(self) -> torch.Tensor:
+        """grad_accum_steps microbatches stacked: [grad_accum_steps * micro_batch_size, seq_len + 1]."""
+        return torch.cat([next(self.loader_iter) for _ in range(self.cfg.training.grad_accum_steps)])
+
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """Mean loss over this dp rank's part of the batch (None on ranks without the last stage)."""
+        batch = batch.to(self.ctx.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        n_micro = self.cfg.training.grad_accum_steps
+        with self.compute_context():
+            if self.schedule is not None:
+                losses: list[torch.Tensor] = []
+                self.schedule.step(
+                    *([inputs] if self.has_first else []),
+                    target=targets if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                    return_outputs=False,
+                )
+                return torch.stack([_plain(loss).detach().float() for loss in losses]).mean() if self.has_last else None
+            model, total = self.modules[0], torch.zeros((), device=self.ctx.device)
+            for index, (inp, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+                prepare_backward(model, self.cfg.parallelism.zero_stage, last_microbatch=index == n_micro - 1)
+                loss = self.loss_fn(model(inp), tgt) / n_micro
+                loss.backward()
+                total += _plain(loss).detach()
+            return total
+
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """Mean loss of a batch, forward only (None on ranks without the last stage)."""
+        batch = batch.to(self.ctx.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with self.compute_context():
+            if self.schedule is not None:
+                losses: list[torch.Tensor] = []
+                with forward_only(self.schedule):
+                    self.schedule.eval(
+                        *([inputs] if self.has_first else []),
+                        target=targets if self.has_last else None,
+                        losses=losses if self.has_last else None,
+                        return_outputs=False,
+                    )
+                return torch.stack([_plain(loss).float() for loss in losses]).mean() if self.has_last else None
+            n_micro = self.cfg.training.grad_accum_steps
+            chunks = zip(inputs.chunk(n_micro), targets.chunk(n_micro))
+            return torch.stack([_plain(self.loss_fn(self.modules[0](i), t)) for i, t in chunks]).mean()
+
+    def dp_mean(self, value: torch.Tensor | None) -> float | None:
+        """The dp-average of a per-rank loss, on the host (a collective and a sync: logging steps only)."""
+        if value is None:
+            return None
+        if self.cfg.parallelism.dp > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.ctx.mesh["dp"].get_group())
+        return value.item()
+
+    def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+        """One optimizer step; returns (loss, grad norm) as device tensors and whether a stop was agreed.
+
+        The step's one host sync: a tiny all-reduce telling every rank whether any rank was asked to stop
+        and whether the loss or the gradient norm is non-finite anywhere; a non-finite step is not applied.
+        """
+        t = self.cfg.training
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+            set_lr(optimizer, lr_at(self.state.step, self.cfg.optimizer, t.steps))
+        loss = self.forward_backward(self.next_batch())
+        pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
+        grad_norm = clip_grad_norm(self.params, t.clip_grad, pp_group)
+        bad_loss = False if loss is None else ~torch.isfinite(loss)
+        stop, non_finite = self.ctx.any_rank([self.stop_requested, bad_loss | ~torch.isfinite(grad_norm)])
+        if non_finite:
+            self.skip_step(loss, grad_norm)
+        else:
+            self.checkpoints.wait_for_staging()  # an async save's copy of the weights is complete
+            for optimizer in self.optimizers:
+                optimizer.step()
+        return loss, grad_norm, stop
+
+    def skip_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
+        """A non-finite loss or gradient: the step is not applied, and after training.max_skipped_steps such
+        steps the run stops before any checkpoint could keep the damage."""
+        self.state.skipped_steps += 1
+        where = f"step {self.state.step + 1}: loss {_host(loss)}, grad_norm {grad_norm.item()}"
+        if self.state.skipped_steps > self.cfg.training.max_skipped_steps:
+            raise DivergenceError(
+                f"non-finite loss or gradients at {where}; stopped without applying it or saving a checkpoint "
+                f"({self.state.skipped_steps - 1} earlier steps skipped; training.max_skipped_steps="
+                f"{self.cfg.training.max_skipped_steps}); lower optimizer.lr (or training.clip_grad) and resume "
+                "from the last checkpoint"
+            )
+        self.metrics.info(f"warning: non-finite loss or gradients at {where}; step skipped")
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        t, p = self.cfg.training, self.cfg.parallelism
+        for module in self.modules:
+            module.eval()
+        microbatches = list(eval_batches(self.corpus, t, dp=p.dp, dp_rank=self.ctx.dp_rank))
+        losses = [
+            self.eval_loss(torch.cat(microbatches[start : start + t.grad_accum_steps]))
+            for start in range(0, len(microbatches), t.grad_accum_steps)
+        ]
+        for module in self.modules:
+            module.train()
+        return self.dp_mean(torch.stack(losses).mean()) if self.has_last else None
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def request_stop(self, signum: int, frame: object) -> None:
+        self.stop_requested = True
+
+    def log_eval(self) -> None:
+        eval_loss = self.evaluate()
+        if eval_loss is not None:
+            self.metrics.log(
+                {"step": self.state.step, "eval_loss": eval_loss},
+                f"eval step {self.state.step} | eval_loss {eval_loss:.4f} | eval_ppl "
+                f"{math.exp(min(eval_loss, 50)):.1f}",
+            )
+
+    def resume(self) -> None:
+        if self.source is None:
+            self.metrics.info(f"model: built and randomly initialised in {self.build_seconds:.2f}s")
+            return
+        path, model_only = self.source
+        self.checkpoints.load(path, model_only)
+        built = f"model built in {self.build_seconds:.2f}s, random init skipped"
+        if model_only:
+            self.metrics.info(f"checkpoint: model weights initialised from {path} ({built})")
+        else:
+            self.metrics.info(f"checkpoint: resumed from {path} at step {self.state.step} ({built})")
+
+    def train(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        self.resume()
+        if self.ctx.rank == 0:
+            write_atomic(cfg.run_dir / "config.toml", to_toml(cfg), durable=False)
+        self.loader_iter = iter(
+            build_train_loader(
+                self.corpus,
+                t,
+                seed=cfg.job.seed,
+                dp=cfg.parallelism.dp,
+                dp_rank=self.ctx.dp_rank,
+                start_sample=self.state.consumed_samples,
+            )
+        )
+        self.metrics.info(run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step))
+        if self.state.step == 0 and cfg.checkpoint.save_initial_state:
+            self.checkpoints.save(self.state.step)
+        if t.eval_interval and self.state.step == 0:
+            self.log_eval()
+        tokens_per_step = t.global_batch_size * t.seq_len
+        flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+        peak = cfg.logging.peak_tflops or (
+            detect_peak_tflops(self.ctx.device, t.dtype, t.tf32) if self.is_logging_rank else 0.0
+        )
+        timer, stop = StepTimer(self.state.step, t.steps), False
+        profiler = Profiler.start(
+            cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
+        )
+        while self.state.step < t.steps and not stop:
+            loss, grad_norm, stop = self.train_step()
+            profiler.step()
+            self.state.step += 1
+            self.state.consumed_samples += t.global_batch_size
+            self.state.consumed_tokens += tokens_per_step
+            if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
+                step_time, eta = timer.lap(self.state.step)
+                loss_value = self.dp_mean(loss)
+                memory = memory_record(self.ctx.device)  # a collective: every rank
+                if self.is_logging_rank:
+                    group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
+                    lr = group["lr"] / group.get("lr_scale", 1.0)
+                    record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
+                    record |= _throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
+                    self.metrics.log_step(record | memory, t.steps)
+            if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
+                self.log_eval()
+            if not stop and cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
+                self.checkpoints.save(self.state.step)
+        profiler.stop()
+        if stop or cfg.checkpoint.save_final:
+            self.checkpoints.save(self.state.step, final=True)
+        self.checkpoints.wait()
+        if stop:
+            self.metrics.info(
+                f"preempted: stopped at step {self.state.step} after a stop signal; checkpoint saved "
+                f"in {cfg.checkpoint_dir}; rerun the same command to resume"
+            )
+
+    def write_checkpoint_extras(self, step_dir: Path) -> None:
+        """What makes a step dir usable on its own: the resolved config and the tokenizer."""
+        (step_dir / "config.toml").write_text(to_toml(self.cfg))
+        copy_tokenizer(Path(self.cfg.data.tokenizer), step_dir / "tokenizer")
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.metrics.close()
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss_parallel is a replicated DTensor; logging wants the plain value."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _host(value: torch.Tensor | None) -> float | None:
+    return None if value is None else value.item()
+
+
+def _throughput(tokens: int, flops: float, step_time: float, world_size: int, peak_tflops: float) -> dict:
+    tflops = flops / step_time / world_size / 1e12
+    return {
+        "tokens_per_sec": tokens / step_time,
+        "tokens_per_sec_per_device": tokens / step_time / world_size,
+        "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else 0.0,
+    }
