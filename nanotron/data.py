@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from nanotron.config import Config, DataConfig, TrainingConfig
 from nanotron.errors import ConfigError, DataError
+from nanotron.signals import ignore_stop_signals
 from nanotron.tokenizer import PREPARE_HINT, Tokenizer, load_tokenizer
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -310,7 +311,8 @@ def build_train_loader(
     check_corpus_size(corpus, training)
     sampler = StepSampler(corpus.num_train_samples, training, seed, dp, dp_rank, start_sample)
     workers = corpus.num_workers if num_workers is None else num_workers
-    return DataLoader(PackedSamples(corpus.train, corpus.seq_len), batch_sampler=sampler, num_workers=workers)
+    samples = PackedSamples(corpus.train, corpus.seq_len)
+    return DataLoader(samples, batch_sampler=sampler, num_workers=workers, worker_init_fn=ignore_stop_signals)
 
 
 def _check_validation(corpus: Corpus, training: TrainingConfig) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -39,6 +38,7 @@ from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
 from nanotron.parallel.fsdp import prepare_backward
 from nanotron.parallel.pipeline import build_schedule, forward_only
+from nanotron.signals import StopRequest
 from nanotron.tokenizer import copy_tokenizer
 
 
@@ -64,9 +64,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         # Trapped from the start, so a stop signal during set-up still stops cleanly at the first step boundary.
-        self.stop_requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self.request_stop)
+        self.stop = StopRequest()
         self.ctx: ParallelContext = init_distributed(cfg)
         set_matmul_precision(cfg, self.ctx.device)
         p = cfg.parallelism
@@ -189,7 +187,7 @@ class Trainer:
         pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
         grad_norm = clip_grad_norm(self.params, t.clip_grad, pp_group)
         bad_loss = False if loss is None else ~torch.isfinite(loss)
-        stop, non_finite = self.ctx.any_rank([self.stop_requested, bad_loss | ~torch.isfinite(grad_norm)])
+        stop, non_finite = self.ctx.any_rank([self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)])
         if non_finite:
             self.skip_step(loss, grad_norm)
         else:
@@ -227,9 +225,6 @@ class Trainer:
         return self.dp_mean(torch.stack(losses).mean()) if self.has_last else None
 
     # ---- the loop -------------------------------------------------------------------------------
-
-    def request_stop(self, signum: int, frame: object) -> None:
-        self.stop_requested = True
 
     def log_eval(self) -> None:
         eval_loss = self.evaluate()
@@ -319,6 +314,7 @@ class Trainer:
     def close(self) -> None:
         self.checkpoints.close()
         self.metrics.close()
+        self.stop.close()
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
