@@ -22,9 +22,12 @@ def build_optimizer(module: nn.Module, cfg: OptimizerConfig, device: torch.devic
     """
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for name, param in module.named_parameters():  # tied weights are yielded once
-        decay = 0.0 if "norm" in name or "embed_tokens" in name else cfg.weight_decay
-        groups[decay, param.device_mesh if isinstance(param, DTensor) else None].append(param)
-    param_groups = [{"params": params, "weight_decay": decay} for (decay, _), params in groups.items()]
+        decays = "norm" not in name and "embed_tokens" not in name
+        groups[decays, param.device_mesh if isinstance(param, DTensor) else None].append(param)
+    param_groups = [
+        {"params": params, "decays": decays, "weight_decay": cfg.weight_decay if decays else 0.0}
+        for (decays, _), params in groups.items()
+    ]
     optimizer = torch.optim.AdamW(
         param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused and device.type in ("cuda", "cpu")
     )
@@ -51,6 +54,13 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
     for param in params:
         param.grad = None
         optimizer.state[param]["step"].zero_()
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
+    """The config's betas, eps and weight decay, over whatever a loaded checkpoint's param groups carried:
+    a resume with changed hyper-parameters honours them (the learning rate is set every step anyway)."""
+    for group in optimizer.param_groups:
+        group.update(betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay if group["decays"] else 0.0)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
+from nanotron.checkpoint.compat import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, prepare_data
 from nanotron.distributed import ParallelContext, init_distributed
@@ -34,7 +35,7 @@ from nanotron.metrics import (
     step_record,
 )
 from nanotron.models.llama import flops_per_token
-from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from nanotron.optim import apply_hyperparameters, build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
 from nanotron.parallel.fsdp import prepare_backward
 from nanotron.parallel.pipeline import build_schedule, forward_only
@@ -77,6 +78,10 @@ class Trainer:
                 print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)
         # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
         self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
+        if self.source is not None and not self.source[1]:  # a resume: refuse what it cannot honour, list the rest
+            note = check_resume(cfg, self.source[0])
+            if note and self.ctx.rank == 0:
+                print(note, flush=True)
         started = time.perf_counter()
         self.stages = build_model(cfg, self.ctx, initialize=self.source is None)
         self.build_seconds = time.perf_counter() - started
@@ -241,6 +246,8 @@ class Trainer:
             return
         path, model_only = self.source
         self.checkpoints.load(path, model_only)
+        for optimizer in self.optimizers:
+            apply_hyperparameters(optimizer, self.cfg.optimizer)
         built = f"model built in {self.build_seconds:.2f}s, random init skipped"
         if model_only:
             self.metrics.info(f"checkpoint: model weights initialised from {path} ({built})")

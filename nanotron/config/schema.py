@@ -187,6 +187,9 @@ class CheckpointConfig:
     resume_from: str = _opt("auto", "auto (latest in dir if any), latest, none, or a step-N path")
     async_save: bool = _opt(False, "write checkpoints in the background (dcp.async_save)")
     init_from: str = _opt("", "checkpoint dir whose model weights start a new run (e.g. from-hf import)")
+    allow_global_batch_size_change: bool = _opt(
+        False, "let a resume change training.global_batch_size (the data position then shifts; refused otherwise)"
+    )
 
 
 @dataclass
