@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from nanotron.checkpoint import find_checkpoint, read_model_weights
+from nanotron.checkpoint import read_model_weights, verified_checkpoint
 from nanotron.config import ModelConfig, read_model_config, toml_text
 from nanotron.errors import CheckpointError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
@@ -111,14 +111,10 @@ def to_hf(
 ) -> Path:
     """Writes the HF folder `out` from a nanotron checkpoint; returns the step dir that was exported."""
     max_bytes = parse_size(max_shard_size)
-    step_dir = find_checkpoint(checkpoint)
+    step_dir = verified_checkpoint(checkpoint)
     model = read_model_config(step_dir / "config.toml")
-    weights = read_model_weights(step_dir)
     expected = expected_shapes(model)
-    for name, shape in expected.items():
-        if name not in weights or weights[name].shape != shape:
-            found = "missing" if name not in weights else f"of shape {list(weights[name].shape)}"
-            raise CheckpointError(f"'{step_dir}': {name} is {found}, but its config.toml implies {list(shape)}")
+    weights = read_model_weights(step_dir, expected)
     names = [n for n in expected if not (model.tie_word_embeddings and n == "lm_head.weight")]
     tensors = {name: weights[name].to(DTYPES[dtype]).contiguous() for name in names}
     _empty_output(out)

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from nanotron.checkpoint import find_checkpoint, read_model_weights
+from nanotron.checkpoint import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
+from nanotron.convert import expected_shapes
 from nanotron.errors import CheckpointError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.tokenizer import Tokenizer, load_tokenizer
@@ -25,9 +26,9 @@ from nanotron.tokenizer import Tokenizer, load_tokenizer
 
 def load_model(checkpoint: Path, device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, Path]:
     """The full model of a checkpoint in eval mode, and the step dir it came from."""
-    step_dir = find_checkpoint(checkpoint)
+    step_dir = verified_checkpoint(checkpoint)
     config = read_model_config(step_dir / "config.toml")
-    weights = read_model_weights(step_dir)
+    weights = read_model_weights(step_dir, expected_shapes(config))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device=device)

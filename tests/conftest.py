@@ -149,3 +149,11 @@ def child_pids(pid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             pass
     return out
+
+
+def shapes_of(step_dir: Path) -> dict:
+    """The parameter shapes a checkpoint's config.toml implies (what its weights are read against)."""
+    from nanotron.config import read_model_config
+    from nanotron.convert import expected_shapes
+
+    return expected_shapes(read_model_config(step_dir / "config.toml"))

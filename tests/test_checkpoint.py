@@ -21,6 +21,7 @@ from conftest import (
     popen_train,
     read_metrics,
     run_train,
+    shapes_of,
     train_losses,
     wait_for_training,
 )
@@ -201,7 +202,7 @@ def test_killed_at_random_moments_then_resumed_ends_like_an_uninterrupted_run(ti
                 assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill: {events}"
         # What `auto` would pick next is complete and loads.
         latest = latest_checkpoint(folder)
-        assert latest is not None and read_model_weights(latest)
+        assert latest is not None and read_model_weights(latest, shapes_of(latest))
     run_train(args)
     logged = losses_by_step(tmp_path / "killed")
     assert sorted(logged) == list(range(1, STEPS + 1)), events
@@ -266,10 +267,10 @@ def test_corrupt_files_are_errors_naming_them(tmp_path, saved_run):
     data[: len(data) // 2] = bytes(len(data) // 2)  # same size, garbage content
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"'{shard}' is corrupt"):
-        read_model_weights(step)
+        read_model_weights(step, shapes_of(step))
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"'{shard}' is missing"):
-        read_model_weights(step)
+        read_model_weights(step, shapes_of(step))
 
 
 class _Exploit:
