@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -27,9 +28,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from nanotron.checkpoint import read_model_weights, verified_checkpoint
+from nanotron.checkpoint import integrity, read_model_weights, verified_checkpoint
 from nanotron.config import ModelConfig, read_model_config, toml_text
-from nanotron.errors import CheckpointError, UserError, run_command
+from nanotron.config.validate import resolve_model
+from nanotron.errors import CheckpointError, ConfigError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
@@ -179,6 +181,8 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
     if config.get("hidden_act", "silu") != "silu":
         raise unsupported(f"hidden_act is {config.get('hidden_act')!r}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise unsupported(f"rope settings {rope!r} are not a table")
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise unsupported(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is set")
     try:
@@ -196,8 +200,11 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             init_std=float(config.get("initializer_range", 0.02)),
         )
-    except (KeyError, TypeError, ValueError) as error:
+        resolve_model(model)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"'{where}' lacks a usable Llama field ({type(error).__name__}: {error})") from None
+    except ConfigError as error:
+        raise CheckpointError(f"'{where}' describes no valid Llama: {error}") from None
     if config.get("head_dim") not in (None, model.head_dim):
         raise unsupported(f"head_dim={config['head_dim']} differs from hidden_size/num_attention_heads")
     return model
@@ -226,6 +233,8 @@ def read_hf_weights(hf_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
     tensors = {}
     for file, wanted in by_file.items():
         path = hf_dir / file
+        if Path(file).name != file or not path.is_file():  # a FIFO or device would block or never end
+            raise CheckpointError(f"'{index}' names '{file}', which is not a regular file in '{hf_dir}'")
         try:
             with safe_open(path, framework="pt") as f:
                 present = set(f.keys())
@@ -244,9 +253,11 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     if not config_file.is_file():
         raise CheckpointError(f"'{config_file}' not found: '{hf_dir}' is not a Hugging Face model dir")
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except ValueError as error:
         raise CheckpointError(f"'{config_file}' is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"'{config_file}' is not a JSON object (found a {type(config).__name__})")
     model = model_config_from_hf(config, config_file)
     expected = expected_shapes(model)
     stored = [n for n in expected if not (model.tie_word_embeddings and n == "lm_head.weight")]
@@ -261,16 +272,20 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     if model.tie_word_embeddings:  # a trainer's state dict lists the tied head too: keep the keys the same
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     _empty_output(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
-    (tmp / "config.toml").write_text(toml_text({"model": vars(model)}))
-    copy_tokenizer(hf_dir, tmp / "tokenizer")
-    if out.exists():
-        out.rmdir()
-    os.rename(tmp, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # ours alone to remove
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
+        (tmp / "config.toml").write_text(toml_text({"model": vars(model)}))
+        copy_tokenizer(hf_dir, tmp / "tokenizer")
+        integrity.write(tmp, integrity.shard_checksums(tmp))
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return model
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -87,8 +88,8 @@ def generate(
 def check_sampling(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens: expected a positive integer, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UserError(f"--temperature: expected >= 0 (0 = greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UserError(f"--temperature: expected a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         raise UserError(f"--top_k: expected >= 0 (0 = off), got {args.top_k}")
     if not 0 < args.top_p <= 1:

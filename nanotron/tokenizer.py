@@ -44,7 +44,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             f"data.tokenizer: no tokenizer.json at '{path}'; point data.tokenizer at a tokenizer.json file "
             f"or a dir holding one, or {PREPARE_HINT} and its tokenizer"
         )
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"data.tokenizer: '{file}' is not a tokenizer.json (not UTF-8 text: {e})") from None
     try:
         backend = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
@@ -59,7 +62,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def _eos_token(folder: Path, backend: tokenizers.Tokenizer) -> str:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         config = folder / name
-        token = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+        if not config.is_file():
+            continue
+        try:
+            settings = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DataError(f"data.tokenizer: '{config}' is not valid JSON ({e}); fix or remove it") from None
+        token = settings.get("eos_token") if isinstance(settings, dict) else None
         token = token.get("content") if isinstance(token, dict) else token
         if token and backend.token_to_id(token) is not None:
             return token

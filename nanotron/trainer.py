@@ -58,7 +58,10 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
-            setattr(self, f.name, int(state.get(f.name, 0)))
+            value = state.get(f.name, 0)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{f.name}: expected a non-negative integer, got {value!r}")
+            setattr(self, f.name, value)
 
 
 class Trainer:

@@ -182,6 +182,7 @@ class CheckpointManager:
         """Loads into this rank's shards whatever the layout of the save; returns trainer_state.json's
         content (None with model_only, which loads the model alone, e.g. from an HF import)."""
         metadata = read_metadata(path)
+        saved = None if model_only else self._read_progress(path)  # a bad one fails before the costly read
         sums = integrity.saved(path)
         if sums is not None:
             integrity.verify(path, sums)  # every rank checks its share; all agree before any read
@@ -196,13 +197,17 @@ class CheckpointManager:
             self.states[name].load_state_dict(state[name])
         if model_only:
             return None
+        self.last_saved_step = layout.step_of(path) if layout.STEP_DIR.match(path.name) else -1
+        return saved
+
+    def _read_progress(self, path: Path) -> dict[str, Any]:
+        """trainer_state.json, loaded into `progress` (which checks its values)."""
         file = path / layout.COMMIT_FILE
         try:
-            saved = json.loads(file.read_text())
+            saved = json.loads(file.read_text(encoding="utf-8"))
             self.progress.load_state_dict(saved)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"'{file}' is unreadable or incomplete ({short(error)})") from None
-        self.last_saved_step = layout.step_of(path) if layout.STEP_DIR.match(path.name) else -1
         return saved
 
 

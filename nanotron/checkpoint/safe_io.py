@@ -140,7 +140,20 @@ def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
         cause = _first_cause(error)
         if isinstance(cause, CheckpointError):
             raise cause from None
+        if action == "save" and isinstance(cause, OSError):  # disk full, read-only, a file-size limit
+            file = cause.filename or _file_being_written(path)
+            raise CheckpointError(
+                f"cannot save checkpoint '{path}': writing '{file}' failed ({cause.strerror or cause}); free space "
+                "or fix the permissions and limits of checkpoint.dir, then resume from the last checkpoint"
+            ) from None
         raise CheckpointError(f"cannot {action} checkpoint '{path}': {short(cause)}") from None
+
+
+def _file_being_written(folder: Path) -> Path | str:
+    """This rank's newest file in a checkpoint being saved: the one a failed write without a file name hit."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    files = sorted(folder.glob(f"__{rank}_*"), key=lambda f: f.stat().st_mtime_ns)
+    return files[-1] if files else folder
 
 
 def load_dcp(path: Path, state: dict[str, Any], metadata: Metadata | None = None) -> None:

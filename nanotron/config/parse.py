@@ -118,7 +118,13 @@ def _read_tables(path: Path, what: str) -> dict[str, Any]:
             "and `python -m nanotron.train --help` for every key)"
         )
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{what}: '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); TOML files are UTF-8"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"{what}: '{path}' is not valid TOML (values nested too deeply)") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{what}: '{path}' is not valid TOML ({e})") from None
     for section, table in data.items():

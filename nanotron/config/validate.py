@@ -52,6 +52,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for section in fields(cfg):
         if section.name != "model":
             check_ranges(section.name, getattr(cfg, section.name))
+    if cfg.job.seed >= 2**64:
+        raise ConfigError(f"job.seed: expected a value below 2**64 (seeds are 64-bit), got {cfg.job.seed}")
     if not RUN_NAME.fullmatch(cfg.job.name):
         raise ConfigError(f"job.name {cfg.job.name!r}: expected {RUN_NAME_RULE} (it names the run dir in job.out_dir)")
     resolve_model(cfg.model)

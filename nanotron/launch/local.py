@@ -31,7 +31,7 @@ def pop_nproc(argv: list[str]) -> int:
         if arg == "--nproc_per_node" or arg.startswith("--nproc_per_node="):
             value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             del argv[i : i + (1 if "=" in arg else 2)]
-            if not value.isdigit() or int(value) < 1:
+            if not (value.isascii() and value.isdigit()) or int(value) < 1:
                 raise ConfigError(f"--nproc_per_node: expected a positive integer, got {value!r}")
             return int(value)
     return 0
