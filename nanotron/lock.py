@@ -1,10 +1,11 @@
 """One run per run dir: a lock file naming its owner (host, pid, Slurm job), taken by global rank 0.
 
 Two runs writing one run dir interleave metrics.jsonl, resume from each other's checkpoints and prune each
-other's saves. The lock is a file created with O_EXCL (atomic on local and NFS-style shared filesystems,
-unlike flock, which many cluster filesystems don't honour across nodes). A lock whose owner is gone is
-taken over with a note: a dead pid on this host, or an earlier run of the same Slurm job (a requeue, which
-Slurm starts only after the previous run ended, possibly on another node). Anything else is refused.
+other's saves. The lock is a hard link to a fully written file (atomic, and it fails when the lock exists, on
+local and NFS-style shared filesystems alike, unlike flock, which many cluster filesystems don't honour
+across nodes). A lock whose owner is gone is taken over with a note: a dead pid on this host, or an earlier
+run of the same Slurm job (a requeue: a higher SLURM_RESTART_COUNT, which Slurm starts only after the
+previous run ended, possibly on another node). Anything else is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def _owner() -> dict:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
+        "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -43,7 +45,12 @@ def _alive(pid: int) -> bool:
 def _stale_reason(owner: dict) -> str | None:
     """Why the lock's owner can no longer be writing (None: it may be)."""
     me = _owner()
-    if owner.get("slurm_job_id") and owner["slurm_job_id"] == me["slurm_job_id"]:
+    restart = owner.get("slurm_restart", 0)
+    if (
+        owner.get("slurm_job_id") == me["slurm_job_id"] != ""
+        and isinstance(restart, int)
+        and restart < me["slurm_restart"]
+    ):
         return f"an earlier run of Slurm job {owner['slurm_job_id']} (requeued)"
     pid = owner.get("pid")
     if owner.get("host") == me["host"] and isinstance(pid, int) and not _alive(pid):

@@ -45,7 +45,11 @@ def test_a_dead_owner_on_this_host_or_an_earlier_run_of_the_same_slurm_job_is_ta
     lock.release()
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    write_lock(tmp_path, host="node7", pid=1, slurm_job_id="4242")  # a requeued job may start on another node
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    write_lock(tmp_path, host="node7", pid=1, slurm_job_id="4242", slurm_restart=1)  # another step of this run
+    with pytest.raises(ConfigError, match=r"\(Slurm job 4242\)"):
+        RunLock(tmp_path).acquire()
+    write_lock(tmp_path, host="node7", pid=1, slurm_job_id="4242", slurm_restart=0)  # requeued, maybe elsewhere
     assert "Slurm job 4242 (requeued)" in RunLock(tmp_path).acquire()
 
     (tmp_path / LOCK_FILE).write_bytes(b"\x00\xff garbage")
