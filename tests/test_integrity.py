@@ -59,7 +59,7 @@ def test_same_size_bit_rot_is_a_one_line_error_for_resume_export_and_generate(sa
     shutil.copytree(good, step)
     shard = step / "__1_0.distcp"
     flip_a_bit(shard)
-    expected = f"'{shard}' is corrupt (its xxh3_128 checksum differs from the one saved with it)"
+    expected = f"'{shard}' is corrupt (its xxh3_128x16m checksum differs from the one saved with it)"
     resume = [*common, f"--job.out_dir={tmp_path}", "--job.name=resumed", f"--checkpoint.resume_from={step}"]
     proc = run_train([*resume, "--parallelism.dp=2", "--nproc_per_node=2"], check=False)
     assert expected in one_error(proc)  # found by whichever rank hashed that shard, printed once
