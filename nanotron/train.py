@@ -57,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    code = 1
     try:
         code = main()
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:
-        traceback.print_exc()
-        code = 1
-    exit_process(code)  # skip interpreter teardown: see errors.exit_process
+        with contextlib.suppress(Exception):  # e.g. stderr is a broken pipe
+            traceback.print_exc()
+    finally:
+        exit_process(code)  # whatever happened: skip interpreter teardown (see errors.exit_process)
