@@ -72,6 +72,7 @@ def copy_checkpoints(saved, tmp_path) -> tuple[list[str], Path]:
     return [*common, f"--job.out_dir={tmp_path}", "--job.name=run"], run / "checkpoints"
 
 
+@pytest.mark.slow
 def test_binary_bytes_in_latest_fall_back_to_the_newest_committed_step(saved, tmp_path):
     args, folder = copy_checkpoints(saved, tmp_path)
     (folder / "latest").write_bytes(b"\x00\xff\xfe step-\x80\n")
@@ -79,6 +80,7 @@ def test_binary_bytes_in_latest_fall_back_to_the_newest_committed_step(saved, tm
     assert f"resumed from {folder / 'step-2'}" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change, expected",
     [
@@ -108,6 +110,7 @@ def broken_tokenizers(tiny_data, tmp_path):
     return {"bad_config": (bad_config, "tokenizer_config.json' is not valid JSON"), "binary": (binary, "not UTF-8")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["bad_config", "binary"])
 def test_broken_tokenizer_files_are_one_line_for_train_generate_and_export(
     saved, tmp_path, capsys, broken_tokenizers, which
@@ -127,6 +130,7 @@ def test_broken_tokenizer_files_are_one_line_for_train_generate_and_export(
     assert expected in one_line(capsys)
 
 
+@pytest.mark.slow
 def test_generate_refuses_a_temperature_that_is_not_a_number(saved, capsys):
     step = saved[1] / "step-2"
     for value in ("nan", "inf", "-1"):
@@ -144,6 +148,7 @@ def hf_export(saved, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, expected",
     [
@@ -161,6 +166,7 @@ def test_malformed_hf_configs_are_one_line(hf_export, tmp_path, capsys, config, 
     assert expected in one_line(capsys)
 
 
+@pytest.mark.slow
 def test_from_hf_leaves_an_out_tmp_it_did_not_create(hf_export, tmp_path, capsys):
     precious = tmp_path / "imported.tmp"
     precious.mkdir()
@@ -171,6 +177,7 @@ def test_from_hf_leaves_an_out_tmp_it_did_not_create(hf_export, tmp_path, capsys
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_a_fifo_in_an_hf_index_is_refused_without_hanging(hf_export, tmp_path):
     hf = tmp_path / "hf"
     shutil.copytree(hf_export, hf)
@@ -196,6 +203,7 @@ def test_a_fifo_in_an_hf_index_is_refused_without_hanging(hf_export, tmp_path):
 # ---- the checkpoint dir fails mid-run (read-only or full: the same OSError path) ----
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_that_hits_the_file_size_limit_names_the_file_and_the_os_error(tiny_data, tmp_path):
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--training.steps=2"]
 

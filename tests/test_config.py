@@ -120,6 +120,7 @@ def test_hub_dataset_offline_fails_fast_with_a_clear_line(tmp_path, tiny_data, c
     assert len(err) == 1 and "stas/openwebtext-10k" in err[0] and "offline" in err[0].lower()
 
 
+@pytest.mark.slow
 def test_the_documented_typo_command_exits_2_with_a_suggestion():
     """The literal command from the foundation issue, as a user types it."""
     proc = subprocess.run(

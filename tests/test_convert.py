@@ -24,6 +24,7 @@ from nanotron.models.llama import LlamaForCausalLM
 from nanotron.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a trained checkpoint, transformers models, subprocesses
 
 
 def hf_model(tied: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -97,7 +98,6 @@ def first_global_batch(tiny_data, args: list[str]) -> torch.Tensor:
     return torch.cat([next(loader) for _ in range(cfg.training.grad_accum_steps)])
 
 
-@pytest.mark.slow
 def test_init_from_an_import_at_tp2_starts_from_the_hf_weights(tiny_data, tmp_path):
     model = hf_model(seed=1)
     model.save_pretrained(tmp_path / "source")

@@ -240,6 +240,7 @@ def test_bad_flags_are_one_error_line_with_exit_code_2(in_tmp, checked_data, cap
     assert err.startswith(message) and err.count("\n") == 1 and out == ""
 
 
+@pytest.mark.slow
 def test_missing_sbatch_is_a_clear_error_pointing_to_dry_run(tmp_path):
     empty_bin = tmp_path / "bin"
     empty_bin.mkdir()

@@ -220,6 +220,7 @@ def test_stage_split_balances_cost_and_gives_every_stage_a_layer():
     assert sum(len(r) for r in uneven) == 7 and max(len(r) for r in uneven) - min(len(r) for r in uneven) <= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, nproc, expected",
     [

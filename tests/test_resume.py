@@ -11,6 +11,8 @@ from nanotron.config import load_config, parse_overrides
 from nanotron.distributed import destroy_distributed
 from nanotron.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # every test resumes a real training run
+
 
 @pytest.fixture(scope="module")
 def saved(tiny_data, tmp_path_factory):

@@ -128,6 +128,7 @@ def test_lr_warms_up_linearly_then_decays_to_min_lr(style, end):
     assert mid == pytest.approx(expected[style])
 
 
+@pytest.mark.slow
 def test_console_script_dispatches_to_train():
     exe = Path(sys.executable).parent / "nanotron"  # installed by `pip install -e .` next to this Python
     assert exe.is_file(), "the nanotron console script is missing: install the project with `pip install -e .`"
