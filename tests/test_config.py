@@ -101,7 +101,7 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"error: checkpoint.dir: cannot write to '{blocker}/ckpt'")
 
 
-def test_hub_dataset_offline_fails_fast_with_a_clear_line(tmp_path, tiny_data, capsys, monkeypatch):
+def test_a_hub_dataset_is_one_line_naming_nanotron_tokenize(tmp_path, tiny_data, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     assert (
@@ -117,7 +117,7 @@ def test_hub_dataset_offline_fails_fast_with_a_clear_line(tmp_path, tiny_data, c
         == 2
     )
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "stas/openwebtext-10k" in err[0] and "offline" in err[0].lower()
+    assert len(err) == 1 and "stas/openwebtext-10k" in err[0] and "`nanotron tokenize stas/openwebtext-10k" in err[0]
 
 
 def test_the_documented_typo_command_exits_2_with_a_suggestion():

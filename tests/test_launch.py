@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotron import train
+from nanotron import train, trainer
 from nanotron.config import Config, load_config, parse_overrides
 from nanotron.launch import cluster as launch
 
@@ -419,9 +419,9 @@ def test_the_trainer_checks_the_corpus_size_before_building_the_model(tiny_data,
     def build_model(*args, **kwargs):
         raise AssertionError("the model was built before the data was checked")
 
-    monkeypatch.setattr(train, "build_model", build_model)
+    monkeypatch.setattr(trainer, "build_model", build_model)
     argv = ["--config", f"{REPO}/configs/small.toml", *tiny_data.overrides(), f"--job.out_dir={tmp_path}"]
-    assert train.main([*argv, "--parallelism.dp=1", "--training.seq_len=16", "--training.global_batch_size=16"]) == 2
+    assert train.main([*argv, "--parallelism.dp=1", "--training.seq_len=16", "--training.global_batch_size=64"]) == 2
     assert (
         capsys.readouterr().err.splitlines()[-1].startswith("error: data.validation_split: the validation split has ")
     )

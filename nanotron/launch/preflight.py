@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nanotron.config import Config
 from nanotron.errors import ConfigError, LaunchError
+from nanotron.tokenize.sources import is_hub_name
 
 # Filesystems one node can't share with another: each node reads its own copy of what is written here.
 NODE_LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "vfat", "exfat"}
@@ -64,9 +65,7 @@ def path_keys(cfg: Config) -> dict[str, str]:
         if not d.datasets
         else [(f"data.datasets[{i}].path", e.path) for i, e in enumerate(d.datasets)]
     )
-    for key, path in datasets:
-        if Path(path).expanduser().exists() or path.startswith((".", "/", "~")):
-            keys[key] = path
+    keys |= {key: path for key, path in datasets if not is_hub_name(path)}
     return {key: value for key, value in keys.items() if value not in NOT_PATHS}
 
 
