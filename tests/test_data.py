@@ -377,3 +377,28 @@ def test_too_little_data_for_a_global_batch_or_for_eval_is_an_error(corpus):
         eval_batches(corpus, training(eval_steps=too_many), dp=1, dp_rank=0)
     no_eval = build_train_loader(corpus, training(eval_steps=too_many, eval_interval=0), seed=0, dp=1, dp_rank=0)
     assert next(iter(no_eval)).shape == (2, SEQ_LEN + 1)
+
+
+@pytest.fixture(scope="module")
+def blend(tiny_data, tmp_path_factory) -> list[str]:
+    """Two tokenized dirs in tiny_data's vocabulary, blended 0.7 / 0.3 (the command-line form of [[data.datasets]])."""
+    from conftest import synthetic_documents
+
+    root, tok = tmp_path_factory.mktemp("blend"), load_tokenizer(tiny_data.tokenizer)
+    for name, seed in (("first", 0), ("second", 1)):
+        write_jsonl(root / name / "docs.jsonl", synthetic_documents(40, seed=seed))
+        tokenize(resolve_sources([str(root / name)]), tok, root / f"{name}-tokens", shard_tokens=3000, progress=False)
+    return [*tiny_data.overrides(), f"--data.datasets={root / 'first-tokens'}:0.7,{root / 'second-tokens'}:0.3"]
+
+
+@pytest.mark.slow
+def test_a_blended_run_matches_at_dp2_pp2_and_resumes_on_the_same_samples(blend, tmp_path):
+    from conftest import TINY_MODEL, run_train, train_losses
+
+    common = [*TINY_MODEL, *blend, f"--job.out_dir={tmp_path}", "--training.steps=6"]
+    run_train([*common, "--job.name=ref", "--checkpoint.interval=3"])
+    reference = train_losses(tmp_path / "ref")
+    run_train([*common, "--job.name=layout", "--parallelism.dp=2", "--parallelism.pp=2"], nproc=4)
+    assert torch.allclose(torch.tensor(train_losses(tmp_path / "layout")), torch.tensor(reference), rtol=1e-5, atol=0)
+    run_train([*common, "--job.name=resumed", f"--checkpoint.resume_from={tmp_path / 'ref/checkpoints/step-3'}"])
+    assert train_losses(tmp_path / "resumed") == reference[3:]  # bit for bit: the same samples, in the same order
