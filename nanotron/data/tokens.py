@@ -5,6 +5,7 @@ shards, memory-mapped lazily and never concatenated, so host memory is O(shards)
 from __future__ import annotations
 
 import bisect
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,11 @@ class TokenStream:
                 f"{self.what}: token file '{path}' holds {len(tokens)} tokens but meta.json says {expected} "
                 f"(cut short or replaced); {RETOKENIZE}"
             )
+        # Samples are read at random: without this, every page fault reads around it up to the device's
+        # read_ahead_kb (8 MB on the test machine: 2.3 ms per sample instead of 10 us).
+        madvise = getattr(getattr(tokens, "_mmap", None), "madvise", None)
+        if madvise is not None and hasattr(mmap, "MADV_RANDOM"):
+            madvise(mmap.MADV_RANDOM)
         self._maps[shard] = tokens
         if len(self._maps) > OPEN_SHARDS:
             self._maps.popitem(last=False)
