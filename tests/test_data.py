@@ -28,11 +28,16 @@ WORDS += ["sword", "crown", "heaven", "earth", "sweet", "prince", "good", "lord"
 
 
 def make_documents(num_docs: int, seed: int = 0, title: str = "DOCUMENT") -> list[str]:
-    """Each document starts with a unique header, so a decoded chunk tells which document it was."""
+    """Each document starts with a unique header, so a decoded chunk tells which document it was. Some paragraphs
+    are indented, as verse is: the tokenizer then learns a token for a blank line, which a careless split at
+    paragraph breaks would produce where the whole document has none."""
     rng = random.Random(seed)
     docs = []
     for i in range(num_docs):
-        paragraphs = [" ".join(rng.choices(WORDS, k=rng.randint(6, 16))) for _ in range(rng.randint(3, 7))]
+        paragraphs = [
+            rng.choice(["", "  "]) + " ".join(rng.choices(WORDS, k=rng.randint(6, 16)))
+            for _ in range(rng.randint(3, 7))
+        ]
         docs.append(f"{title} {i}.\n\n" + "\n\n".join(paragraphs) + "\n")
     return docs
 
@@ -238,14 +243,15 @@ def test_a_blended_corpus_draws_each_dataset_by_weight_and_shuffles_each_alone(w
     cfg = config(workspace, "", f"data.datasets={first}:3,{second}:1")
     corpus = prepare_data(cfg)
     samples = TrainSamples(corpus, seed=0)
-    rows = take(build_train_loader(corpus, cfg.training, seed=0, dp=1, dp_rank=0), 640)
     sizes = [d.train.num_samples(SEQ_LEN) for d in corpus.datasets]
+    total = 8 * sizes[1] + 8  # two epochs and more of the small dataset, a quarter of the samples
+    rows = take(build_train_loader(corpus, cfg.training, seed=0, dp=1, dp_rank=0), total // 2)
     streams, seen = [whole(d.train) for d in corpus.datasets], [[], []]
     for g, row in enumerate(torch.cat(rows)):
         dataset, index = samples.locate(g)
         seen[dataset].append(index)
         assert row.tolist() == streams[dataset][index * SEQ_LEN : (index + 1) * SEQ_LEN + 1].tolist()
-    assert [len(s) for s in seen] == [960, 320] and 2 * sizes[1] <= 320
+    assert [len(s) for s in seen] == [total * 3 // 4, total // 4]
     assert sorted(seen[1][: sizes[1]]) == list(range(sizes[1]))  # the small dataset's epochs: every sample once
     assert sorted(seen[1][sizes[1] : 2 * sizes[1]]) == list(range(sizes[1])) != seen[1][sizes[1] : 2 * sizes[1]]
 
@@ -276,7 +282,7 @@ def test_a_tokenized_dir_of_another_tokenizer_is_refused(workspace, tok, tmp_pat
 
 def test_a_small_raw_corpus_is_tokenized_once_into_the_cache(workspace, tmp_path):
     path = write_jsonl(tmp_path / "raw" / "docs.jsonl", make_documents(NUM_DOCS))
-    cfg = config(workspace, path.parent, f"data.cache_dir={tmp_path / 'cache'}")
+    cfg = config(workspace, path.parent, f"data.cache_dir={tmp_path / 'cache'}", "training.eval_interval=0")
     first = prepare_data(cfg)
     [cache] = (tmp_path / "cache").iterdir()
     stamp = (cache / "meta.json").stat().st_mtime_ns
@@ -324,7 +330,9 @@ def _rank_main(rank: int, root: str, cfg, init_file: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True])
 def test_only_rank_zero_tokenizes_and_its_errors_reach_every_rank(tmp_path, workspace, broken):
-    cfg = config(workspace, workspace / "corpus.jsonl", f"data.cache_dir={tmp_path / 'cache'}")
+    cfg = config(
+        workspace, workspace / "corpus.jsonl", f"data.cache_dir={tmp_path / 'cache'}", "training.eval_interval=0"
+    )
     cfg.data.text_column = "body" if broken else "text"
     context = multiprocessing.get_context("fork")
     procs = [context.Process(target=_rank_main, args=(r, str(tmp_path), cfg, str(tmp_path / "init"))) for r in (0, 1)]

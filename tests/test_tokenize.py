@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from nanotron.prepare import train_tokenizer
-from nanotron.tokenize import cli
+from nanotron.tokenize import cli, encode
 from nanotron.tokenize.format import META, PROGRESS
 from nanotron.tokenizer import load_tokenizer
 
@@ -57,7 +57,8 @@ def files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def test_one_and_two_workers_write_identical_files(corpus, tmp_path):
+def test_one_and_two_workers_write_identical_files(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(encode, "BATCH_CHARS", 2000)  # ~30 batches in flight across the workers
     assert tokenize(corpus, tmp_path / "one", "--workers", "1") == 0
     assert tokenize(corpus, tmp_path / "two", "--workers", "2") == 0
     one, two = files(tmp_path / "one"), files(tmp_path / "two")
@@ -118,9 +119,12 @@ def test_killed_after_a_shard_commit_resumes_and_ends_identical(corpus, tmp_path
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL and not (out / META).exists(), "the run ended before the kill"
-    committed = len(json.loads((out / PROGRESS).read_text())["shards"])
+    committed = json.loads((out / PROGRESS).read_text())["shards"]
+    kept = {name: (out / name).stat() for shard in committed for name in shard["files"]}
     assert tokenize(big, out, "--workers", "1") == 0
-    assert files(out) == files(tmp_path / "reference"), f"resumed after {committed} shards"
+    assert files(out) == files(tmp_path / "reference"), f"resumed after {len(committed)} shards"
+    for name, before in kept.items():  # the committed shards were kept, not redone
+        assert ((out / name).stat().st_ino, (out / name).stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
 @pytest.mark.parametrize(

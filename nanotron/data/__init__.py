@@ -5,4 +5,12 @@ corpora first)."""
 from nanotron.data.corpus import Corpus, check_corpus_size, prepare_data
 from nanotron.data.loader import StepSampler, TrainSamples, build_train_loader, eval_batches
 
-__all__ = ["Corpus", "StepSampler", "TrainSamples", "build_train_loader", "check_corpus_size", "eval_batches", "prepare_data"]
+__all__ = [
+    "Corpus",
+    "StepSampler",
+    "TrainSamples",
+    "build_train_loader",
+    "check_corpus_size",
+    "eval_batches",
+    "prepare_data",
+]

@@ -79,7 +79,11 @@ def check_corpus_size(corpus: Corpus, training: TrainingConfig) -> None:
     for dataset, weight, share in zip(corpus.datasets, corpus.weights, shares):
         have = dataset.train.num_samples(corpus.seq_len)
         if have < max(share, 1):
-            of = "one global batch" if len(shares) == 1 else f"its share ({share}, weight {weight:g}) of one global batch"
+            of = (
+                "one global batch"
+                if len(shares) == 1
+                else f"its share ({share}, weight {weight:g}) of one global batch"
+            )
             raise DataError(
                 f"{dataset.what}: the train split has {have} samples of seq_len+1 tokens, fewer than {of} "
                 f"(training.global_batch_size={training.global_batch_size}); use more data, or lower "
@@ -185,4 +189,6 @@ def _tokenize_one(what: str, cache: Path, sources: list[Source], data: DataConfi
     )
     if status != "reused":
         seconds = time.perf_counter() - started
-        print(f"data: tokenized {what} with {workers} workers in {seconds:.1f}s: {summary(meta)} in {cache}", flush=True)
+        print(
+            f"data: tokenized {what} with {workers} workers in {seconds:.1f}s: {summary(meta)} in {cache}", flush=True
+        )
