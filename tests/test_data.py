@@ -17,6 +17,7 @@ from nanotron.data import TrainSamples, build_train_loader, eval_batches, prepar
 from nanotron.data.order import Blend, Permutation
 from nanotron.errors import DataError
 from nanotron.prepare import EOS_TOKEN, train_tokenizer
+from nanotron.tokenize.encode import Encoder
 from nanotron.tokenize.sources import resolve_sources
 from nanotron.tokenize.writer import tokenize
 from nanotron.tokenizer import load_tokenizer
@@ -132,7 +133,8 @@ def test_every_document_is_encoded_whole_then_eos_across_shards(workspace, tok):
     assert len(train.files) > 3 and train.dtype == np.uint16
     tokens = whole(train)
     assert documents_of(tokens, tok) == make_documents(NUM_DOCS)
-    # the paragraph pieces the tokenizer sees encode exactly as each whole document would
+    # the paragraph pieces the tokenizer sees (the fast path, on for byte-level BPE) encode as whole documents do
+    assert Encoder(tok.backend.to_str(), tok.eos_id, "<u2").split
     expected = [i for doc in make_documents(NUM_DOCS) for i in [*tok.encode(doc), tok.eos_id]]
     assert tokens.tolist() == expected
     assert corpus.num_train_samples == (len(tokens) - 1) // SEQ_LEN and corpus.num_val_samples == 0

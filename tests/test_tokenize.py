@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nanotron.errors import DataError
 from nanotron.prepare import train_tokenizer
 from nanotron.tokenize import cli, encode
 from nanotron.tokenize.format import META, PROGRESS
@@ -220,3 +221,25 @@ def test_bad_flags_are_one_line(corpus, tmp_path, capsys):
         )
     assert cli.main([str(tmp_path / "missing"), "--tokenizer", str(corpus / "tokenizer"), "--out", "o"]) == 2
     assert capsys.readouterr().err.startswith(f"error: SOURCE: '{tmp_path / 'missing'}' does not exist")
+
+
+def test_a_hub_dataset_is_streamed_row_by_row_and_resumes_by_skipping(corpus, tmp_path, monkeypatch, capsys):
+    """The streaming path without a network: `datasets.load_dataset(..., streaming=True)` stubbed by rows."""
+    import datasets
+
+    from nanotron.tokenize.sources import Labels, Source, iter_documents
+
+    rows = [{"text": d} for d in documents(5)]
+    calls = []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    source = Source("org/set", hub="org/set", hub_config="en", hub_split="train")
+    assert list(iter_documents([source], "text", Labels(), start=2)) == [r["text"] for r in rows[2:]]
+    assert calls == [("org/set", "en", "train", True)]
+    rows[3] = {"text": 7}
+    with pytest.raises(DataError, match=r"'text' of hub dataset 'org/set' row 3 holds int 7"):
+        list(iter_documents([source], "text", Labels()))
