@@ -131,8 +131,8 @@ def test_killed_after_a_shard_commit_resumes_and_ends_identical(corpus, tmp_path
 @pytest.mark.parametrize(
     "row, expected",
     [
-        ({"text": 5}, "'text' of '{path}' line 2 holds int 5, expected a string"),
-        ({"text": None}, "'text' of '{path}' line 2 holds NoneType None, expected a string"),
+        ({"text": 5}, "'text' of '{path}' line 2 holds 5 (int), expected a string"),
+        ({"text": None}, "'text' of '{path}' line 2 holds null, expected a string"),
         ({"body": "x"}, "'text' is not a field of '{path}' line 2 (its fields: ['body'])"),
         ("[1, 2]", "'{path}' line 2 is a JSON list, expected an object with 'text'"),
     ],
@@ -149,7 +149,7 @@ def test_invalid_json_and_a_null_in_parquet_name_the_row(corpus, tmp_path, capsy
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n\n{"text": \n')
     pq.write_table(pa.table({"text": ["a", "b", None]}), tmp_path / "nulls.parquet")
-    for source, expected in (("broken.jsonl", "line 3 is not valid JSON"), ("nulls.parquet", "row 2 holds NoneType")):
+    for source, expected in (("broken.jsonl", "line 3 is not valid JSON"), ("nulls.parquet", "row 2 holds null")):
         args = [
             str(tmp_path / source),
             "--tokenizer",
@@ -241,5 +241,5 @@ def test_a_hub_dataset_is_streamed_row_by_row_and_resumes_by_skipping(corpus, tm
     assert list(iter_documents([source], "text", Labels(), start=2)) == [r["text"] for r in rows[2:]]
     assert calls == [("org/set", "en", "train", True)]
     rows[3] = {"text": 7}
-    with pytest.raises(DataError, match=r"'text' of hub dataset 'org/set' row 3 holds int 7"):
+    with pytest.raises(DataError, match=r"'text' of hub dataset 'org/set' row 3 holds 7 \(int\)"):
         list(iter_documents([source], "text", Labels()))

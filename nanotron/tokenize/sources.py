@@ -86,7 +86,8 @@ def resolve_sources(
             sources.append(Source(spec, hub=spec, hub_config=hub_config, hub_split=hub_split))
             continue
         else:
-            raise DataError(f"{labels.source}: '{spec}' does not exist; {labels.fix}, or {PREPARE_HINT}")
+            problem = "is neither a file nor a folder" if root.exists() else "does not exist"
+            raise DataError(f"{labels.source}: '{spec}' {problem}; {labels.fix}, or {PREPARE_HINT}")
         unknown = sorted({f.suffix or f.name for f in files if f.suffix not in KINDS})
         if unknown or not files:
             found = f"found {unknown}" if unknown else "it holds no files"
@@ -156,10 +157,13 @@ def iter_documents(sources: list[Source], column: str, labels: Labels, start: in
 def _text(value: Any, where: str, column: str, labels: Labels) -> str:
     if isinstance(value, str):
         return value
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    shown = json.dumps(value, default=repr)
+    shown = (shown if len(shown) <= 40 else shown[:37] + "...") + (
+        "" if value is None else f" ({type(value).__name__})"
+    )
     raise DataError(
-        f"{labels.text_column}: '{column}' of {where} holds {type(value).__name__} {shown}, expected a string; "
-        "fix or drop that row, or name the text column"
+        f"{labels.text_column}: '{column}' of {where} holds {shown}, expected a string; fix or drop that row, or "
+        "name the text column"
     )
 
 

@@ -177,7 +177,7 @@ def tokenize(
         shards = _committed_shards(out, job, labels)
         status = f"resumed after shard {len(shards) - 1}" if shards else "written"
         dtype = token_dtype(tokenizer.vocab_size)
-        save = lambda: write_atomic(out / PROGRESS, json.dumps({"job": job, "shards": shards}, indent=1))  # noqa: E731
+        save = lambda: write_atomic(out / PROGRESS, json.dumps({"job": job, "shards": shards}, indent=1))
         save()
         writer = ShardWriter(out, dtype, shard_tokens, shards, save)
         split = ValidationSplit(validation_split, seed)
@@ -272,10 +272,10 @@ def _locked(out: Path, labels: Labels) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _progress_bar(enabled: bool, out: Path) -> Iterator:
-    """tqdm counting documents (docs/s) with the token rate alongside."""
+    """tqdm counting documents (docs/s) with the token rate alongside, on a terminal (a log keeps the summary)."""
     from tqdm import tqdm
 
-    bar = tqdm(unit=" docs", desc=f"tokenize {out}", disable=not enabled, mininterval=1.0)
+    bar = tqdm(unit=" docs", desc=f"tokenize {out}", disable=None if enabled else True, mininterval=1.0, leave=False)
     started, total = time.perf_counter(), 0
 
     def update(documents: int, tokens: int) -> None:
