@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,8 @@ def prepare_data(cfg: Config) -> Corpus:
     entries = entries or [("data.path", data.path, 1.0)]
     plans = [_plan(what, path, data, tokenizer) for what, path, _ in entries]
     _tokenize_raw(plans, data, tokenizer)
-    checks_all = not dist.is_initialized() or dist.get_rank() == 0  # the others check each shard as they open it
+    # One rank per node stats every shard (a node may see another filesystem); the others check each as they open it.
+    checks_all = os.environ.get("LOCAL_RANK", "0") == "0"
     datasets = [open_tokenized(dir_, what, tokenizer, checks_all, auto=bool(src)) for what, dir_, src in plans]
     corpus = Corpus(datasets, [weight for *_, weight in entries], cfg.training.seq_len, data.num_workers)
     check_corpus_size(corpus, cfg.training)
