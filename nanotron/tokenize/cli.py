@@ -28,10 +28,12 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every flag's default."""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="nanotron tokenize", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="nanotron tokenize", description=__doc__, formatter_class=_Help)
     p.add_argument("sources", nargs="*", metavar="SOURCE", help="files, folders or hub dataset names, in order")
     p.add_argument("--tokenizer", help="tokenizer.json file or Hugging Face tokenizer dir (data.tokenizer)")
     p.add_argument("--out", type=Path, help="the tokenized dir to write (data.path of the run)")
