@@ -243,3 +243,40 @@ def test_a_hub_dataset_is_streamed_row_by_row_and_resumes_by_skipping(corpus, tm
     rows[3] = {"text": 7}
     with pytest.raises(DataError, match=r"'text' of hub dataset 'org/set' row 3 holds 7 \(int\)"):
         list(iter_documents([source], "text", Labels()))
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_stops_in_one_line_with_exit_130_and_no_worker_left(corpus, tmp_path):
+    big = tmp_path / "big"
+    write_jsonl(big / "c.jsonl", [{"text": d} for d in documents(3000, seed=2)])
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "nanotron.tokenize", str(big), "--tokenizer", str(corpus / "tokenizer")]
+    command += ["--out", str(out), "--shard_tokens", "4000", "--workers", "2", "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        (out / PROGRESS).is_file() and json.loads((out / PROGRESS).read_text() or '{"shards": []}')["shards"]
+    ):
+        time.sleep(0.01)
+    workers = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and not (out / META).exists(), err
+    assert err.strip() == f"interrupted: {out} keeps its committed shards; re-run the same command to resume"
+    assert len(workers) >= 2  # the workers (and multiprocessing's resource tracker) end with it
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [pid for pid in workers if Path(f"/proc/{pid}").exists()]:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,20 +70,29 @@ def _main(argv: list[str]) -> int:
     tokenizer = load_tokenizer(args.tokenizer, what="--tokenizer")
     sources = resolve_sources(args.sources, exclude=args.out, hub_config=args.hub_config, hub_split=args.hub_split)
     started = time.perf_counter()
-    meta, status = tokenize(
-        sources,
-        tokenizer,
-        args.out,
-        workers=args.workers,
-        text_column=args.text_column,
-        validation_split=args.validation_split,
-        seed=args.seed,
-        shard_tokens=args.shard_tokens,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-    )
+    signal.signal(signal.SIGTERM, _interrupt)  # a preempted job stops as cleanly as Ctrl-C
+    try:
+        meta, status = tokenize(
+            sources,
+            tokenizer,
+            args.out,
+            workers=args.workers,
+            text_column=args.text_column,
+            validation_split=args.validation_split,
+            seed=args.seed,
+            shard_tokens=args.shard_tokens,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.out} keeps its committed shards; re-run the same command to resume", file=sys.stderr)
+        return 130
     print(f"tokenize: {summary(meta)} in {args.out} ({status} in {time.perf_counter() - started:.1f} s)")
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def summary(meta: dict) -> str:

@@ -90,7 +90,9 @@ def encode_batches(
             pending: deque = deque()
             try:
                 for batch in texts:
-                    pending.append(pool.submit(_encode_in_worker, batch))
+                    # the first submits start the workers: they inherit stop signals blocked, then ignore them
+                    with _stop_signals_blocked() if len(pending) < workers else contextlib.nullcontext():
+                        pending.append(pool.submit(_encode_in_worker, batch))
                     if len(pending) >= 2 * workers:
                         yield pending.popleft().result()
                 while pending:
@@ -114,11 +116,26 @@ def _single_threaded() -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _WORKER_ENCODER: Encoder | None = None
 
 
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Ctrl-C or SIGTERM while a worker starts would otherwise end it mid-import with a traceback."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
 def _init_worker(parent: int, tokenizer_json: str, eos_id: int, dtype: str) -> None:
+    """Stop signals are the parent's to handle (it keeps the committed shards and exits; the worker then dies)."""
     global _WORKER_ENCODER
+    for stop in _STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _die_with(parent)
     _WORKER_ENCODER = Encoder(tokenizer_json, eos_id, dtype)
 
