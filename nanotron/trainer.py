@@ -288,6 +288,7 @@ class Trainer:
         )
         while self.state.step < t.steps and not stop:
             loss, grad_norm, stop = self.train_step()
+            self.ctx.end_startup()  # the first step is done: collectives get distributed.timeout_minutes
             profiler.step()
             self.state.step += 1
             self.state.consumed_samples += t.global_batch_size

@@ -90,3 +90,15 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
+
+
+@pytest.mark.slow
+def test_data_quick_measures_every_target_of_issue_10(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.data", tmp_path, work_dir)
+    rows = {r["measurement"]: r for r in read_csv(tmp_path / "data.csv")}
+    for name in ("nanotron tokenize --workers 1", "nanotron tokenize --workers 2", "loader start-up, 1e9 samples"):
+        assert rows[name]["met"] in ("yes", "NO") and rows[name]["target"], rows[name]
+    assert float(rows["nanotron tokenize --workers 1"]["value"].split("M")[0]) > 0
+    assert rows["loader extra RSS, 1e9 samples"]["value"].endswith(" MB")
+    assert len([name for name in rows if name.startswith("blend ")]) == 3
+    assert stdout.startswith("| measurement | value |")

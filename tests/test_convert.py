@@ -18,7 +18,7 @@ from nanotron import convert, generate
 from nanotron.checkpoint import read_metadata
 from nanotron.checkpoint.manager import check_model_shapes
 from nanotron.config import load_config, parse_overrides
-from nanotron.data import build_train_loader, load_corpus
+from nanotron.data import build_train_loader, prepare_data
 from nanotron.errors import CheckpointError
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.tokenizer import load_tokenizer
@@ -92,8 +92,7 @@ def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
 def first_global_batch(tiny_data, args: list[str]) -> torch.Tensor:
     """The samples of step 1 as the trainer sees them (same config, same sample order)."""
     cfg = load_config(*parse_overrides(args))
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    corpus = load_corpus(cfg.data, tokenizer, seq_len=cfg.training.seq_len, seed=cfg.job.seed)
+    corpus = prepare_data(cfg)
     loader = iter(build_train_loader(corpus, cfg.training, seed=cfg.job.seed, dp=1, dp_rank=0))
     return torch.cat([next(loader) for _ in range(cfg.training.grad_accum_steps)])
 

@@ -168,13 +168,54 @@ class OptimizerConfig:
 
 
 @dataclass
+class DatasetConfig:
+    """One `[[data.datasets]]` table; on the command line `--data.datasets=PATH:WEIGHT,PATH:WEIGHT`."""
+
+    path: str = _opt("", "a `nanotron tokenize` output dir (or a small local raw corpus, tokenized at start)")
+    weight: float = _opt(1.0, "share of the training samples, relative to the other datasets' weights (> 0)")
+
+    @staticmethod
+    def from_text(text: str) -> dict[str, str]:
+        path, colon, weight = text.rpartition(":")
+        return {"path": path, "weight": weight} if colon else {"path": text}
+
+
+@dataclass
 class DataConfig:
-    path: str = _opt("data/corpus", "local text/jsonl/parquet file or folder, or a hub dataset name")
-    text_column: str = _opt("text", "column holding the document text")
+    path: str = _opt(
+        "data/tokenized/shakespeare",
+        "a `nanotron tokenize` output dir; or a small local text/jsonl/json/parquet file or folder, tokenized "
+        "at start-up into cache_dir (up to max_auto_tokenize_mb)",
+    )
+    datasets: list[DatasetConfig] = _opt(
+        [], "weighted blend of datasets, [[data.datasets]] tables with path and weight; when given, replaces path"
+    )
+    text_column: str = _opt("text", "column holding the document text (raw corpora tokenized at start-up)")
     tokenizer: str = _opt("data/tokenizer", "tokenizer.json file or Hugging Face tokenizer dir")
-    validation_split: float = _opt(0.05, "fraction of documents held out for validation", min=0.0)
-    cache_dir: str = _opt(".cache/nanotron", "where tokenized corpora are cached")
+    validation_split: float = _opt(
+        0.05, "fraction of documents held out for validation when a raw corpus is tokenized at start-up", min=0.0
+    )
+    cache_dir: str = _opt(".cache/nanotron", "where raw corpora tokenized at start-up are kept")
+    max_auto_tokenize_mb: float = _opt(
+        64.0, "largest raw corpus (MB of files) tokenized at start-up; beyond it, run `nanotron tokenize`", min=0.0
+    )
+    tokenize_workers: int = _opt(
+        0, "processes tokenizing a raw corpus at start-up; 0 = one per 16 MB, up to the CPUs", min=0
+    )
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
+
+
+@dataclass
+class DistributedConfig:
+    timeout_minutes: float = _opt(
+        30.0, "a collective waiting longer than this fails the job (NCCL watchdog, gloo), once training runs", min=0.1
+    )
+    startup_timeout_minutes: float = _opt(
+        120.0,
+        "the same limit until the first step is done: rank 0 tokenizing a small corpus, checkpoint loading, "
+        "compilation and the first step's collectives may keep the other ranks waiting that long",
+        min=0.1,
+    )
 
 
 @dataclass
@@ -214,6 +255,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)

@@ -66,6 +66,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
     if not 0.0 <= cfg.data.validation_split < 1.0:
         raise ConfigError(f"data.validation_split: expected a fraction in [0, 1), got {cfg.data.validation_split}")
+    for index, dataset in enumerate(cfg.data.datasets):
+        if not dataset.path:
+            raise ConfigError(
+                f'data.datasets[{index}]: missing path; each [[data.datasets]] table needs path = "<a tokenized dir>" '
+                "and weight = <a share>"
+            )
+        if not dataset.weight > 0:
+            raise ConfigError(
+                f"data.datasets[{index}].weight: expected a number > 0 (a share relative to the other datasets' "
+                f"weights), got {dataset.weight}"
+            )
     _validate_parallelism(cfg)
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
