@@ -169,6 +169,7 @@ def tokenize(
         meta = read_meta(out, labels.out)
         _refuse_another_job(out, meta["job"], job, labels)
         check_all(out, meta, labels.out)
+        (out / PROGRESS).unlink(missing_ok=True)  # a run killed between writing meta.json and removing this
         return meta, "reused"
     out.mkdir(parents=True, exist_ok=True)
     with _locked(out, labels):
