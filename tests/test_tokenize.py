@@ -280,3 +280,27 @@ def test_sigterm_stops_in_one_line_with_exit_130_and_no_worker_left(corpus, tmp_
     while time.monotonic() < deadline and [pid for pid in workers if Path(f"/proc/{pid}").exists()]:
         time.sleep(0.1)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+def test_a_run_that_died_mid_shard_leaves_nothing_behind_once_resumed(corpus, tmp_path, monkeypatch):
+    """Injected: the process dies after two commits, in the middle of writing the third shard's index (the
+    temporaries a SIGKILL leaves: the open shard, write_atomic's tmp files); the re-run ends as an uninterrupted run."""
+    from nanotron.tokenize import writer
+
+    assert tokenize(corpus, tmp_path / "reference", "--workers", "1") == 0
+    commit, commits = writer.ShardWriter.commit, []
+
+    def dying_commit(self):
+        if len(commits) == 2:
+            (self.out / f".{self._partial('train', 'idx').name}.tmp999").write_bytes(b"half")
+            (self.out / ".progress.json.tmp999").write_text("{")
+            raise SystemExit("killed")
+        commits.append(commit(self))
+
+    monkeypatch.setattr(writer.ShardWriter, "commit", dying_commit)
+    with pytest.raises(SystemExit):
+        tokenize(corpus, tmp_path / "out", "--workers", "1")
+    monkeypatch.setattr(writer.ShardWriter, "commit", commit)
+    assert len(json.loads((tmp_path / "out" / PROGRESS).read_text())["shards"]) == 2
+    assert tokenize(corpus, tmp_path / "out", "--workers", "1") == 0
+    assert files(tmp_path / "out") == files(tmp_path / "reference")

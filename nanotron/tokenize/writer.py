@@ -41,7 +41,9 @@ from nanotron.tokenize.sources import CLI_LABELS, Labels, Source, iter_documents
 from nanotron.tokenizer import Tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 29  # ~1 GiB of uint16 per shard: few files at TB scale, cheap to redo after a kill
-_OUR_FILES = re.compile(r"\.?(train|val)-\d{5}\.(bin|idx)(\.partial)?|meta\.json|progress\.json|\.lock")
+_OUR_FILES = re.compile(r"(train|val)-\d{5}\.(bin|idx)|meta\.json|progress\.json|\.lock")
+# What a killed run leaves behind: the open shard's files, and write_atomic's temporaries of them and of the JSON.
+_TEMPORARY = re.compile(r"\.{1,2}(train|val)-\d{5}\.(bin|idx)\.partial(\.tmp\d+)?|\.(meta|progress)\.json\.tmp\d+")
 
 
 def _mix(x: int) -> int:
@@ -167,13 +169,13 @@ def tokenize(
         meta = read_meta(out, labels.out)
         _refuse_another_job(out, meta["job"], job, labels)
         check_all(out, meta, labels.out)
+        (out / PROGRESS).unlink(missing_ok=True)  # a run killed between writing meta.json and removing this
         return meta, "reused"
     out.mkdir(parents=True, exist_ok=True)
     with _locked(out, labels):
-        if overwrite:
-            for path in out.iterdir():
-                if _OUR_FILES.fullmatch(path.name) and path.name != LOCK:
-                    path.unlink()
+        for path in out.iterdir():
+            if _TEMPORARY.fullmatch(path.name) or (overwrite and _OUR_FILES.fullmatch(path.name) and path.name != LOCK):
+                path.unlink()
         shards = _committed_shards(out, job, labels)
         status = f"resumed after shard {len(shards) - 1}" if shards else "written"
         dtype = token_dtype(tokenizer.vocab_size)
