@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from nanotron.activations import ActivationStats
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, prepare_data
@@ -90,11 +91,14 @@ class Trainer:
             build_schedule(self.stages, cfg, self.ctx.mesh, self.ctx.device, self.loss_fn) if p.pp > 1 else None
         )
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
-        self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
+        self.optimizers = [
+            build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
+        ]
         self.state = TrainState()
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/tp rank logs.
         self.is_logging_rank = self.has_last and self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
+        self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir,
             cfg.checkpoint,
@@ -282,9 +286,12 @@ class Trainer:
             cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
         )
         while self.state.step < t.steps and not stop:
-            loss, grad_norm, stop = self.train_step()
+            with self.activation_stats.step(self.state.step + 1):
+                loss, grad_norm, stop = self.train_step()
             profiler.step()
             self.state.step += 1
+            if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
+                self.metrics.log({"step": self.state.step} | activations)
             self.state.consumed_samples += t.global_batch_size
             self.state.consumed_tokens += tokens_per_step
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
