@@ -63,7 +63,7 @@ def hook_count(model: torch.nn.Module) -> int:
 
 def test_stats_step_logs_mean_abs_of_every_tracked_output_and_leaves_no_hook():
     cfg, model, microbatches = tiny()
-    assert model.logit_multiplier == 0.5 and model.model.layers["0"].residual_multiplier == 0.5**0.5
+    assert model.logit_multiplier == 0.5 and model.model.layers["0"].residual_multiplier == 0.5
     stats = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"))
     before = hook_count(model)
     with stats.step(1):  # not a stats step: nothing registered, nothing to report

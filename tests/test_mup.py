@@ -37,8 +37,9 @@ def config(*extra: str):
     return load_config(*parse_overrides([*TINY_MODEL, *extra]))
 
 
-def test_mup_rules_per_parameter():
-    m = config(*MUP).model  # m = 2 (width), r = 2 (depth), base head dim 16 / 4 = 4
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_mup_rules_per_parameter(alpha):
+    m = config(*MUP, f"--model.mup_depth_exponent={alpha}").model  # m = 2, r = 2, base head dim 16 / 4 = 4
     assert m.mup_base_head_dim == 4
     std, lr = (lambda name: param_init_std(m, name)), (lambda name: param_lr_scale(m, name))
     assert std("model.embed_tokens.weight") == std("lm_head.weight") == 0.02
@@ -47,11 +48,12 @@ def test_mup_rules_per_parameter():
     assert std("model.layers.1.mlp.down_proj.weight") == pytest.approx(0.02 / (2 * 2) ** 0.5 / 2**0.5)
     assert std("model.layers.1.input_layernorm.weight") is None and std("model.norm.weight") is None
     assert lr("model.embed_tokens.weight") == lr("lm_head.weight") == lr("model.norm.weight") == 1.0
-    assert lr("model.layers.2.self_attn.o_proj.weight") == pytest.approx(1 / (2 * 2**0.5))
-    assert lr("model.layers.2.post_attention_layernorm.weight") == pytest.approx(1 / 2**0.5)
+    depth_lr = 2 ** (alpha - 1)  # 1 for CompleteP, 1/sqrt(2) for depth-µP
+    assert lr("model.layers.2.self_attn.o_proj.weight") == pytest.approx(depth_lr / 2)
+    assert lr("model.layers.2.post_attention_layernorm.weight") == pytest.approx(depth_lr)
     mult = multipliers(m)
     assert mult.attention_scale == pytest.approx(4**0.5 / 8)  # 1/head_dim, = 1/sqrt(4) at the base head dim
-    assert (mult.residual, mult.logits) == (pytest.approx(2**-0.5), 0.5)
+    assert (mult.residual, mult.logits) == (pytest.approx(2**-alpha), 0.5)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -81,6 +83,8 @@ def test_mup_at_its_base_shape_is_standard_parametrization_bit_for_bit(tied):
     [
         (["--model.mup_base_width=16"], "model.mup_base_width=16 only applies with model.parametrization='mup'"),
         (["--model.parametrization=mup", "--model.mup_base_width=18"], "mup_base_width=18 is not divisible by"),
+        (["--model.mup_depth_exponent=0.5"], "model.mup_depth_exponent=0.5 only applies with"),
+        (["--model.parametrization=mup", "--model.mup_depth_exponent=2"], r"expected a value in \[0.5, 1\]"),
     ],
 )
 def test_mup_misconfigurations_name_the_key(overrides, expected):

@@ -47,6 +47,12 @@ class ModelConfig:
         0, "µP: hidden_size of the base model the hyperparameters were tuned on; 0 = hidden_size", min=0
     )
     mup_base_depth: int = _opt(0, "µP: num_layers of the base model; 0 = num_layers", min=0)
+    mup_depth_exponent: float = _opt(
+        1.0,
+        "µP: alpha of the depth scaling, with r = num_layers / mup_base_depth: residual branches x r^-alpha, "
+        "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",
+        min=0.5,
+    )
     mup_base_head_dim: int = _opt(
         0,
         "µP: head dim where the 1/head_dim attention scale equals 1/sqrt(head_dim); 0 = mup_base_width / num_heads",

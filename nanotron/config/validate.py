@@ -48,20 +48,25 @@ def resolve_model(model: ModelConfig) -> None:
     _resolve_mup(m)
 
 
-_MUP_KEYS = ("mup_base_width", "mup_base_depth", "mup_base_head_dim")
+_MUP_KEYS = {"mup_base_width": 0, "mup_base_depth": 0, "mup_base_head_dim": 0, "mup_depth_exponent": 1.0}
 
 
 def _resolve_mup(m: ModelConfig) -> None:
     """µP's base shape, 0s filled from this model (µP at its own shape is standard); recorded in the resolved
     config, so a wider or deeper copy of it keeps the base the hyperparameters were tuned on."""
     if m.parametrization == "standard":
-        for key in _MUP_KEYS:
-            if getattr(m, key):
+        for key, default in _MUP_KEYS.items():
+            if getattr(m, key) != default:
                 raise ConfigError(
                     f"model.{key}={getattr(m, key)} only applies with model.parametrization='mup'; "
                     f"set model.parametrization='mup', or drop model.{key}"
                 )
         return
+    if m.mup_depth_exponent > 1.0:
+        raise ConfigError(
+            f"model.mup_depth_exponent={m.mup_depth_exponent}: expected a value in [0.5, 1] (1 = CompleteP, "
+            "0.5 = depth-µP); above 1 deep models would learn less the deeper they are"
+        )
     m.mup_base_width = m.mup_base_width or m.hidden_size
     m.mup_base_depth = m.mup_base_depth or m.num_layers
     if not m.mup_base_head_dim and m.mup_base_width % m.num_heads:

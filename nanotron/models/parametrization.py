@@ -3,26 +3,31 @@
 µP for Adam (Yang et al. 2022, "Tensor Programs V: Tuning Large Neural Networks via Zero-Shot Hyperparameter
 Transfer", arXiv:2203.03466, Table 3 in the equivalent form of its Table 8 / the `mup` package's MuReadout:
 the output layer gets a 1/m multiplier instead of a 1/m^2 init variance and a 1/m Adam LR) makes the best
-hyperparameters of a narrow base model the best ones of a wide model; depth-µP (Yang et al. 2023, "Tensor
-Programs VI: Feature Learning in Infinite-Depth Neural Networks", arXiv:2310.02244, its Adam rule; also
-Bordelon et al. 2023, "Depthwise Hyperparameter Transfer in Residual Networks", arXiv:2309.16620) does the
-same across depth. With m = hidden_size / mup_base_width and r = num_layers / mup_base_depth:
+hyperparameters of a narrow base model the best ones of a wide model. Across depth, residual branches get a
+multiplier r^-alpha and the Adam LR of every parameter in a block r^(alpha-1) (Dey et al. 2025, "Don't be lazy:
+CompleteP enables compute-efficient deep transformers", arXiv:2505.01618): alpha = 1 (CompleteP, the default)
+or alpha = 1/2, depth-µP's Adam rule (Yang et al. 2023, "Tensor Programs VI: Feature Learning in Infinite-Depth
+Neural Networks", arXiv:2310.02244; Bordelon et al. 2023, arXiv:2309.16620). With two-layer blocks, as in a
+transformer, alpha = 1/2 leaves the blocks' own updates shrinking with depth (what CompleteP calls lazy; the
+coordinate check in benchmarks/RESULTS.md measures it), which alpha = 1 avoids. CompleteP's further
+adjustments of Adam's epsilon and of weight decay are not applied.
+
+With m = hidden_size / mup_base_width, r = num_layers / mup_base_depth and alpha = mup_depth_exponent:
 
   parameter                          init std                       Adam LR
   embed_tokens (input weights)       init_std                       lr
-  q/k/v/gate/up_proj (hidden)        init_std / sqrt(m)             lr / (m sqrt(r))
-  o_proj, down_proj (hidden)         init_std / sqrt(2 L_base m)    lr / (m sqrt(r))
-  layer norms                        1                              lr / sqrt(r)
+  q/k/v/gate/up_proj (hidden)        init_std / sqrt(m)             lr r^(alpha-1) / m
+  o_proj, down_proj (hidden)         init_std / sqrt(2 L_base m)    lr r^(alpha-1) / m
+  layer norms                        1                              lr r^(alpha-1)
   final norm                         1                              lr
   lm_head (output weights)           init_std                       lr
 
 and three multipliers in the forward: attention logits scaled by sqrt(mup_base_head_dim) / head_dim (µP's
-1/d_head, equal to the usual 1/sqrt(d_head) at the base head dim), each attention and MLP branch by 1/sqrt(r)
+1/d_head, equal to the usual 1/sqrt(d_head) at the base head dim), each attention and MLP branch by r^-alpha
 before it joins the residual stream, and the logits by 1/m. Every hidden matrix's fan-in (hidden_size,
 num_heads * head_dim or intermediate_size) grows by m when a model family keeps intermediate_size /
-hidden_size fixed, which is what the 1/m factors assume. The block LR's 1/sqrt(r) is TP VI's Adam rule (a
-branch multiplier L^-1/2 needs an Adam LR L^-1/2 for each block to move the features by O(1/L)), applied to
-every parameter of a block. AdamW's decoupled decay is lr * weight_decay, so it shrinks with the LR scale.
+hidden_size fixed, which is what the 1/m factors assume. AdamW's decoupled decay is lr * weight_decay, so it
+follows the LR scale (its equilibrium weight size then scales like the µP init, 1/sqrt(m)).
 
 At the base shape (m = r = 1, head_dim = mup_base_head_dim) every factor is exactly 1: µP is the standard
 parametrization there, so hyperparameters tuned on the base model are the same in both.
@@ -66,7 +71,7 @@ def multipliers(cfg: ModelConfig) -> Multipliers:
     if not is_mup(cfg):
         return Multipliers(None, 1.0, 1.0)
     attention = None if cfg.head_dim == cfg.mup_base_head_dim else cfg.mup_base_head_dim**0.5 / cfg.head_dim
-    return Multipliers(attention, depth_ratio(cfg) ** -0.5, 1.0 / width_ratio(cfg))
+    return Multipliers(attention, depth_ratio(cfg) ** -cfg.mup_depth_exponent, 1.0 / width_ratio(cfg))
 
 
 def _in_layer(name: str) -> bool:
@@ -93,7 +98,7 @@ def param_lr_scale(cfg: ModelConfig, name: str) -> float:
     """The factor on the scheduled LR for parameter `name` (an optimizer param group's `lr_scale`)."""
     if not is_mup(cfg) or not _in_layer(name):
         return 1.0
-    scale = depth_ratio(cfg) ** -0.5
+    scale = depth_ratio(cfg) ** (cfg.mup_depth_exponent - 1.0)
     return scale if name.endswith("norm.weight") else scale / width_ratio(cfg)
 
 
