@@ -14,8 +14,8 @@ those calls are skipped.
 
 Cost at scale (512 GPUs, a 70B model of 80 layers): per stats step one extra read of each tracked activation
 (a reduction per hook, ~1% of the step's memory traffic; the logits' vocab shard is the largest) and one
-all-reduce of 2 x 243 float64 values (4 KB, latency-bound: tens of microseconds), plus one host sync on the
-logging step. Nothing at all on other steps.
+all-reduce of 2 x 243 float64 values (4 KB, latency-bound: tens of microseconds), then one host sync per rank.
+Nothing at all on other steps.
 """
 
 from __future__ import annotations
