@@ -90,7 +90,7 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     init_weights(model, cfg.job.seed)
     if implementation == "transformers":
         model = hf_model(cfg.model, model.state_dict(), device)
-    optimizer = build_optimizer(model, cfg.optimizer, device)  # plain AdamW, no decay on norms/embeddings
+    optimizer = build_optimizer(model, cfg.optimizer, device, cfg.model)  # plain AdamW, no decay on norms/embeddings
 
     def logits(inputs: torch.Tensor) -> torch.Tensor:
         out = model(inputs)

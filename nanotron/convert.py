@@ -6,6 +6,8 @@
 to-hf reads a step-N dir (or a checkpoint/run dir: its latest) in one process, whatever layout saved it,
 and writes config.json, model.safetensors (or shards plus model.safetensors.index.json) and the
 tokenizer saved with the checkpoint: `LlamaForCausalLM.from_pretrained(OUT_DIR)` loads it unchanged.
+A µP checkpoint's multipliers are folded into its weights (HF's Llama has none); a tied embedding whose
+logits have a multiplier is exported untied. from-hf always imports standard parametrization.
 from-hf writes a DCP checkpoint holding only model weights, its [model] config and the tokenizer; start
 training from it with `--checkpoint.init_from=CKPT_DIR` and the [model] settings of CKPT_DIR/config.toml,
 at any dp/tp/pp. Parameter names are the same on both sides (nanotron's model uses HF's names).
@@ -33,6 +35,7 @@ from nanotron.config import ModelConfig, read_model_config, toml_text
 from nanotron.config.validate import resolve_model
 from nanotron.errors import CheckpointError, ConfigError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.parametrization import fold_multipliers, is_mup
 from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +53,7 @@ def expected_shapes(model: ModelConfig) -> dict[str, torch.Size]:
 # ---- export ----------------------------------------------------------------------------------------
 
 
-def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dict:
+def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None, tied: bool) -> dict:
     """config.json of transformers' LlamaConfig (keys of 4.x and 5.x, so either version loads it)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return {
@@ -68,7 +71,7 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dic
         "rope_theta": model.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
         "rope_scaling": None,
-        "tie_word_embeddings": model.tie_word_embeddings,
+        "tie_word_embeddings": tied,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -117,13 +120,18 @@ def to_hf(
     model = read_model_config(step_dir / "config.toml")
     expected = expected_shapes(model)
     weights = read_model_weights(step_dir, expected)
-    names = [n for n in expected if not (model.tie_word_embeddings and n == "lm_head.weight")]
+    weights, tied = fold_multipliers(model, weights)
+    if is_mup(model):
+        untied = tied != model.tie_word_embeddings
+        note = "; lm_head exported untied (a weight shared with the embedding can't take the logit multiplier)"
+        print(f"µP: attention, residual and logit multipliers folded into the weights{note if untied else ''}")
+    names = [n for n in expected if not (tied and n == "lm_head.weight")]
     tensors = {name: weights[name].to(DTYPES[dtype]).contiguous() for name in names}
     _empty_output(out)
     out.mkdir(parents=True, exist_ok=True)
     source_tokenizer = tokenizer or (step_dir / "tokenizer")
     eos_id = _export_tokenizer(source_tokenizer, out)
-    (out / "config.json").write_text(json.dumps(hf_config(model, DTYPES[dtype], eos_id), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(model, DTYPES[dtype], eos_id, tied), indent=2) + "\n")
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:
         _save_safetensors(tensors, out / "model.safetensors")
@@ -322,8 +330,8 @@ def _main(argv: list[str]) -> int:
     from_hf(args.hf_dir, args.ckpt_dir)
     tokenizer = args.ckpt_dir / "tokenizer"
     print(
-        f"imported {args.hf_dir} -> {args.ckpt_dir}; train with --checkpoint.init_from={args.ckpt_dir} "
-        f"and the [model] settings of {args.ckpt_dir / 'config.toml'}"
+        f"imported {args.hf_dir} -> {args.ckpt_dir} (standard parametrization); train with "
+        f"--checkpoint.init_from={args.ckpt_dir} and the [model] settings of {args.ckpt_dir / 'config.toml'}"
         + (f" (tokenizer: --data.tokenizer={tokenizer})" if tokenizer.is_dir() else "")
     )
     return 0

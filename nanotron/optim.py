@@ -11,22 +11,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from nanotron.config import OptimizerConfig
+from nanotron.config import ModelConfig, OptimizerConfig
+from nanotron.models.parametrization import param_lr_scale
 
 
-def build_optimizer(module: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    module: nn.Module, cfg: OptimizerConfig, device: torch.device, model: ModelConfig
+) -> torch.optim.AdamW:
     """No weight decay on norms and embeddings: decaying them only hurts (they are scales and lookups).
 
+    Each group carries the `lr_scale` its parameters get from the parametrization (µP's per-width and
+    per-depth LR; 1 under standard). Groups are keyed by parameter name, so every layout builds the same ones.
     Params are also grouped by their DTensor mesh: fused/foreach kernels can't mix plain tensors (e.g.
     replicated norms under plain TP) with DTensors, nor DTensors of different meshes, in one call.
     """
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for name, param in module.named_parameters():  # tied weights are yielded once
-        decays = "norm" not in name and "embed_tokens" not in name
-        groups[decays, param.device_mesh if isinstance(param, DTensor) else None].append(param)
+        decay = 0.0 if "norm" in name or "embed_tokens" in name else cfg.weight_decay
+        mesh = param.device_mesh if isinstance(param, DTensor) else None
+        groups[decay, param_lr_scale(model, name), mesh].append(param)
     param_groups = [
-        {"params": params, "decays": decays, "weight_decay": cfg.weight_decay if decays else 0.0}
-        for (decays, _), params in groups.items()
+        {"params": params, "weight_decay": decay, "lr_scale": lr_scale}
+        for (decay, lr_scale, _), params in groups.items()
     ]
     optimizer = torch.optim.AdamW(
         param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused and device.type in ("cuda", "cpu")
@@ -54,13 +60,6 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
     for param in params:
         param.grad = None
         optimizer.state[param]["step"].zero_()
-
-
-def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
-    """The config's betas, eps and weight decay, over whatever a loaded checkpoint's param groups carried:
-    a resume with changed hyper-parameters honours them (the learning rate is set every step anyway)."""
-    for group in optimizer.param_groups:
-        group.update(betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay if group["decays"] else 0.0)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

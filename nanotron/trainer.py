@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from nanotron.activations import ActivationStats
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
 from nanotron.checkpoint.compat import check_resume
 from nanotron.config import Config, to_toml
@@ -35,7 +36,7 @@ from nanotron.metrics import (
     step_record,
 )
 from nanotron.models.llama import flops_per_token
-from nanotron.optim import apply_hyperparameters, build_optimizer, clip_grad_norm, lr_at, set_lr
+from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
 from nanotron.parallel.fsdp import prepare_backward
 from nanotron.parallel.pipeline import build_schedule, forward_only
@@ -96,11 +97,14 @@ class Trainer:
             build_schedule(self.stages, cfg, self.ctx.mesh, self.ctx.device, self.loss_fn) if p.pp > 1 else None
         )
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
-        self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
+        self.optimizers = [
+            build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
+        ]
         self.state = TrainState()
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/tp rank logs.
         self.is_logging_rank = self.has_last and self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
+        self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir,
             cfg.checkpoint,
@@ -249,8 +253,6 @@ class Trainer:
             return
         path, model_only = self.source
         self.checkpoints.load(path, model_only)
-        for optimizer in self.optimizers:
-            apply_hyperparameters(optimizer, self.cfg.optimizer)
         built = f"model built in {self.build_seconds:.2f}s, random init skipped"
         if model_only:
             self.metrics.info(f"checkpoint: model weights initialised from {path} ({built})")
@@ -287,10 +289,13 @@ class Trainer:
             cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
         )
         while self.state.step < t.steps and not stop:
-            loss, grad_norm, stop = self.train_step()
+            with self.activation_stats.step(self.state.step + 1):
+                loss, grad_norm, stop = self.train_step()
             self.ctx.end_startup()  # the first step is done: collectives get distributed.timeout_minutes
             profiler.step()
             self.state.step += 1
+            if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
+                self.metrics.log({"step": self.state.step} | activations)
             self.state.consumed_samples += t.global_batch_size
             self.state.consumed_tokens += tokens_per_step
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:

@@ -102,3 +102,32 @@ def test_data_quick_measures_every_target_of_issue_10(tmp_path, work_dir):
     assert rows["loader extra RSS, 1e9 samples"]["value"].endswith(" MB")
     assert len([name for name in rows if name.startswith("blend ")]) == 3
     assert stdout.startswith("| measurement | value |")
+
+
+@pytest.mark.slow
+def test_coord_check_quick_writes_spreads_values_and_figures(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.coord_check", tmp_path, work_dir)
+    rows = read_csv(tmp_path / "coord_check.csv")
+    variants = {(r["sweep"], r["parametrization"]) for r in rows}
+    assert variants == {(s, p) for s in ("width", "depth") for p in ("standard", "mup")} | {("depth", "mup-alpha0.5")}
+    assert (
+        "| activation | width standard | width µP | depth standard | depth µP |"
+        in (tmp_path / "coord_check.md").read_text()
+    )
+    if importlib.util.find_spec("matplotlib"):
+        assert all((tmp_path / f"scale-across-{s}.png").stat().st_size > 0 for s in ("width", "depth"))
+    else:
+        assert "no plot written" in stdout
+
+
+@pytest.mark.slow
+def test_mup_transfer_quick_writes_runs_best_lrs_and_figures(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.mup_transfer", tmp_path, work_dir)
+    rows = read_csv(tmp_path / "mup_transfer.csv")
+    assert len(rows) == 2 * 3 * 3 + 2 * 2  # parametrizations x (2 widths + 1 depth) x 3 lrs, + 1 more seed per width
+    summary = (tmp_path / "mup_transfer.md").read_text()
+    assert "| sweep | size | standard best log2 lr (fit; grid) |" in summary and "at the base's best lr" in summary
+    if importlib.util.find_spec("matplotlib"):
+        assert all((tmp_path / f).stat().st_size > 0 for f in ("lr-transfer.png", "wider-is-better.png"))
+    else:
+        assert "no plot written" in stdout

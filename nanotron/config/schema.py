@@ -37,6 +37,27 @@ class ModelConfig:
     rms_norm_eps: float | None = _opt(None, "RMSNorm epsilon", min=0.0)
     tie_word_embeddings: bool | None = _opt(None, "share embedding and lm_head weights")
     init_std: float = _opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
+    parametrization: str = _opt(
+        "standard",
+        "standard, or mup (µP: init, LR and multipliers scaled so hyperparameters tuned at the mup_base_* "
+        "shape transfer to this width and depth)",
+        ("standard", "mup"),
+    )
+    mup_base_width: int = _opt(
+        0, "µP: hidden_size of the base model the hyperparameters were tuned on; 0 = hidden_size", min=0
+    )
+    mup_base_depth: int = _opt(0, "µP: num_layers of the base model; 0 = num_layers", min=0)
+    mup_depth_exponent: float = _opt(
+        1.0,
+        "µP: alpha of the depth scaling, with r = num_layers / mup_base_depth: residual branches x r^-alpha, "
+        "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",
+        min=0.5,
+    )
+    mup_base_head_dim: int = _opt(
+        0,
+        "µP: head dim where the 1/head_dim attention scale equals 1/sqrt(head_dim); 0 = mup_base_width / num_heads",
+        min=0,
+    )
 
     @property
     def head_dim(self) -> int:
@@ -238,6 +259,9 @@ class LoggingConfig:
     log_interval: int = _opt(10, "steps between log lines", min=1)
     tensorboard: bool = _opt(True, "write TensorBoard scalars to the run dir")
     peak_tflops: float = _opt(0.0, "per-device peak for MFU; 0 = detect (GPU table, CPU matmul probe)", min=0.0)
+    activation_stats_interval: int = _opt(
+        0, "steps between activation statistics (mean |x| per layer output, act/* metrics); 0 disables", min=0
+    )
 
 
 @dataclass
