@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import child_pids
 
 from nanotron.errors import DataError
 from nanotron.prepare import train_tokenizer
@@ -245,17 +246,6 @@ def test_a_hub_dataset_is_streamed_row_by_row_and_resumes_by_skipping(corpus, tm
         list(iter_documents([source], "text", Labels()))
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            pass
-    return out
-
-
 @pytest.mark.slow
 def test_sigterm_stops_in_one_line_with_exit_130_and_no_worker_left(corpus, tmp_path):
     big = tmp_path / "big"
@@ -270,7 +260,7 @@ def test_sigterm_stops_in_one_line_with_exit_130_and_no_worker_left(corpus, tmp_
         (out / PROGRESS).is_file() and json.loads((out / PROGRESS).read_text() or '{"shards": []}')["shards"]
     ):
         time.sleep(0.01)
-    workers = _children(proc.pid)
+    workers = child_pids(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and not (out / META).exists(), err
