@@ -11,12 +11,14 @@ standard parametrization (init std 0.02 and one LR at every size) they grow. The
 depth-µP's alpha = 1/2 next to the default alpha = 1 (CompleteP). Writes scale-across-width.png and
 scale-across-depth.png (a row per parametrization, a column per activation, x: width or depth, one line per
 step), coord_check.csv (every value) and coord_check.md (each activation's max/min ratio across the sweep at
-the last step) to --out. Data: the Shakespeare corpus of `make data` (synthetic text with --quick).
+the last step: means over layers, layers at the same relative depth, and the worst of what compares like for
+like) to --out. Data: the Shakespeare corpus of `make data` (synthetic text with --quick).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -32,6 +34,13 @@ DEPTH_MUP = ("mup-alpha0.5", "µP alpha=1/2", ["--model.parametrization=mup", "-
 VARIANTS = {"width": (STANDARD, MUP), "depth": (STANDARD, MUP, DEPTH_MUP)}
 # What each figure column shows: one activation, or the mean over the layers of a per-layer one.
 KINDS = ("embed", "attn", "mlp", "residual", "last residual", "norm", "logits")
+# Per-layer activations at the same relative depth (the layer ending the first half, the last layer), which
+# is how layers of models of different depths compare. A mean over layers does not: the residual stream grows
+# along the depth, and the mean of a 2-layer model weights its last layer 1/2, of a 16-layer model 1/16
+# (with linear growth (L+1)/2L: 0.75 vs 0.53, a 1.4x spread however good the parametrization).
+AT_DEPTH = tuple(f"{kind} @{f}" for kind in ("attn", "mlp", "residual") for f in ("1/2", "1"))
+# The activations the ≤ 2x target is about: every one a model of each size has, compared like for like.
+TARGET_KINDS = ("embed", *AT_DEPTH, "norm", "logits")
 
 
 def kind_value(record: dict[str, float], kind: str, depth: int) -> float:
@@ -39,6 +48,10 @@ def kind_value(record: dict[str, float], kind: str, depth: int) -> float:
         return statistics.fmean(record[f"act/layers.{i}.{kind}"] for i in range(depth))
     if kind == "last residual":
         return record[f"act/layers.{depth - 1}.residual"]
+    if kind in AT_DEPTH:
+        name, fraction = kind.split(" @")
+        layer = max(math.ceil(depth * (0.5 if fraction == "1/2" else 1.0)) - 1, 0)
+        return record[f"act/layers.{layer}.{name}"]
     return record[f"act/{kind}"]
 
 
@@ -74,7 +87,7 @@ def measure(args, data: list[str], sweep: str, variant: tuple, width: int, depth
             continue
         names = [k.removeprefix("act/") for k in seeds[0] if k.startswith("act/")]
         values = {n: statistics.fmean(s[f"act/{n}"] for s in seeds) for n in names}
-        values |= {kind: statistics.fmean(kind_value(s, kind, depth) for s in seeds) for kind in KINDS}
+        values |= {kind: statistics.fmean(kind_value(s, kind, depth) for s in seeds) for kind in (*KINDS, *AT_DEPTH)}
         for activation, l1 in values.items():
             row = dict(sweep=sweep, parametrization=variant_id, size=size, step=step, activation=activation, l1=l1)
             rows.append(row | {"seeds": len(seeds)})
@@ -92,19 +105,27 @@ def spreads(rows: list[dict], sweep: str, variant_id: str, last_step: int) -> di
 
 
 def summary(rows: list[dict], last_step: int) -> list[dict]:
-    """A row per kind and one for the worst single per-layer activation of the width sweep (its layers are the
-    same at every width); a column per sweep and parametrization."""
-    worst_row = "worst per-layer (width)"
-    table = {kind: {"activation": kind} for kind in (*KINDS, worst_row)}
+    """A row per kind (means over layers, then layers at the same relative depth), one for the worst single
+    per-layer activation of the width sweep (its layers are the same at every width), and the worst of what the
+    target compares (TARGET_KINDS, and in the width sweep every per-layer activation); a column per sweep and
+    parametrization."""
+    worst_layer, worst_all = "worst per-layer (width)", "worst compared (target: ≤ 2 under µP)"
+    table = {kind: {"activation": kind} for kind in (*KINDS, *AT_DEPTH, worst_layer, worst_all)}
     for sweep, variants in VARIANTS.items():
         for variant_id, label, _ in variants:
             spread = spreads(rows, sweep, variant_id, last_step)
             column = f"{sweep} {label}"
-            for kind in KINDS:
+            for kind in (*KINDS, *AT_DEPTH):
                 table[kind][column] = spread[kind]
-            layers = {a: s for a, s in spread.items() if a.startswith("layers.")}
-            worst = max(layers, key=layers.get)
-            table[worst_row][column] = f"{layers[worst]:.3g} ({worst})" if sweep == "width" else ""
+            compared = {k: spread[k] for k in TARGET_KINDS}
+            table[worst_layer][column] = ""
+            if sweep == "width":
+                layers = {a: s for a, s in spread.items() if a.startswith("layers.")}
+                worst = max(layers, key=layers.get)
+                table[worst_layer][column] = f"{layers[worst]:.3g} ({worst})"
+                compared |= layers
+            worst = max(compared, key=compared.get)
+            table[worst_all][column] = f"{compared[worst]:.3g} ({worst})"
     return list(table.values())
 
 

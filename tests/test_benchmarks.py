@@ -110,10 +110,10 @@ def test_coord_check_quick_writes_spreads_values_and_figures(tmp_path, work_dir)
     rows = read_csv(tmp_path / "coord_check.csv")
     variants = {(r["sweep"], r["parametrization"]) for r in rows}
     assert variants == {(s, p) for s in ("width", "depth") for p in ("standard", "mup")} | {("depth", "mup-alpha0.5")}
-    assert (
-        "| activation | width standard | width µP | depth standard | depth µP |"
-        in (tmp_path / "coord_check.md").read_text()
+    assert "| activation | width standard | width µP | depth standard | depth µP |" in (
+        summary := (tmp_path / "coord_check.md").read_text()
     )
+    assert "| residual @1/2 |" in summary and "| worst compared (target: ≤ 2 under µP) |" in summary
     if importlib.util.find_spec("matplotlib"):
         assert all((tmp_path / f"scale-across-{s}.png").stat().st_size > 0 for s in ("width", "depth"))
     else:
