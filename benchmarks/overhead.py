@@ -71,17 +71,16 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     import torch.nn.functional as F
 
     from nanotron.config import load_config, parse_overrides
-    from nanotron.data import build_train_loader, load_corpus
+    from nanotron.data import build_train_loader, prepare_data
     from nanotron.distributed import pick_device
     from nanotron.models.llama import LlamaForCausalLM
     from nanotron.optim import build_optimizer
     from nanotron.parallel.init import init_weights
-    from nanotron.tokenizer import load_tokenizer
 
     cfg = load_config(*parse_overrides(args))
     t, device = cfg.training, pick_device(cfg)
     torch.manual_seed(cfg.job.seed)
-    corpus = load_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer), seq_len=t.seq_len, seed=cfg.job.seed)
+    corpus = prepare_data(cfg)
     loader = iter(build_train_loader(corpus, t, seed=cfg.job.seed, dp=1, dp_rank=0))
     batches = [torch.cat([next(loader) for _ in range(t.grad_accum_steps)]) for _ in range(t.steps)]
 
@@ -91,7 +90,7 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     init_weights(model, cfg.job.seed)
     if implementation == "transformers":
         model = hf_model(cfg.model, model.state_dict(), device)
-    optimizer = build_optimizer(model, cfg.optimizer, device)  # plain AdamW, no decay on norms/embeddings
+    optimizer = build_optimizer(model, cfg.optimizer, device, cfg.model)  # plain AdamW, no decay on norms/embeddings
 
     def logits(inputs: torch.Tensor) -> torch.Tensor:
         out = model(inputs)

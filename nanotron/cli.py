@@ -1,4 +1,4 @@
-"""The `nanotron` console script: `nanotron {train,launch,convert,generate,prepare,plan} ...`."""
+"""The `nanotron` console script: `nanotron {train,launch,tokenize,convert,generate,prepare,plan} ...`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "train": "nanotron.train",
     "launch": "nanotron.launch",
+    "tokenize": "nanotron.tokenize.cli",
     "convert": "nanotron.convert",
     "generate": "nanotron.generate",
     "prepare": "nanotron.prepare",

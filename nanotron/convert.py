@@ -6,6 +6,8 @@
 to-hf reads a step-N dir (or a checkpoint/run dir: its latest) in one process, whatever layout saved it,
 and writes config.json, model.safetensors (or shards plus model.safetensors.index.json) and the
 tokenizer saved with the checkpoint: `LlamaForCausalLM.from_pretrained(OUT_DIR)` loads it unchanged.
+A µP checkpoint's multipliers are folded into its weights (HF's Llama has none); a tied embedding whose
+logits have a multiplier is exported untied. from-hf always imports standard parametrization.
 from-hf writes a DCP checkpoint holding only model weights, its [model] config and the tokenizer; start
 training from it with `--checkpoint.init_from=CKPT_DIR` and the [model] settings of CKPT_DIR/config.toml,
 at any dp/tp/pp. Parameter names are the same on both sides (nanotron's model uses HF's names).
@@ -19,6 +21,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -27,10 +30,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from nanotron.checkpoint import find_checkpoint, read_model_weights
+from nanotron.checkpoint import integrity, read_model_weights, verified_checkpoint
 from nanotron.config import ModelConfig, read_model_config, toml_text
-from nanotron.errors import CheckpointError, UserError, run_command
+from nanotron.config.validate import resolve_model
+from nanotron.errors import CheckpointError, ConfigError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.parametrization import fold_multipliers, is_mup
 from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +53,7 @@ def expected_shapes(model: ModelConfig) -> dict[str, torch.Size]:
 # ---- export ----------------------------------------------------------------------------------------
 
 
-def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dict:
+def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None, tied: bool) -> dict:
     """config.json of transformers' LlamaConfig (keys of 4.x and 5.x, so either version loads it)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return {
@@ -66,7 +71,7 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dic
         "rope_theta": model.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
         "rope_scaling": None,
-        "tie_word_embeddings": model.tie_word_embeddings,
+        "tie_word_embeddings": tied,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -111,21 +116,22 @@ def to_hf(
 ) -> Path:
     """Writes the HF folder `out` from a nanotron checkpoint; returns the step dir that was exported."""
     max_bytes = parse_size(max_shard_size)
-    step_dir = find_checkpoint(checkpoint)
+    step_dir = verified_checkpoint(checkpoint)
     model = read_model_config(step_dir / "config.toml")
-    weights = read_model_weights(step_dir)
     expected = expected_shapes(model)
-    for name, shape in expected.items():
-        if name not in weights or weights[name].shape != shape:
-            found = "missing" if name not in weights else f"of shape {list(weights[name].shape)}"
-            raise CheckpointError(f"'{step_dir}': {name} is {found}, but its config.toml implies {list(shape)}")
-    names = [n for n in expected if not (model.tie_word_embeddings and n == "lm_head.weight")]
+    weights = read_model_weights(step_dir, expected)
+    weights, tied = fold_multipliers(model, weights)
+    if is_mup(model):
+        untied = tied != model.tie_word_embeddings
+        note = "; lm_head exported untied (a weight shared with the embedding can't take the logit multiplier)"
+        print(f"µP: attention, residual and logit multipliers folded into the weights{note if untied else ''}")
+    names = [n for n in expected if not (tied and n == "lm_head.weight")]
     tensors = {name: weights[name].to(DTYPES[dtype]).contiguous() for name in names}
     _empty_output(out)
     out.mkdir(parents=True, exist_ok=True)
     source_tokenizer = tokenizer or (step_dir / "tokenizer")
     eos_id = _export_tokenizer(source_tokenizer, out)
-    (out / "config.json").write_text(json.dumps(hf_config(model, DTYPES[dtype], eos_id), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(model, DTYPES[dtype], eos_id, tied), indent=2) + "\n")
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:
         _save_safetensors(tensors, out / "model.safetensors")
@@ -183,6 +189,8 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
     if config.get("hidden_act", "silu") != "silu":
         raise unsupported(f"hidden_act is {config.get('hidden_act')!r}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise unsupported(f"rope settings {rope!r} are not a table")
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise unsupported(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is set")
     try:
@@ -200,8 +208,11 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             init_std=float(config.get("initializer_range", 0.02)),
         )
-    except (KeyError, TypeError, ValueError) as error:
+        resolve_model(model)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"'{where}' lacks a usable Llama field ({type(error).__name__}: {error})") from None
+    except ConfigError as error:
+        raise CheckpointError(f"'{where}' describes no valid Llama: {error}") from None
     if config.get("head_dim") not in (None, model.head_dim):
         raise unsupported(f"head_dim={config['head_dim']} differs from hidden_size/num_attention_heads")
     return model
@@ -230,6 +241,8 @@ def read_hf_weights(hf_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
     tensors = {}
     for file, wanted in by_file.items():
         path = hf_dir / file
+        if Path(file).name != file or not path.is_file():  # a FIFO or device would block or never end
+            raise CheckpointError(f"'{index}' names '{file}', which is not a regular file in '{hf_dir}'")
         try:
             with safe_open(path, framework="pt") as f:
                 present = set(f.keys())
@@ -248,9 +261,11 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     if not config_file.is_file():
         raise CheckpointError(f"'{config_file}' not found: '{hf_dir}' is not a Hugging Face model dir")
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except ValueError as error:
         raise CheckpointError(f"'{config_file}' is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"'{config_file}' is not a JSON object (found a {type(config).__name__})")
     model = model_config_from_hf(config, config_file)
     expected = expected_shapes(model)
     stored = [n for n in expected if not (model.tie_word_embeddings and n == "lm_head.weight")]
@@ -265,16 +280,20 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     if model.tie_word_embeddings:  # a trainer's state dict lists the tied head too: keep the keys the same
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     _empty_output(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
-    (tmp / "config.toml").write_text(toml_text({"model": vars(model)}))
-    copy_tokenizer(hf_dir, tmp / "tokenizer")
-    if out.exists():
-        out.rmdir()
-    os.rename(tmp, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # ours alone to remove
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
+        (tmp / "config.toml").write_text(toml_text({"model": vars(model)}))
+        copy_tokenizer(hf_dir, tmp / "tokenizer")
+        integrity.write(tmp, integrity.shard_checksums(tmp))
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return model
 
 
@@ -311,8 +330,8 @@ def _main(argv: list[str]) -> int:
     from_hf(args.hf_dir, args.ckpt_dir)
     tokenizer = args.ckpt_dir / "tokenizer"
     print(
-        f"imported {args.hf_dir} -> {args.ckpt_dir}; train with --checkpoint.init_from={args.ckpt_dir} "
-        f"and the [model] settings of {args.ckpt_dir / 'config.toml'}"
+        f"imported {args.hf_dir} -> {args.ckpt_dir} (standard parametrization); train with "
+        f"--checkpoint.init_from={args.ckpt_dir} and the [model] settings of {args.ckpt_dir / 'config.toml'}"
         + (f" (tokenizer: --data.tokenizer={tokenizer})" if tokenizer.is_dir() else "")
     )
     return 0

@@ -3,6 +3,10 @@ nccl on CUDA, gloo on CPU.
 
 A process group exists even for one plain process (`python -m nanotron.train`, no launcher): a world of
 one over an in-memory store, so every layout, dp=1 included, runs the same parallel code.
+
+Collective timeouts come from `[distributed]`: every group (the world and each mesh dimension's, which torch
+would otherwise create with its own default, 10 min on NCCL) waits up to `startup_timeout_minutes` until the
+first step is done (rank 0 tokenizing a small corpus, checkpoint loading, compilation), then `timeout_minutes`.
 """
 
 from __future__ import annotations
@@ -44,6 +48,23 @@ class ParallelContext:
     dp_rank: int
     tp_rank: int
     pp_rank: int
+    timeout: timedelta = timedelta(minutes=30)  # distributed.timeout_minutes, applied by end_startup()
+    in_startup: bool = True
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The world and every mesh dimension's group (the flattened dp one of HSDP included)."""
+        groups = [
+            dist.group.WORLD,
+            *(self.mesh.get_group(n) for n in self.mesh.mesh_dim_names),
+            self.mesh["dp"].get_group(),
+        ]
+        return list({id(group): group for group in groups}.values())
+
+    def end_startup(self) -> None:
+        """From now on collectives fail after distributed.timeout_minutes (called after each step; once it acts)."""
+        if self.in_startup:
+            set_timeout(self.groups(), self.timeout)
+            self.in_startup = False
 
     def any_rank(self, flags: list[torch.Tensor | bool]) -> list[bool]:
         """For each flag, whether it is true on any rank: one tiny all-reduce and one host sync for all."""
@@ -58,15 +79,16 @@ def init_distributed(cfg: Config) -> ParallelContext:
     device = pick_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    startup = timedelta(minutes=cfg.distributed.startup_timeout_minutes)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        options = {"timeout": timedelta(minutes=30), "device_id": device if backend == "nccl" else None}
+        options = {"timeout": startup, "device_id": device if backend == "nccl" else None}
         if "RANK" in os.environ:
             dist.init_process_group(backend, **options)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
     mesh = build_mesh(cfg, device.type)
-    return ParallelContext(
+    context = ParallelContext(
         mesh,
         device,
         dist.get_rank(),
@@ -74,7 +96,16 @@ def init_distributed(cfg: Config) -> ParallelContext:
         mesh["dp"].get_local_rank(),
         mesh["tp"].get_local_rank(),
         mesh["pp"].get_local_rank(),
+        timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
     )
+    set_timeout(context.groups(), startup)
+    return context
+
+
+def set_timeout(groups: list[dist.ProcessGroup], timeout: timedelta) -> None:
+    """The collective timeout of existing groups (torch's `_set_pg_timeout`: NCCL and gloo backends)."""
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def build_mesh(cfg: Config, device_type: str) -> DeviceMesh:

@@ -116,7 +116,12 @@ def _first_failure() -> int | None:
 
 def exit_process(code: int) -> None:
     """Ends the process now, after flushing: skips interpreter teardown, where gloo threads still holding
-    work can abort with `terminate called without an active exception` (exit -6 after a good run)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    work can abort with `terminate called without an active exception` (exit -6 after a good run), and where
+    multiprocessing would wait forever for DataLoader workers that ignore SIGTERM. Never raises: a console
+    that went away (a broken pipe) must not turn the exit into a teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - nothing is left to report to
+            pass
     os._exit(code)

@@ -11,13 +11,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 import torch
 
-from nanotron.checkpoint import find_checkpoint, read_model_weights
+from nanotron.checkpoint import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
+from nanotron.convert import expected_shapes
 from nanotron.errors import CheckpointError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.tokenizer import Tokenizer, load_tokenizer
@@ -25,9 +27,9 @@ from nanotron.tokenizer import Tokenizer, load_tokenizer
 
 def load_model(checkpoint: Path, device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, Path]:
     """The full model of a checkpoint in eval mode, and the step dir it came from."""
-    step_dir = find_checkpoint(checkpoint)
+    step_dir = verified_checkpoint(checkpoint)
     config = read_model_config(step_dir / "config.toml")
-    weights = read_model_weights(step_dir)
+    weights = read_model_weights(step_dir, expected_shapes(config))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device=device)
@@ -86,8 +88,8 @@ def generate(
 def check_sampling(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens: expected a positive integer, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UserError(f"--temperature: expected >= 0 (0 = greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UserError(f"--temperature: expected a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         raise UserError(f"--top_k: expected >= 0 (0 = off), got {args.top_k}")
     if not 0 < args.top_p <= 1:

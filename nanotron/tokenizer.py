@@ -35,40 +35,47 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, what: str = "data.tokenizer") -> Tokenizer:
     """Loads `tokenizer.json` (or a dir with one); EOS comes from tokenizer_config.json or a known name."""
     given = Path(path).expanduser()
     file = given / "tokenizer.json" if given.is_dir() else given
     if not file.is_file():
         raise DataError(
-            f"data.tokenizer: no tokenizer.json at '{path}'; point data.tokenizer at a tokenizer.json file "
+            f"{what}: no tokenizer.json at '{path}'; point {what} at a tokenizer.json file "
             f"or a dir holding one, or {PREPARE_HINT} and its tokenizer"
         )
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"data.tokenizer: '{file}' is not a tokenizer.json (not UTF-8 text: {e})") from None
     try:
         backend = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
-        raise DataError(f"data.tokenizer: '{file}' is not a valid tokenizer.json ({e})") from None
-    eos = _eos_token(file.parent, backend)
+        raise DataError(f"{what}: '{file}' is not a valid tokenizer.json ({e})") from None
+    eos = _eos_token(file.parent, backend, what)
     eos_id = backend.token_to_id(eos)
     vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
     fingerprint = hashlib.sha256(f"{text}\0{eos_id}".encode()).hexdigest()
     return Tokenizer(backend, eos_id, vocab_size, given, fingerprint)
 
 
-def _eos_token(folder: Path, backend: tokenizers.Tokenizer) -> str:
+def _eos_token(folder: Path, backend: tokenizers.Tokenizer, what: str) -> str:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         config = folder / name
-        token = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+        if not config.is_file():
+            continue
+        try:
+            settings = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DataError(f"data.tokenizer: '{config}' is not valid JSON ({e}); fix or remove it") from None
+        token = settings.get("eos_token") if isinstance(settings, dict) else None
         token = token.get("content") if isinstance(token, dict) else token
         if token and backend.token_to_id(token) is not None:
             return token
     for token in EOS_FALLBACKS:
         if backend.token_to_id(token) is not None:
             return token
-    raise DataError(
-        f"data.tokenizer: no EOS token found in '{folder}'; name one with \"eos_token\" in tokenizer_config.json"
-    )
+    raise DataError(f"{what}: no EOS token found in '{folder}'; name one with \"eos_token\" in tokenizer_config.json")
 
 
 def copy_tokenizer(source: Path, dest: Path) -> bool:

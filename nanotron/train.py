@@ -6,6 +6,8 @@ validate the config first and then start N local processes itself.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import traceback
 
 from nanotron.checkpoint import check_writable
@@ -15,6 +17,8 @@ from nanotron.distributed import destroy_distributed, launched_world_size
 from nanotron.errors import exit_process, run_command
 from nanotron.gpu import apply_env_defaults
 from nanotron.launch.local import pop_nproc, spawn_local
+from nanotron.lock import lock_run
+from nanotron.signals import stop_with_launcher
 from nanotron.trainer import Trainer
 
 
@@ -31,10 +35,14 @@ def _main(argv: list[str]) -> int:
     if nproc:
         prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
         return spawn_local(nproc, ["-m", "nanotron.train", *argv])
+    # One run per run dir: global rank 0 holds the lock for the run's lifetime (peers follow its fate).
+    owns_run_dir = int(os.environ.get("RANK", "0")) == 0
+    stop_with_launcher()
     try:
-        trainer = Trainer(cfg)
-        trainer.train()
-        trainer.close()
+        with lock_run([cfg.run_dir, cfg.checkpoint_dir]) if owns_run_dir else contextlib.nullcontext():
+            trainer = Trainer(cfg)
+            trainer.train()
+            trainer.close()
     except BaseException:
         if cfg.world_size > 1:  # fail fast: a peer stuck in a collective would never join the teardown
             raise
@@ -49,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    code = 1
     try:
         code = main()
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:
-        traceback.print_exc()
-        code = 1
-    exit_process(code)  # skip interpreter teardown: see errors.exit_process
+        with contextlib.suppress(Exception):  # e.g. stderr is a broken pipe
+            traceback.print_exc()
+    finally:
+        exit_process(code)  # whatever happened: skip interpreter teardown (see errors.exit_process)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -18,7 +17,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from nanotron.activations import ActivationStats
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
+from nanotron.checkpoint.compat import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, prepare_data
 from nanotron.distributed import ParallelContext, init_distributed
@@ -39,6 +40,7 @@ from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
 from nanotron.parallel.fsdp import prepare_backward
 from nanotron.parallel.pipeline import build_schedule, forward_only
+from nanotron.signals import StopRequest
 from nanotron.tokenizer import copy_tokenizer
 
 
@@ -57,16 +59,17 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
-            setattr(self, f.name, int(state.get(f.name, 0)))
+            value = state.get(f.name, 0)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{f.name}: expected a non-negative integer, got {value!r}")
+            setattr(self, f.name, value)
 
 
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         # Trapped from the start, so a stop signal during set-up still stops cleanly at the first step boundary.
-        self.stop_requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self.request_stop)
+        self.stop = StopRequest()
         self.ctx: ParallelContext = init_distributed(cfg)
         set_matmul_precision(cfg, self.ctx.device)
         p = cfg.parallelism
@@ -79,6 +82,10 @@ class Trainer:
                 print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)
         # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
         self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
+        if self.source is not None and not self.source[1]:  # a resume: refuse what it cannot honour, list the rest
+            note = check_resume(cfg, self.source[0])
+            if note and self.ctx.rank == 0:
+                print(note, flush=True)
         started = time.perf_counter()
         self.stages = build_model(cfg, self.ctx, initialize=self.source is None)
         self.build_seconds = time.perf_counter() - started
@@ -90,11 +97,14 @@ class Trainer:
             build_schedule(self.stages, cfg, self.ctx.mesh, self.ctx.device, self.loss_fn) if p.pp > 1 else None
         )
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
-        self.optimizers = [build_optimizer(module, cfg.optimizer, self.ctx.device) for module in self.modules]
+        self.optimizers = [
+            build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
+        ]
         self.state = TrainState()
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/tp rank logs.
         self.is_logging_rank = self.has_last and self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
+        self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir,
             cfg.checkpoint,
@@ -189,7 +199,7 @@ class Trainer:
         pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
         grad_norm = clip_grad_norm(self.params, t.clip_grad, pp_group)
         bad_loss = False if loss is None else ~torch.isfinite(loss)
-        stop, non_finite = self.ctx.any_rank([self.stop_requested, bad_loss | ~torch.isfinite(grad_norm)])
+        stop, non_finite = self.ctx.any_rank([self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)])
         if non_finite:
             self.skip_step(loss, grad_norm)
         else:
@@ -227,9 +237,6 @@ class Trainer:
         return self.dp_mean(torch.stack(losses).mean()) if self.has_last else None
 
     # ---- the loop -------------------------------------------------------------------------------
-
-    def request_stop(self, signum: int, frame: object) -> None:
-        self.stop_requested = True
 
     def log_eval(self) -> None:
         eval_loss = self.evaluate()
@@ -282,9 +289,13 @@ class Trainer:
             cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
         )
         while self.state.step < t.steps and not stop:
-            loss, grad_norm, stop = self.train_step()
+            with self.activation_stats.step(self.state.step + 1):
+                loss, grad_norm, stop = self.train_step()
+            self.ctx.end_startup()  # the first step is done: collectives get distributed.timeout_minutes
             profiler.step()
             self.state.step += 1
+            if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
+                self.metrics.log({"step": self.state.step} | activations)
             self.state.consumed_samples += t.global_batch_size
             self.state.consumed_tokens += tokens_per_step
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
@@ -319,6 +330,7 @@ class Trainer:
     def close(self) -> None:
         self.checkpoints.close()
         self.metrics.close()
+        self.stop.close()
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:

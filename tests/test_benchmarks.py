@@ -90,3 +90,44 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
+
+
+@pytest.mark.slow
+def test_data_quick_measures_every_target_of_issue_10(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.data", tmp_path, work_dir)
+    rows = {r["measurement"]: r for r in read_csv(tmp_path / "data.csv")}
+    for name in ("nanotron tokenize --workers 1", "nanotron tokenize --workers 2", "loader start-up, 1e9 samples"):
+        assert rows[name]["met"] in ("yes", "NO") and rows[name]["target"], rows[name]
+    assert float(rows["nanotron tokenize --workers 1"]["value"].split("M")[0]) > 0
+    assert rows["loader extra RSS, 1e9 samples"]["value"].endswith(" MB")
+    assert len([name for name in rows if name.startswith("blend ")]) == 3
+    assert stdout.startswith("| measurement | value |")
+
+
+@pytest.mark.slow
+def test_coord_check_quick_writes_spreads_values_and_figures(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.coord_check", tmp_path, work_dir)
+    rows = read_csv(tmp_path / "coord_check.csv")
+    variants = {(r["sweep"], r["parametrization"]) for r in rows}
+    assert variants == {(s, p) for s in ("width", "depth") for p in ("standard", "mup")} | {("depth", "mup-alpha0.5")}
+    assert "| activation | width standard | width µP | depth standard | depth µP |" in (
+        summary := (tmp_path / "coord_check.md").read_text()
+    )
+    assert "| residual @1/2 |" in summary and "| worst compared (target: ≤ 2 under µP) |" in summary
+    if importlib.util.find_spec("matplotlib"):
+        assert all((tmp_path / f"scale-across-{s}.png").stat().st_size > 0 for s in ("width", "depth"))
+    else:
+        assert "no plot written" in stdout
+
+
+@pytest.mark.slow
+def test_mup_transfer_quick_writes_runs_best_lrs_and_figures(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.mup_transfer", tmp_path, work_dir)
+    rows = read_csv(tmp_path / "mup_transfer.csv")
+    assert len(rows) == 2 * 3 * 3 + 2 * 2  # parametrizations x (2 widths + 1 depth) x 3 lrs, + 1 more seed per width
+    summary = (tmp_path / "mup_transfer.md").read_text()
+    assert "| sweep | size | standard best log2 lr (fit; grid) |" in summary and "at the base's best lr" in summary
+    if importlib.util.find_spec("matplotlib"):
+        assert all((tmp_path / f).stat().st_size > 0 for f in ("lr-transfer.png", "wider-is-better.png"))
+    else:
+        assert "no plot written" in stdout

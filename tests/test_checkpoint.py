@@ -10,14 +10,21 @@ import pickle
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, read_metrics, run_train, train_env, train_losses
+from conftest import (
+    TINY_MODEL,
+    child_pids,
+    popen_train,
+    read_metrics,
+    run_train,
+    shapes_of,
+    train_losses,
+    wait_for_training,
+)
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from nanotron.checkpoint import (
@@ -150,33 +157,12 @@ def test_resume_at_another_layout_continues_within_1e5(tiny_data, tmp_path):
     assert (first["step"], first["consumed_samples"]) == (5, 40)  # the data continues at global sample 32
 
 
-def _popen(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "nanotron.train", *args],
-        cwd=REPO,
-        env=train_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _wait_for_training(proc: subprocess.Popen) -> list[str]:
-    """Reads output until the first step line: the trainer is past start-up and its signal handlers."""
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step "):
-            return lines
-    raise AssertionError("training never started:\n" + "".join(lines))
-
-
 def _kill_mid_save(args: list[str], folder: Path, tries: int = 5) -> list[str]:
     """Kills runs as soon as a step-N.tmp appears until a kill leaves one behind (a save cut short);
     returns the .tmp dirs of that kill. A save can finish between seeing its .tmp and the kill: try again."""
     for _ in range(tries):
-        proc = _popen(args)
-        _wait_for_training(proc)
+        proc = popen_train(args)
+        wait_for_training(proc)
         deadline = time.monotonic() + 30
         while not list(folder.glob("step-*.tmp")) and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -200,8 +186,8 @@ def test_killed_at_random_moments_then_resumed_ends_like_an_uninterrupted_run(ti
         if how == "mid-save":
             events.append((attempt, how, _kill_mid_save(args, folder)))  # fails unless a kill cut a save
         else:
-            proc = _popen(args)
-            _wait_for_training(proc)
+            proc = popen_train(args)
+            wait_for_training(proc)
             if how == "sigterm":
                 proc.send_signal(signal.SIGTERM)
             else:
@@ -216,7 +202,7 @@ def test_killed_at_random_moments_then_resumed_ends_like_an_uninterrupted_run(ti
                 assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill: {events}"
         # What `auto` would pick next is complete and loads.
         latest = latest_checkpoint(folder)
-        assert latest is not None and read_model_weights(latest)
+        assert latest is not None and read_model_weights(latest, shapes_of(latest))
     run_train(args)
     logged = losses_by_step(tmp_path / "killed")
     assert sorted(logged) == list(range(1, STEPS + 1)), events
@@ -224,17 +210,6 @@ def test_killed_at_random_moments_then_resumed_ends_like_an_uninterrupted_run(ti
         assert set(losses) == {reference[step - 1]}, (step, losses, events)
     assert [p.name for p in committed_steps(folder)] == [f"step-{STEPS - 1}", f"step-{STEPS}"]
     assert not list(folder.glob("step-*.tmp")) and not list(folder.glob("step-*.deleting"))
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            pass
-    return out
 
 
 @pytest.mark.slow
@@ -248,9 +223,9 @@ def test_sigusr1_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tiny_
         "--parallelism.dp=2",
         "--nproc_per_node=2",
     ]
-    proc = _popen(args)
-    _wait_for_training(proc)
-    workers = _children(proc.pid)
+    proc = popen_train(args)
+    wait_for_training(proc)
+    workers = child_pids(proc.pid)
     assert len(workers) == 2, workers
     os.kill(max(workers), signal.SIGUSR1)
     output = proc.communicate(timeout=120)[0]
@@ -292,10 +267,10 @@ def test_corrupt_files_are_errors_naming_them(tmp_path, saved_run):
     data[: len(data) // 2] = bytes(len(data) // 2)  # same size, garbage content
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"'{shard}' is corrupt"):
-        read_model_weights(step)
+        read_model_weights(step, shapes_of(step))
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"'{shard}' is missing"):
-        read_model_weights(step)
+        read_model_weights(step, shapes_of(step))
 
 
 class _Exploit:

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import REPO, train_env
 
-from nanotron.config import PRESETS, load_config, parse_overrides, to_toml
+from nanotron.config import PRESETS, DatasetConfig, load_config, parse_overrides, to_toml
 from nanotron.errors import ConfigError
 from nanotron.train import main
 
@@ -101,7 +101,7 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"error: checkpoint.dir: cannot write to '{blocker}/ckpt'")
 
 
-def test_hub_dataset_offline_fails_fast_with_a_clear_line(tmp_path, tiny_data, capsys, monkeypatch):
+def test_a_hub_dataset_is_one_line_naming_nanotron_tokenize(tmp_path, tiny_data, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     assert (
@@ -117,9 +117,10 @@ def test_hub_dataset_offline_fails_fast_with_a_clear_line(tmp_path, tiny_data, c
         == 2
     )
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "stas/openwebtext-10k" in err[0] and "offline" in err[0].lower()
+    assert len(err) == 1 and "stas/openwebtext-10k" in err[0] and "`nanotron tokenize stas/openwebtext-10k" in err[0]
 
 
+@pytest.mark.slow
 def test_the_documented_typo_command_exits_2_with_a_suggestion():
     """The literal command from the foundation issue, as a user types it."""
     proc = subprocess.run(
@@ -189,3 +190,98 @@ def test_nanotrons_config_file_spelling_is_accepted_and_yaml_gets_a_hint(tmp_pat
     assert main(["--config-file", str(yaml)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --config: '{yaml}' is YAML; nanotron configs are TOML") and err.count("\n") == 1
+
+
+def test_datasets_tables_parse_round_trip_and_have_a_command_line_form(tmp_path):
+    file = tmp_path / "blend.toml"
+    file.write_text(
+        '[data]\n[[data.datasets]]\npath = "a"\nweight = 0.7\n[[data.datasets]]\npath = "b"\nweight = 0.3\n'
+    )
+    cfg = load_config(str(file))
+    assert [(d.path, d.weight) for d in cfg.data.datasets] == [("a", 0.7), ("b", 0.3)]
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert load_config(str(again)).data.datasets == cfg.data.datasets
+    assert load_config(None, [("data.datasets", "x:2,y")]).data.datasets == [
+        DatasetConfig("x", 2.0),
+        DatasetConfig("y"),
+    ]
+    assert load_config(str(file), [("data.datasets", "")]).data.datasets == []  # back to data.path
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ('pth = "a"', "unknown key 'pth' in data.datasets[1]; did you mean 'path'?"),
+        ('path = "a"\nweight = -1', "data.datasets[1].weight: expected a number > 0"),
+        ('path = "a"\nweight = 0', "data.datasets[1].weight: expected a number > 0"),
+        ("weight = 2", "data.datasets[1]: missing path; each [[data.datasets]] table needs path"),
+        ('path = "a"\nweight = "x"', "data.datasets[1].weight: expected float, got 'x'"),
+    ],
+)
+def test_a_bad_datasets_entry_is_one_line_naming_it(tmp_path, capsys, table, message):
+    file = tmp_path / "blend.toml"
+    file.write_text(f'[data]\n[[data.datasets]]\npath = "ok"\n[[data.datasets]]\n{table}\n')
+    assert main(["--config", str(file)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+
+
+def test_distributed_timeouts_are_keys_with_bounds():
+    cfg = load_config(None, [("distributed.timeout_minutes", "3"), ("distributed.startup_timeout_minutes", "7.5")])
+    assert (cfg.distributed.timeout_minutes, cfg.distributed.startup_timeout_minutes) == (3.0, 7.5)
+    assert "[distributed]\ntimeout_minutes = 3.0\nstartup_timeout_minutes = 7.5" in to_toml(cfg)
+    for key in ("timeout_minutes", "startup_timeout_minutes"):
+        with pytest.raises(ConfigError, match=rf"distributed.{key}: expected a value >= 0.1, got 0.0"):
+            load_config(None, [(f"distributed.{key}", "0")])
+
+
+def _timeouts_of_every_group(rank: int, port: int, out: str) -> None:
+    """One rank of a dp=2 world: the startup timeout on every group from init, the steady one after end_startup."""
+    import json
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from nanotron.distributed import init_distributed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    seen = {}
+    init = dist.init_process_group
+    dist.init_process_group = lambda *args, **kwargs: seen.update(kwargs) or init(*args, **kwargs)
+    cfg = load_config(None, [("parallelism.dp", "2"), ("distributed.timeout_minutes", "3")])
+    cfg.distributed.startup_timeout_minutes = 7
+    ctx = init_distributed(cfg)
+    minutes = lambda: [
+        g._get_backend(torch.device("cpu")).options._timeout / timedelta(minutes=1) for g in ctx.groups()
+    ]  # noqa: E731
+    startup = minutes()
+    ctx.end_startup()
+    json.dump({"init": seen["timeout"] / timedelta(minutes=1), "startup": startup, "after": minutes()}, open(out, "w"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_timeouts_reach_init_process_group_and_every_mesh_group(tmp_path):
+    import json
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    procs = [
+        context.Process(target=_timeouts_of_every_group, args=(r, port, str(tmp_path / f"{r}.json"))) for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert seen["init"] == 7.0 and len(seen["startup"]) >= 2  # the world, and the tp/pp groups torch made itself
+        assert seen["startup"] == [7.0] * len(seen["startup"]) and seen["after"] == [3.0] * len(seen["startup"])

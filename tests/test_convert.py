@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from conftest import TINY_MODEL, run_train, train_losses
 from safetensors.torch import load_file
@@ -17,13 +18,16 @@ from safetensors.torch import load_file
 from nanotron import convert, generate
 from nanotron.checkpoint import read_metadata
 from nanotron.checkpoint.manager import check_model_shapes
-from nanotron.config import load_config, parse_overrides
-from nanotron.data import build_train_loader, load_corpus
+from nanotron.config import load_config, parse_overrides, toml_text
+from nanotron.data import build_train_loader, prepare_data
 from nanotron.errors import CheckpointError
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.parametrization import multipliers
+from nanotron.parallel.init import init_weights
 from nanotron.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a trained checkpoint, transformers models, subprocesses
 
 
 def hf_model(tied: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -88,16 +92,64 @@ def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
         assert torch.equal(exported(tokens).logits, original(tokens).logits)
 
 
+# µP shapes of TINY_MODEL (hidden 32, 4 layers, head dim 8): every multiplier differs from 1 but where noted.
+MUP_EXPORTS = {
+    "untied": (False, ["--model.mup_base_width=16", "--model.mup_base_depth=2"]),
+    "tied-logit-multiplier": (True, ["--model.mup_base_width=16", "--model.mup_base_depth=2"]),
+    # The base width is the model's (logit multiplier 1): the head stays tied; attention and branches still fold.
+    "tied-base-width": (True, ["--model.mup_base_depth=1", "--model.mup_base_head_dim=2"]),
+}
+
+
+def mup_checkpoint(folder: Path, tied: bool, overrides: list[str]) -> Path:
+    """A step dir of a randomly initialised µP model: DCP weights and its config.toml."""
+    args = [*TINY_MODEL, "--model.parametrization=mup", f"--model.tie_word_embeddings={str(tied).lower()}"]
+    cfg = load_config(*parse_overrides([*args, *overrides]))
+    model = LlamaForCausalLM(cfg.model)
+    init_weights(model, seed=0)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    (folder / "config.toml").write_text(toml_text({"model": vars(cfg.model)}))
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("case", MUP_EXPORTS, ids=MUP_EXPORTS.keys())
+def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(case, tiny_data, tmp_path):
+    tied, overrides = MUP_EXPORTS[case]
+    step_dir = mup_checkpoint(tmp_path / "mup", tied, overrides)
+    ours, _ = generate.load_model(step_dir)
+    mult = multipliers(ours.config)
+    assert (
+        mult.attention_scale is not None
+        and mult.residual != 1.0
+        and (mult.logits != 1.0) == (case != "tied-base-width")
+    )
+    hf_dir = tmp_path / "hf"
+    assert convert.main(["to-hf", str(step_dir), str(hf_dir), "--tokenizer", str(tiny_data.tokenizer)]) == 0
+    untied = not tied or mult.logits != 1.0
+    assert json.loads((hf_dir / "config.json").read_text())["tie_word_embeddings"] == (not untied)
+    assert ("lm_head.weight" in hf_tensors(hf_dir)) == untied
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        expected = ours(tokens)
+        assert (hf(tokens).logits - expected).abs().max().item() <= 1e-5
+    # Imported back, it is a standard-parametrization model computing the same function.
+    assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "back")]) == 0
+    back, _ = generate.load_model(tmp_path / "back")
+    assert back.config.parametrization == "standard" and back.config.tie_word_embeddings == (not untied)
+    with torch.no_grad():
+        assert (back(tokens) - expected).abs().max().item() <= 1e-5
+
+
 def first_global_batch(tiny_data, args: list[str]) -> torch.Tensor:
     """The samples of step 1 as the trainer sees them (same config, same sample order)."""
     cfg = load_config(*parse_overrides(args))
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    corpus = load_corpus(cfg.data, tokenizer, seq_len=cfg.training.seq_len, seed=cfg.job.seed)
+    corpus = prepare_data(cfg)
     loader = iter(build_train_loader(corpus, cfg.training, seed=cfg.job.seed, dp=1, dp_rank=0))
     return torch.cat([next(loader) for _ in range(cfg.training.grad_accum_steps)])
 
 
-@pytest.mark.slow
 def test_init_from_an_import_at_tp2_starts_from_the_hf_weights(tiny_data, tmp_path):
     model = hf_model(seed=1)
     model.save_pretrained(tmp_path / "source")

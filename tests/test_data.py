@@ -1,26 +1,25 @@
-"""Data pipeline: tokenizer, cached corpus, validation split, dp-independent sample order, exact resume."""
+"""Data pipeline: tokenized dirs read by memmap, validation split, keyed shuffle, blend, dp-independent step
+samples, exact resume, fixed eval batches, and one-line errors for damaged or oversized data."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
 import random
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from nanotron.config import DataConfig, TrainingConfig
-from nanotron.data import (
-    StepSampler,
-    build_train_loader,
-    eval_batches,
-    load_corpus,
-)
+from nanotron.config import TrainingConfig, load_config
+from nanotron.data import TrainSamples, build_train_loader, eval_batches, prepare_data
+from nanotron.data.order import Blend, Permutation
 from nanotron.errors import DataError
 from nanotron.prepare import EOS_TOKEN, train_tokenizer
+from nanotron.tokenize.encode import Encoder
+from nanotron.tokenize.sources import resolve_sources
+from nanotron.tokenize.writer import tokenize
 from nanotron.tokenizer import load_tokenizer
 
 SEQ_LEN = 16
@@ -29,17 +28,23 @@ WORDS = ["thou", "art", "the", "king", "of", "all", "my", "love", "and", "hate",
 WORDS += ["sword", "crown", "heaven", "earth", "sweet", "prince", "good", "lord", "madam", "speak", "hear", "tis"]
 
 
-def make_documents(num_docs: int, seed: int = 0) -> list[str]:
-    """Each document starts with a unique header, so a decoded chunk tells which document it was."""
+def make_documents(num_docs: int, seed: int = 0, title: str = "DOCUMENT") -> list[str]:
+    """Each document starts with a unique header, so a decoded chunk tells which document it was. Some paragraphs
+    are indented, as verse is: the tokenizer then learns a token for a blank line, which a careless split at
+    paragraph breaks would produce where the whole document has none."""
     rng = random.Random(seed)
     docs = []
     for i in range(num_docs):
-        paragraphs = [" ".join(rng.choices(WORDS, k=rng.randint(6, 16))) for _ in range(rng.randint(3, 7))]
-        docs.append(f"DOCUMENT {i}.\n\n" + "\n\n".join(paragraphs) + "\n")
+        paragraphs = [
+            rng.choice(["", "  "]) + " ".join(rng.choices(WORDS, k=rng.randint(6, 16)))
+            for _ in range(rng.randint(3, 7))
+        ]
+        docs.append(f"{title} {i}.\n\n" + "\n\n".join(paragraphs) + "\n")
     return docs
 
 
 def write_jsonl(path: Path, docs: list[str], column: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({column: d}) + "\n" for d in docs))
     return path
 
@@ -63,18 +68,13 @@ def documents_of(tokens: np.ndarray, tok) -> list[str]:
     return [tok.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)]
 
 
+def whole(stream) -> np.ndarray:
+    return stream.read(0, stream.total) if stream.total else np.zeros(0, np.int64)
+
+
 def take(loader, n: int) -> list[torch.Tensor]:
     it = iter(loader)
     return [next(it) for _ in range(n)]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def offline_hub(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +82,9 @@ def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("data")
     docs = make_documents(NUM_DOCS)
     write_jsonl(root / "corpus.jsonl", docs)
+    write_jsonl(root / "other.jsonl", make_documents(NUM_DOCS // 2, seed=9, title="OTHER"))
     train_tokenizer(docs, root / "tokenizer", vocab_size=300)
     return root
-
-
-def data_config(root: Path, **overrides) -> DataConfig:
-    options = {"path": str(root / "corpus.jsonl"), "tokenizer": str(root / "tokenizer"), "validation_split": 0.1}
-    return DataConfig(**{**options, "cache_dir": str(root / "cache"), **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +92,26 @@ def tok(workspace):
     return load_tokenizer(str(workspace / "tokenizer"))
 
 
+def tokenized(workspace: Path, tok, name: str = "corpus.jsonl", **options) -> Path:
+    """A tokenized dir of a corpus file, with small shards (samples cross shard boundaries)."""
+    options = {"validation_split": 0.1, "shard_tokens": 700, "progress": False, **options}
+    out = workspace / "tokenized" / f"{name}-{'-'.join(f'{k}{v}' for k, v in sorted(options.items()))}"
+    tokenize(resolve_sources([str(workspace / name)]), tok, out, **options)
+    return out
+
+
+def config(workspace: Path, path: Path | str, *overrides: str, **data):
+    pairs = [("data.path", str(path)), ("data.tokenizer", str(workspace / "tokenizer"))]
+    pairs += [("data.cache_dir", str(workspace / "cache")), ("model.vocab_size", "300")]
+    pairs += [("training.seq_len", str(SEQ_LEN)), ("training.micro_batch_size", "2"), ("training.eval_steps", "2")]
+    pairs += [("training.global_batch_size", "8"), ("training.grad_accum_steps", "0")]
+    pairs += [(f"data.{k}", str(v)) for k, v in data.items()]
+    return load_config(None, pairs + [tuple(o.split("=", 1)) for o in overrides])
+
+
 @pytest.fixture(scope="module")
 def corpus(workspace, tok):
-    return load_corpus(data_config(workspace), tok, seq_len=SEQ_LEN, seed=0)
+    return prepare_data(config(workspace, tokenized(workspace, tok)))
 
 
 def test_tokenizer_round_trips_and_knows_its_eos(tok, workspace):
@@ -113,51 +126,59 @@ def test_tokenizer_round_trips_and_knows_its_eos(tok, workspace):
     assert hf.encode(text, add_special_tokens=False) == ids
 
 
-def test_corpus_is_every_document_followed_by_eos(workspace, tok):
-    corpus = load_corpus(data_config(workspace, validation_split=0.0), tok, seq_len=SEQ_LEN, seed=0)
-    assert documents_of(corpus.train, tok) == make_documents(NUM_DOCS)
-    assert len(corpus.val) == 0 and corpus.num_val_samples == 0
-    assert corpus.train.dtype == np.uint16
-    assert corpus.num_train_samples == (len(corpus.train) - 1) // SEQ_LEN
+def test_every_document_is_encoded_whole_then_eos_across_shards(workspace, tok):
+    directory = tokenized(workspace, tok, validation_split=0.0)
+    corpus = prepare_data(config(workspace, directory, "training.eval_interval=0"))
+    train = corpus.datasets[0].train
+    assert len(train.files) > 3 and train.dtype == np.uint16
+    tokens = whole(train)
+    assert documents_of(tokens, tok) == make_documents(NUM_DOCS)
+    # the paragraph pieces the tokenizer sees (the fast path, on for byte-level BPE) encode as whole documents do
+    assert Encoder(tok.backend.to_str(), tok.eos_id, "<u2").split
+    expected = [i for doc in make_documents(NUM_DOCS) for i in [*tok.encode(doc), tok.eos_id]]
+    assert tokens.tolist() == expected
+    assert corpus.num_train_samples == (len(tokens) - 1) // SEQ_LEN and corpus.num_val_samples == 0
 
 
 def test_validation_documents_never_appear_in_train(workspace, tok, corpus):
-    train_docs, val_docs = documents_of(corpus.train, tok), documents_of(corpus.val, tok)
-    assert len(val_docs) == round(0.1 * NUM_DOCS)
+    dataset = corpus.datasets[0]
+    train_docs, val_docs = documents_of(whole(dataset.train), tok), documents_of(whole(dataset.val), tok)
+    assert len(val_docs) == round(0.1 * NUM_DOCS)  # exactly the fraction: one per stratum of 10 documents
     assert set(train_docs).isdisjoint(val_docs)
     assert sorted(train_docs + val_docs) == sorted(make_documents(NUM_DOCS))
-    other_seed = load_corpus(data_config(workspace), tok, seq_len=SEQ_LEN, seed=1)
-    assert set(documents_of(other_seed.val, tok)) != set(val_docs)
-
-
-def test_single_document_holds_out_the_tail_of_its_tokens(tmp_path, tok, workspace):
-    doc = make_documents(1)[0] * 20
-    data = data_config(workspace, path=str(write_jsonl(tmp_path / "one.jsonl", [doc])), validation_split=0.25)
-    data.cache_dir = str(tmp_path / "cache")
-    corpus = load_corpus(data, tok, seq_len=SEQ_LEN, seed=0)
-    whole = tok.encode(doc) + [tok.eos_id]
-    assert len(corpus.val) == round(0.25 * len(whole))
-    assert np.concatenate([corpus.train, corpus.val]).tolist() == whole
+    other_seed = prepare_data(config(workspace, tokenized(workspace, tok, seed=1))).datasets[0]
+    assert set(documents_of(whole(other_seed.val), tok)) != set(val_docs)
 
 
 def test_text_folder_is_one_document_per_file(tmp_path, tok, workspace):
     docs = make_documents(3)
     for i, doc in enumerate(docs):
         (tmp_path / f"play{i}.txt").write_text(doc)
-    data = data_config(workspace, path=str(tmp_path), validation_split=0.0, cache_dir=str(tmp_path / ".cache"))
-    assert documents_of(load_corpus(data, tok, seq_len=SEQ_LEN, seed=0).train, tok) == docs
+    tokenize(resolve_sources([str(tmp_path)]), tok, tmp_path / "out", validation_split=0.0, progress=False)
+    corpus = prepare_data(config(workspace, tmp_path / "out", "training.eval_interval=0", "training.seq_len=4"))
+    assert documents_of(whole(corpus.datasets[0].train), tok) == docs
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 100, 1000, 4097])
+def test_the_keyed_shuffle_is_a_permutation_and_depends_on_the_key(n):
+    orders = [[Permutation(n, key)(i) for i in range(n)] for key in (0, 1, 2)]
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    if n >= 16:  # (a handful of samples has few orders to choose from)
+        assert orders[0] != orders[1] != orders[2] and list(range(n)) not in orders
+    with pytest.raises(IndexError):
+        Permutation(n, 0)(n)
 
 
 def test_microbatches_are_packed_samples_and_an_epoch_visits_each_once(corpus):
     train = training(mbs=2, accum=4)
-    sampler = StepSampler(corpus.num_train_samples, train, seed=0, dp=1, dp_rank=0)
+    samples, stream = TrainSamples(corpus, seed=0), corpus.datasets[0].train
     n = corpus.num_train_samples
     for g, row in enumerate(torch.cat(take(build_train_loader(corpus, train, seed=0, dp=1, dp_rank=0), 6))):
-        i = sampler.sample(g)
-        assert row.dtype == torch.int64 and row.tolist() == corpus.train[i * SEQ_LEN : (i + 1) * SEQ_LEN + 1].tolist()
-    first_epoch = [sampler.sample(g) for g in range(n)]
+        _, i = samples.locate(g)
+        assert row.dtype == torch.int64 and row.tolist() == whole(stream)[i * SEQ_LEN : (i + 1) * SEQ_LEN + 1].tolist()
+    first_epoch = [samples.locate(g)[1] for g in range(n)]
     assert sorted(first_epoch) == list(range(n))
-    assert [sampler.sample(g) for g in range(n, 2 * n)] != first_epoch
+    assert [samples.locate(g)[1] for g in range(n, 2 * n)] != first_epoch
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -171,8 +192,6 @@ def test_step_samples_do_not_depend_on_dp(corpus, dp):
     ]
     for step in range(steps):
         expected = reference[step * global_batch : (step + 1) * global_batch]
-        got = torch.cat([mb for rank in per_rank for mb in rank[step * accum : (step + 1) * accum]])
-        assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected.tolist()))
         # microbatch m of rank d holds global samples step*G + m*mbs*dp + d*mbs + [0, mbs)
         by_micro_then_rank = [rank[step * accum + m] for m in range(accum) for rank in per_rank]
         assert torch.equal(torch.cat(by_micro_then_rank), expected)
@@ -203,40 +222,108 @@ def test_eval_batches_are_fixed_and_split_over_dp(corpus):
     dp1 = list(eval_batches(corpus, training(2, 4, 1), dp=1, dp_rank=0))
     assert len(dp1) == 2 * 4 and all(mb.shape == (2, SEQ_LEN + 1) for mb in dp1)
     assert all(torch.equal(a, b) for a, b in zip(dp1, eval_batches(corpus, training(2, 4, 1), dp=1, dp_rank=0)))
-    assert dp1[0][1].tolist() == corpus.val[SEQ_LEN : 2 * SEQ_LEN + 1].tolist()  # in order, no shuffle
+    val = whole(corpus.datasets[0].val)
+    assert dp1[0][1].tolist() == val[SEQ_LEN : 2 * SEQ_LEN + 1].tolist()  # in order, no shuffle
     ranks = [list(eval_batches(corpus, training(2, 2, 2), dp=2, dp_rank=r)) for r in range(2)]
     interleaved = [mb for step in range(2 * 2) for rank in ranks for mb in rank[step : step + 1]]
     assert torch.equal(torch.cat(interleaved), torch.cat(dp1))
 
 
-def test_cache_is_reused_then_rebuilt_when_the_tokenizer_changes(tmp_path, workspace):
-    data = data_config(workspace, cache_dir=str(tmp_path / "cache"), tokenizer=str(tmp_path / "tokenizer"))
-    train_tokenizer(make_documents(NUM_DOCS), tmp_path / "tokenizer", vocab_size=300)
-    first = load_corpus(data, load_tokenizer(data.tokenizer), seq_len=SEQ_LEN, seed=0)
-    [cache] = (tmp_path / "cache").iterdir()
-    stamp = (cache / "train.bin").stat().st_mtime_ns
-    again = load_corpus(data, load_tokenizer(data.tokenizer), seq_len=SEQ_LEN, seed=0)
-    assert (cache / "train.bin").stat().st_mtime_ns == stamp and np.array_equal(first.train, again.train)
+@pytest.mark.parametrize("weights", [[1.0], [0.5, 0.5], [0.7, 0.2, 0.1], [3, 1, 1, 1, 2], [0.01, 0.99]])
+def test_the_blend_gives_each_dataset_its_weight_and_consecutive_indices(weights):
+    blend, n = Blend(weights), 10_000
+    located = [blend.locate(g) for g in range(n)]
+    counts = [sum(1 for d, _ in located if d == dataset) for dataset in range(len(weights))]
+    assert counts == blend.counts(n)
+    for dataset, count in enumerate(counts):
+        assert abs(count - n * weights[dataset] / sum(weights)) <= 2  # within log2(datasets) samples, far under 1%
+        assert [j for d, j in located if d == dataset] == list(range(count))  # each dataset read in its own order
+
+
+def test_a_blended_corpus_draws_each_dataset_by_weight_and_shuffles_each_alone(workspace, tok, tmp_path):
+    first, second = tokenized(workspace, tok), tokenized(workspace, tok, "other.jsonl")
+    cfg = config(workspace, "", f"data.datasets={first}:3,{second}:1")
+    corpus = prepare_data(cfg)
+    samples = TrainSamples(corpus, seed=0)
+    sizes = [d.train.num_samples(SEQ_LEN) for d in corpus.datasets]
+    total = 8 * sizes[1] + 8  # two epochs and more of the small dataset, a quarter of the samples
+    rows = take(build_train_loader(corpus, cfg.training, seed=0, dp=1, dp_rank=0), total // 2)
+    streams, seen = [whole(d.train) for d in corpus.datasets], [[], []]
+    for g, row in enumerate(torch.cat(rows)):
+        dataset, index = samples.locate(g)
+        seen[dataset].append(index)
+        assert row.tolist() == streams[dataset][index * SEQ_LEN : (index + 1) * SEQ_LEN + 1].tolist()
+    assert [len(s) for s in seen] == [total * 3 // 4, total // 4]
+    assert sorted(seen[1][: sizes[1]]) == list(range(sizes[1]))  # the small dataset's epochs: every sample once
+    assert sorted(seen[1][sizes[1] : 2 * sizes[1]]) == list(range(sizes[1])) != seen[1][sizes[1] : 2 * sizes[1]]
+
+
+def test_a_cut_missing_or_odd_shard_is_one_error_naming_the_file(workspace, tok, tmp_path):
+    directory = tokenized(workspace, tok, seed=5)
+    shard = directory / "train-00001.bin"
+    good = shard.read_bytes()
+    for damage in ("half", "odd", "missing"):
+        if damage == "missing":
+            shard.unlink()
+        else:
+            shard.write_bytes(good[: len(good) // 4 * 2] if damage == "half" else good + b"\0")
+        with pytest.raises(DataError) as info:
+            prepare_data(config(workspace, directory))
+        message = str(info.value)
+        assert message.startswith(f"data.path: token file '{shard}'") and "re-run `nanotron tokenize`" in message
+        assert ("not a whole number of 2-byte tokens" in message) == (damage == "odd")
+        shard.write_bytes(good)
+    assert prepare_data(config(workspace, directory)).num_train_samples > 0
+
+
+def test_a_tokenized_dir_of_another_tokenizer_is_refused(workspace, tok, tmp_path):
     train_tokenizer(make_documents(NUM_DOCS), tmp_path / "tokenizer", vocab_size=280)
-    rebuilt = load_corpus(data, load_tokenizer(data.tokenizer), seq_len=SEQ_LEN, seed=0)
+    with pytest.raises(DataError, match="was tokenized with another tokenizer"):
+        prepare_data(config(workspace, tokenized(workspace, tok), f"data.tokenizer={tmp_path / 'tokenizer'}"))
+
+
+def test_a_small_raw_corpus_is_tokenized_once_into_the_cache(workspace, tmp_path):
+    path = write_jsonl(tmp_path / "raw" / "docs.jsonl", make_documents(NUM_DOCS))
+    cfg = config(workspace, path.parent, f"data.cache_dir={tmp_path / 'cache'}", "training.eval_interval=0")
+    first = prepare_data(cfg)
+    [cache] = (tmp_path / "cache").iterdir()
+    stamp = (cache / "meta.json").stat().st_mtime_ns
+    again = prepare_data(cfg)
+    assert (cache / "meta.json").stat().st_mtime_ns == stamp
+    assert np.array_equal(whole(first.datasets[0].train), whole(again.datasets[0].train))
+    write_jsonl(path, make_documents(NUM_DOCS + 5))  # another corpus: another cache dir
+    assert prepare_data(cfg).num_train_samples > first.num_train_samples
     assert len(list((tmp_path / "cache").iterdir())) == 2
-    assert len(rebuilt.train) > len(first.train)  # fewer merges, more tokens
 
 
-def _rank_main(rank: int, root: str, data: DataConfig, init_file: str) -> None:
-    import nanotron.data as data_module
+def test_an_oversized_raw_corpus_or_a_hub_name_is_refused_naming_nanotron_tokenize(workspace, capsys):
+    from nanotron.train import main
+
+    common = ["--data.tokenizer", str(workspace / "tokenizer"), "--model.vocab_size=300", "--training.seq_len=16"]
+    assert main([f"--data.path={workspace / 'corpus.jsonl'}", "--data.max_auto_tokenize_mb=0.001", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: data.path: '{workspace / 'corpus.jsonl'}' is 0.0 MB of raw")
+    assert "data.max_auto_tokenize_mb=0.001" in err[0] and "`nanotron tokenize " in err[0]
+    assert main(["--data.path=someorg/some-dataset", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Hugging Face Hub dataset is tokenized before training" in err[0]
+    assert "`nanotron tokenize someorg/some-dataset" in err[0]
+
+
+def _rank_main(rank: int, root: str, cfg, init_file: str) -> None:
+    import nanotron.data.corpus as corpus_module
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    build = data_module._build_cache
+    tokenize_one = corpus_module._tokenize_one
 
-    def record_build(*args, **kwargs):
+    def record(*args, **kwargs):
         Path(root, f"built-by-{rank}").touch()
-        return build(*args, **kwargs)
+        return tokenize_one(*args, **kwargs)
 
-    data_module._build_cache = record_build
+    corpus_module._tokenize_one = record
     try:
-        corpus = load_corpus(data, load_tokenizer(data.tokenizer), seq_len=SEQ_LEN, seed=0)
-        Path(root, f"tokens-{rank}").write_text(str(corpus.train.tolist()))
+        corpus = prepare_data(cfg)
+        Path(root, f"tokens-{rank}").write_text(str(whole(corpus.datasets[0].train).tolist()))
     except DataError as e:
         Path(root, f"error-{rank}").write_text(str(e))
     torch.distributed.destroy_process_group()
@@ -244,10 +331,13 @@ def _rank_main(rank: int, root: str, data: DataConfig, init_file: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True])
-def test_only_rank_zero_builds_and_its_errors_reach_every_rank(tmp_path, workspace, broken):
-    data = data_config(workspace, cache_dir=str(tmp_path / "cache"), text_column="body" if broken else "text")
+def test_only_rank_zero_tokenizes_and_its_errors_reach_every_rank(tmp_path, workspace, broken):
+    cfg = config(
+        workspace, workspace / "corpus.jsonl", f"data.cache_dir={tmp_path / 'cache'}", "training.eval_interval=0"
+    )
+    cfg.data.text_column = "body" if broken else "text"
     context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_rank_main, args=(r, str(tmp_path), data, str(tmp_path / "init"))) for r in (0, 1)]
+    procs = [context.Process(target=_rank_main, args=(r, str(tmp_path), cfg, str(tmp_path / "init"))) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
@@ -255,35 +345,30 @@ def test_only_rank_zero_builds_and_its_errors_reach_every_rank(tmp_path, workspa
     assert [p.exitcode for p in procs] == [0, 0]
     assert sorted(f.name for f in tmp_path.glob("built-by-*")) == ["built-by-0"]
     if broken:
-        assert "data.text_column" in (tmp_path / "error-0").read_text()
+        assert "data.text_column: 'body' is not a field of" in (tmp_path / "error-0").read_text()
         assert "rank 0" in (tmp_path / "error-1").read_text() and "'body'" in (tmp_path / "error-1").read_text()
     else:
         assert (tmp_path / "tokens-0").read_text() == (tmp_path / "tokens-1").read_text()
 
 
-def test_missing_path_names_the_key_and_the_demo_corpus_script(tmp_path, tok, workspace):
+def test_missing_path_names_the_key_and_the_demo_corpus_script(tmp_path, workspace):
     missing = tmp_path / "no" / "corpus"
     with pytest.raises(DataError, match="data.path") as info:
-        load_corpus(data_config(workspace, path=str(missing)), tok, seq_len=SEQ_LEN, seed=0)
+        prepare_data(config(workspace, missing))
     assert str(missing) in str(info.value) and "scripts/prepare_data.sh" in str(info.value)
 
 
-def test_hub_name_fails_fast_when_offline(tok, workspace, monkeypatch):
-    start = time.perf_counter()
-    with pytest.raises(DataError, match="offline .*HF_HUB_OFFLINE.*local path"):
-        load_corpus(data_config(workspace, path="someorg/some-dataset"), tok, seq_len=SEQ_LEN, seed=0)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.delenv("HF_DATASETS_OFFLINE")
-    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1")  # nothing listens on 443: the probe fails
-    with pytest.raises(DataError, match="127.0.0.1:443 is unreachable"):
-        load_corpus(data_config(workspace, path="someorg/some-dataset"), tok, seq_len=SEQ_LEN, seed=0)
-    assert time.perf_counter() - start < 5
+def test_an_unfinished_tokenized_dir_says_to_rerun_the_command(workspace, tok, tmp_path):
+    directory = tokenized(workspace, tok, seed=7)
+    (directory / "meta.json").rename(directory / "progress.json")
+    with pytest.raises(DataError, match="unfinished `nanotron tokenize` output .* re-run the same"):
+        prepare_data(config(workspace, directory))
 
 
-def test_missing_text_column_lists_the_columns(tmp_path, tok, workspace):
+def test_missing_text_column_lists_the_columns(tmp_path, workspace):
     path = write_jsonl(tmp_path / "c.jsonl", make_documents(3), column="content")
-    with pytest.raises(DataError, match=r"data.text_column: 'text'.*\['content'\]"):
-        load_corpus(data_config(workspace, path=str(path), cache_dir=str(tmp_path)), tok, seq_len=SEQ_LEN, seed=0)
+    with pytest.raises(DataError, match=r"data.text_column: 'text' is not a field of .*\['content'\]"):
+        prepare_data(config(workspace, path, f"data.cache_dir={tmp_path / 'cache'}"))
 
 
 def test_missing_tokenizer_names_the_key(tmp_path):
@@ -296,9 +381,34 @@ def test_too_little_data_for_a_global_batch_or_for_eval_is_an_error(corpus):
     with pytest.raises(DataError, match="fewer than one global batch"):
         build_train_loader(corpus, training(mbs=corpus.num_train_samples, accum=2), seed=0, dp=1, dp_rank=0)
     too_many = corpus.num_val_samples // 8 + 1
-    with pytest.raises(DataError, match="lower training.eval_steps"):
+    with pytest.raises(DataError, match="re-run `nanotron tokenize` .* with a larger --validation_split"):
         build_train_loader(corpus, training(eval_steps=too_many), seed=0, dp=1, dp_rank=0)
     with pytest.raises(DataError, match=f"needs training.eval_steps \\* global_batch_size = {too_many} \\* 8"):
         eval_batches(corpus, training(eval_steps=too_many), dp=1, dp_rank=0)
     no_eval = build_train_loader(corpus, training(eval_steps=too_many, eval_interval=0), seed=0, dp=1, dp_rank=0)
     assert next(iter(no_eval)).shape == (2, SEQ_LEN + 1)
+
+
+@pytest.fixture(scope="module")
+def blend(tiny_data, tmp_path_factory) -> list[str]:
+    """Two tokenized dirs in tiny_data's vocabulary, blended 0.7 / 0.3 (the command-line form of [[data.datasets]])."""
+    from conftest import synthetic_documents
+
+    root, tok = tmp_path_factory.mktemp("blend"), load_tokenizer(tiny_data.tokenizer)
+    for name, seed in (("first", 0), ("second", 1)):
+        write_jsonl(root / name / "docs.jsonl", synthetic_documents(40, seed=seed))
+        tokenize(resolve_sources([str(root / name)]), tok, root / f"{name}-tokens", shard_tokens=3000, progress=False)
+    return [*tiny_data.overrides(), f"--data.datasets={root / 'first-tokens'}:0.7,{root / 'second-tokens'}:0.3"]
+
+
+@pytest.mark.slow
+def test_a_blended_run_matches_at_dp2_pp2_and_resumes_on_the_same_samples(blend, tmp_path):
+    from conftest import TINY_MODEL, run_train, train_losses
+
+    common = [*TINY_MODEL, *blend, f"--job.out_dir={tmp_path}", "--training.steps=6"]
+    run_train([*common, "--job.name=ref", "--checkpoint.interval=3"])
+    reference = train_losses(tmp_path / "ref")
+    run_train([*common, "--job.name=layout", "--parallelism.dp=2", "--parallelism.pp=2"], nproc=4)
+    assert torch.allclose(torch.tensor(train_losses(tmp_path / "layout")), torch.tensor(reference), rtol=1e-5, atol=0)
+    run_train([*common, "--job.name=resumed", f"--checkpoint.resume_from={tmp_path / 'ref/checkpoints/step-3'}"])
+    assert train_losses(tmp_path / "resumed") == reference[3:]  # bit for bit: the same samples, in the same order

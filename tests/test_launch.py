@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotron import train
+from nanotron import train, trainer
 from nanotron.config import Config, load_config, parse_overrides
 from nanotron.launch import cluster as launch
 
@@ -172,6 +172,23 @@ def test_the_run_config_names_every_path_absolutely_and_runs_at_another_layout(i
     assert (elsewhere.global_batch_size, elsewhere.grad_accum_steps) == (256, 32)
 
 
+def test_blended_dataset_paths_are_written_absolutely_and_checked_for_control_characters(in_tmp, checked_data, capsys):
+    for name in ("web", "code"):
+        (in_tmp / "tok" / name).mkdir(parents=True)  # existing dirs: paths, not hub dataset names
+    argv = ["--run_name", "mix", "--model_size", "small", "--data.datasets=tok/web:0.7,tok/code:0.3", "--dry_run"]
+    assert launch.main(argv) == 0
+    cfg = load_config("runs/mix/config.toml")
+    assert [(d.path, d.weight) for d in cfg.data.datasets] == [
+        (str(in_tmp / "tok/web"), 0.7),
+        (str(in_tmp / "tok/code"), 0.3),
+    ]
+    (in_tmp / "job.toml").write_text('[data]\n[[data.datasets]]\npath = "a\\nb"\n')
+    capsys.readouterr()
+    assert launch.main(["--run_name", "ctrl", "--config", "job.toml", "--dry_run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: data.datasets[0].path: ") and "a\\nb' contains a control character" in err
+
+
 def test_more_processes_than_gpus_is_one_error_line_with_exit_code_2(tmp_path):
     argv = "--run_name x --model_size base --nodes 1 --gpus_per_node 8 --dp 8 --tp 2 --dry_run".split()
     proc = run_launcher(*argv, cwd=tmp_path)
@@ -240,6 +257,7 @@ def test_bad_flags_are_one_error_line_with_exit_code_2(in_tmp, checked_data, cap
     assert err.startswith(message) and err.count("\n") == 1 and out == ""
 
 
+@pytest.mark.slow
 def test_missing_sbatch_is_a_clear_error_pointing_to_dry_run(tmp_path):
     empty_bin = tmp_path / "bin"
     empty_bin.mkdir()
@@ -419,9 +437,9 @@ def test_the_trainer_checks_the_corpus_size_before_building_the_model(tiny_data,
     def build_model(*args, **kwargs):
         raise AssertionError("the model was built before the data was checked")
 
-    monkeypatch.setattr(train, "build_model", build_model)
+    monkeypatch.setattr(trainer, "build_model", build_model)
     argv = ["--config", f"{REPO}/configs/small.toml", *tiny_data.overrides(), f"--job.out_dir={tmp_path}"]
-    assert train.main([*argv, "--parallelism.dp=1", "--training.seq_len=16", "--training.global_batch_size=16"]) == 2
+    assert train.main([*argv, "--parallelism.dp=1", "--training.seq_len=16", "--training.global_batch_size=64"]) == 2
     assert (
         capsys.readouterr().err.splitlines()[-1].startswith("error: data.validation_split: the validation split has ")
     )

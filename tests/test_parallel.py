@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.distributed import destroy_distributed, init_distributed
-from nanotron.models.llama import LlamaForCausalLM, param_init_std
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.parametrization import param_init_std
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import build_schedule, split_layers, split_model
 
@@ -159,15 +160,26 @@ def test_compiled_layout_matches_its_eager_twin(layout, reference, tiny_data, tm
     assert weight_diff <= weight_rtol
 
 
+# µP at 4x the width and 4x the depth of its base: hidden matrices 1/sqrt(4) of init_std, residual outputs
+# also 1/sqrt(2 * base depth) instead of 1/sqrt(2 * num_layers).
+INIT_PARAMETRIZATIONS = {
+    "standard": [],
+    "mup": ["--model.parametrization=mup", "--model.mup_base_width=8", "--model.mup_base_depth=1"],
+}
+
+
 @pytest.mark.slow
-def test_initial_weights_follow_the_configured_std_and_equal_one_process_init_at_dp2_tp2_pp2(tiny_data, tmp_path):
+@pytest.mark.parametrize("parametrization", INIT_PARAMETRIZATIONS.values(), ids=INIT_PARAMETRIZATIONS.keys())
+def test_initial_weights_follow_the_configured_std_and_equal_one_process_init_at_dp2_tp2_pp2(
+    parametrization, tiny_data, tmp_path
+):
     """Each rank draws its shards of the same full tensors: the step-0 checkpoint of a 3D layout equals the
     1-process init bit for bit, and every tensor has mean 0 and the std `param_init_std` gives it."""
     layout = ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.zero_stage=3"]
     args = ["--training.steps=1", "--checkpoint.save_initial_state=true", "--checkpoint.save_final=false"]
-    run_dir = train(tiny_data, tmp_path, "init", 8, [*layout, *args])
+    run_dir = train(tiny_data, tmp_path, "init", 8, [*layout, *args, *parametrization])
     sharded = weights(run_dir, step=0)
-    cfg = load_config(*parse_overrides([*TINY_MODEL, *tiny_data.overrides()]))
+    cfg = load_config(*parse_overrides([*TINY_MODEL, *tiny_data.overrides(), *parametrization]))
     model = LlamaForCausalLM(cfg.model)
     init_weights(model, cfg.job.seed)
     assert sharded.keys() == model.state_dict().keys()
@@ -180,8 +192,14 @@ def test_initial_weights_follow_the_configured_std_and_equal_one_process_init_at
         n = expected.numel()  # sampling error: std of the mean ~ std/sqrt(n), of the std ~ std/sqrt(2n)
         assert abs(expected.mean().item()) < 5 * std / n**0.5, name
         assert abs(expected.std().item() / std - 1) < 5 / (2 * n) ** 0.5, name
-    depth_scaled = param_init_std(cfg.model, "model.layers.0.mlp.down_proj.weight")
-    assert depth_scaled == pytest.approx(cfg.model.init_std / (2 * cfg.model.num_layers) ** 0.5)
+    m, init_std = cfg.model, cfg.model.init_std
+    width = 4 if m.parametrization == "mup" else 1  # hidden_size / mup_base_width
+    depth = 1 if m.parametrization == "mup" else m.num_layers  # the depth the residual-output init is scaled for
+    assert param_init_std(m, "model.layers.0.mlp.down_proj.weight") == pytest.approx(
+        init_std / (2 * depth) ** 0.5 / width**0.5
+    )
+    assert param_init_std(m, "model.layers.2.self_attn.k_proj.weight") == pytest.approx(init_std / width**0.5)
+    assert param_init_std(m, "model.embed_tokens.weight") == param_init_std(m, "lm_head.weight") == init_std
 
 
 def test_first_pipeline_step_runs_each_stage_once_per_microbatch():
@@ -220,6 +238,7 @@ def test_stage_split_balances_cost_and_gives_every_stage_a_layer():
     assert sum(len(r) for r in uneven) == 7 and max(len(r) for r in uneven) - min(len(r) for r in uneven) <= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, nproc, expected",
     [

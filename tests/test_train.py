@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, read_metrics, run_train, train_env, train_losses
+from conftest import REPO, TINY_MODEL, read_metrics, run_train, shapes_of, train_env, train_losses
 
 from nanotron.checkpoint import committed_steps, latest_checkpoint, read_model_weights
 from nanotron.config import OptimizerConfig
@@ -81,8 +82,9 @@ def test_bf16_computes_the_same_at_dp1_and_dp2_and_differs_from_fp32(tiny_data, 
 
 @pytest.mark.slow
 def test_a_diverging_run_skips_then_stops_with_exit_3_and_keeps_only_finite_checkpoints(tiny_data, tmp_path):
-    """lr=1e3 gives non-finite gradients from step 2: the step is not applied, max_skipped_steps=1 lets one
-    pass, the next stops the run before a save, and every committed checkpoint is finite."""
+    """lr=1e3 gives non-finite gradients within a few steps (which one depends on the kernels): that step is
+    not applied, max_skipped_steps=1 lets it pass, the next stops the run before a save, and every committed
+    checkpoint is finite, the newest of them kept."""
     proc = run_train(
         [
             *TINY_MODEL,
@@ -100,14 +102,20 @@ def test_a_diverging_run_skips_then_stops_with_exit_3_and_keeps_only_finite_chec
         check=False,
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
+    skipped = re.search(r"warning: non-finite loss or gradients at step (\d+): .*; step skipped", proc.stdout)
+    assert skipped, proc.stdout[-3000:]
+    bad = int(skipped.group(1))
+    assert 2 <= bad < 9, proc.stdout  # some steps trained, and the run did not reach its end
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and errors[0].startswith("error: non-finite loss or gradients at step 3"), proc.stderr
-    assert "warning: non-finite loss or gradients at step 2" in proc.stdout and "step skipped" in proc.stdout
+    assert len(errors) == 1 and errors[0].startswith(f"error: non-finite loss or gradients at step {bad + 1}:"), errors
     folder = tmp_path / "diverge" / "checkpoints"
-    assert [p.name for p in committed_steps(folder)] == ["step-1", "step-2"]
-    assert latest_checkpoint(folder) == folder / "step-2"
+    # The skipped step changed no weight, so its interval save is still a good checkpoint; the failing one has none.
+    assert [p.name for p in committed_steps(folder)] == [f"step-{bad - 1}", f"step-{bad}"]
+    assert latest_checkpoint(folder) == folder / f"step-{bad}"
     for step_dir in committed_steps(folder):
-        assert all(torch.isfinite(t).all() for t in read_model_weights(step_dir).values()), step_dir
+        assert all(torch.isfinite(t).all() for t in read_model_weights(step_dir, shapes_of(step_dir)).values()), (
+            step_dir
+        )
 
 
 @pytest.mark.parametrize("style, end", [("cosine", 0.1), ("linear", 0.1), ("1-sqrt", 0.1), ("constant", 1.0)])
@@ -120,6 +128,7 @@ def test_lr_warms_up_linearly_then_decays_to_min_lr(style, end):
     assert mid == pytest.approx(expected[style])
 
 
+@pytest.mark.slow
 def test_console_script_dispatches_to_train():
     exe = Path(sys.executable).parent / "nanotron"  # installed by `pip install -e .` next to this Python
     assert exe.is_file(), "the nanotron console script is missing: install the project with `pip install -e .`"

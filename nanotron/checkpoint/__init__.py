@@ -9,7 +9,7 @@ from nanotron.checkpoint.layout import (
     latest_checkpoint,
 )
 from nanotron.checkpoint.manager import CheckpointManager, resolve_source
-from nanotron.checkpoint.safe_io import load_dcp, read_metadata, read_model_weights
+from nanotron.checkpoint.safe_io import load_dcp, read_metadata, read_model_weights, verified_checkpoint
 from nanotron.checkpoint.state import ModelState, OptimizerState
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "read_metadata",
     "read_model_weights",
     "resolve_source",
+    "verified_checkpoint",
 ]

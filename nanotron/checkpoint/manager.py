@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.futures import Future
 
+import nanotron.checkpoint.integrity as integrity
 import nanotron.checkpoint.layout as layout
 from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, short
 from nanotron.config import CheckpointConfig
@@ -153,6 +154,7 @@ class CheckpointManager:
 
     def _commit(self, tmp: Path, target: Path, progress: dict) -> None:
         _barrier()
+        shard_sums = integrity.shard_checksums(tmp)  # every rank hashes its share of the shards
         if self.rank == 0:
             try:  # every rank's shards must be visible where rank 0 commits
                 read_metadata(tmp)
@@ -161,6 +163,7 @@ class CheckpointManager:
                     f"not committing {tmp}: {error}; is checkpoint.dir on a filesystem that every node shares?"
                 ) from None
             self.write_extras(tmp)
+            integrity.write(tmp, shard_sums)
             layout.commit(tmp, target, progress)
             layout.prune(self.folder, layout.step_of(target), self.options.keep_last)
             self.log(f"checkpoint: saved {target}")
@@ -179,6 +182,10 @@ class CheckpointManager:
         """Loads into this rank's shards whatever the layout of the save; returns trainer_state.json's
         content (None with model_only, which loads the model alone, e.g. from an HF import)."""
         metadata = read_metadata(path)
+        saved = None if model_only else self._read_progress(path)  # a bad one fails before the costly read
+        sums = integrity.saved(path)
+        if sums is not None:
+            integrity.verify(path, sums)  # every rank checks its share; all agree before any read
         names = ["model"] if model_only else list(self.states)
         state = {name: self.states[name].state_dict() for name in names}
         check_model_shapes(path, metadata, state["model"])
@@ -190,13 +197,17 @@ class CheckpointManager:
             self.states[name].load_state_dict(state[name])
         if model_only:
             return None
+        self.last_saved_step = layout.step_of(path) if layout.STEP_DIR.match(path.name) else -1
+        return saved
+
+    def _read_progress(self, path: Path) -> dict[str, Any]:
+        """trainer_state.json, loaded into `progress` (which checks its values)."""
         file = path / layout.COMMIT_FILE
         try:
-            saved = json.loads(file.read_text())
+            saved = json.loads(file.read_text(encoding="utf-8"))
             self.progress.load_state_dict(saved)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"'{file}' is unreadable or incomplete ({short(error)})") from None
-        self.last_saved_step = layout.step_of(path) if layout.STEP_DIR.match(path.name) else -1
         return saved
 
 

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.futures import Future
 
+import nanotron.checkpoint.integrity as integrity
+from nanotron.checkpoint.layout import find_checkpoint
 from nanotron.errors import CheckpointError
 
 _DCP_INDEX_CLASSES = "Metadata MetadataIndex StorageMeta TensorProperties TensorStorageMetadata ChunkStorageMetadata"
@@ -138,7 +140,20 @@ def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
         cause = _first_cause(error)
         if isinstance(cause, CheckpointError):
             raise cause from None
+        if action == "save" and isinstance(cause, OSError):  # disk full, read-only, a file-size limit
+            file = cause.filename or _file_being_written(path)
+            raise CheckpointError(
+                f"cannot save checkpoint '{path}': writing '{file}' failed ({cause.strerror or cause}); free space "
+                "or fix the permissions and limits of checkpoint.dir, then resume from the last checkpoint"
+            ) from None
         raise CheckpointError(f"cannot {action} checkpoint '{path}': {short(cause)}") from None
+
+
+def _file_being_written(folder: Path) -> Path | str:
+    """This rank's newest file in a checkpoint being saved: the one a failed write without a file name hit."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    files = sorted(folder.glob(f"__{rank}_*"), key=lambda f: f.stat().st_mtime_ns)
+    return files[-1] if files else folder
 
 
 def load_dcp(path: Path, state: dict[str, Any], metadata: Metadata | None = None) -> None:
@@ -153,16 +168,40 @@ def load_dcp(path: Path, state: dict[str, Any], metadata: Metadata | None = None
         )
 
 
-def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Full model tensors (HF/nanotron names) of a checkpoint, read in this one process."""
+def verified_checkpoint(path: Path) -> Path:
+    """The step dir `path` names (see `find_checkpoint`), after checking every file against its checksum in this
+    process: what a single-process reader (export, generate) calls before reading anything from it."""
+    step_dir = find_checkpoint(path)
+    if (sums := integrity.saved(step_dir)) is not None:
+        integrity.verify(step_dir, sums, names=sorted(sums))
+    return step_dir
+
+
+def read_model_weights(path: Path, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """The model tensors `expected` names (name -> shape, from the model config), full, read in this one process.
+
+    The index is untrusted: its shapes are checked against `expected` before anything is allocated (a claimed
+    2^20 x 2^20 tensor is a config mismatch, not an allocation). Check the files with `verified_checkpoint` first.
+    """
     metadata = read_metadata(path)
-    state = {
-        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+    found = {
+        key.removeprefix("model."): meta
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    if not state:
+    if not found:
         raise CheckpointError(f"'{path}' holds no model weights")
+    for name, shape in expected.items():
+        problem = "is missing" if name not in found else None
+        if problem is None and list(found[name].size) != list(shape):
+            problem = f"has shape {list(found[name].size)}, but its config.toml says {list(shape)}"
+        if problem:
+            raise CheckpointError(f"checkpoint '{path}': {name} {problem}; the checkpoint and its config disagree")
+    if (sums := integrity.saved(path)) is not None:
+        integrity.verify(
+            path, sums, names=[".metadata", *sorted({i.relative_path for i in metadata.storage_data.values()})]
+        )
+    state = {name: torch.empty(found[name].size, dtype=found[name].properties.dtype) for name in expected}
     wrapped = {"model": state}
     load_dcp(path, wrapped, metadata)
     return wrapped["model"]

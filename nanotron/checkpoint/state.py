@@ -46,5 +46,12 @@ class OptimizerState:
         return state
 
     def load_state_dict(self, state: dict[str, object]) -> None:
+        """Moments and step counts come from the checkpoint; param-group settings (lr_scale, weight decay,
+        betas, eps) stay the ones this run's config built, as the LR schedule does. Torch would take each
+        group's settings from the saved values of its first parameter, so a run resumed with another µP base
+        or weight decay would silently keep the old ones."""
         for module, optimizer in self.parts:
+            settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
             set_optimizer_state_dict(module, optimizer, state, options=FLATTENED)
+            for group, setting in zip(optimizer.param_groups, settings, strict=True):
+                group.update(setting)

@@ -9,7 +9,7 @@ import difflib
 import math
 import sys
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,12 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     from_cli = isinstance(value, str)
     try:
         if origin is list:
-            items = [v.strip() for v in value.strip("[]").split(",")] if from_cli else value
+            items = [v.strip() for v in value.strip("[]").split(",") if v.strip()] if from_cli else value
             if not isinstance(items, list):
                 raise ValueError
-            return [_coerce(key, item, args[0]) for item in items]
+            return [_coerce(f"{key}[{i}]" if is_dataclass(args[0]) else key, v, args[0]) for i, v in enumerate(items)]
+        if is_dataclass(hint):
+            return _table(key, hint.from_text(value) if from_cli else value, hint)
         if hint is bool:
             if isinstance(value, bool):
                 return value
@@ -73,6 +75,19 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - schema bug
     name = getattr(hint, "__name__", str(hint))
     raise ConfigError(f"{key}: expected {name}, got {value!r}")
+
+
+def _table(key: str, value: Any, hint: type) -> Any:
+    """A TOML table (e.g. one [[data.datasets]] entry) as its dataclass, every key checked like a section's."""
+    hints = typing.get_type_hints(hint)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a table with keys {', '.join(hints)}, got {value!r}")
+    table = hint()
+    for name, item in value.items():
+        if name not in hints:
+            raise ConfigError(f"unknown key '{name}' in {key}{_suggest(name, list(hints))}")
+        setattr(table, name, _coerce(f"{key}.{name}", item, hints[name]))
+    return table
 
 
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
@@ -118,7 +133,13 @@ def _read_tables(path: Path, what: str) -> dict[str, Any]:
             "and `python -m nanotron.train --help` for every key)"
         )
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{what}: '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); TOML files are UTF-8"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"{what}: '{path}' is not valid TOML (values nested too deeply)") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{what}: '{path}' is not valid TOML ({e})") from None
     for section, table in data.items():

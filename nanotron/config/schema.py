@@ -37,6 +37,27 @@ class ModelConfig:
     rms_norm_eps: float | None = _opt(None, "RMSNorm epsilon", min=0.0)
     tie_word_embeddings: bool | None = _opt(None, "share embedding and lm_head weights")
     init_std: float = _opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
+    parametrization: str = _opt(
+        "standard",
+        "standard, or mup (µP: init, LR and multipliers scaled so hyperparameters tuned at the mup_base_* "
+        "shape transfer to this width and depth)",
+        ("standard", "mup"),
+    )
+    mup_base_width: int = _opt(
+        0, "µP: hidden_size of the base model the hyperparameters were tuned on; 0 = hidden_size", min=0
+    )
+    mup_base_depth: int = _opt(0, "µP: num_layers of the base model; 0 = num_layers", min=0)
+    mup_depth_exponent: float = _opt(
+        1.0,
+        "µP: alpha of the depth scaling, with r = num_layers / mup_base_depth: residual branches x r^-alpha, "
+        "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",
+        min=0.5,
+    )
+    mup_base_head_dim: int = _opt(
+        0,
+        "µP: head dim where the 1/head_dim attention scale equals 1/sqrt(head_dim); 0 = mup_base_width / num_heads",
+        min=0,
+    )
 
     @property
     def head_dim(self) -> int:
@@ -168,13 +189,54 @@ class OptimizerConfig:
 
 
 @dataclass
+class DatasetConfig:
+    """One `[[data.datasets]]` table; on the command line `--data.datasets=PATH:WEIGHT,PATH:WEIGHT`."""
+
+    path: str = _opt("", "a `nanotron tokenize` output dir (or a small local raw corpus, tokenized at start)")
+    weight: float = _opt(1.0, "share of the training samples, relative to the other datasets' weights (> 0)")
+
+    @staticmethod
+    def from_text(text: str) -> dict[str, str]:
+        path, colon, weight = text.rpartition(":")
+        return {"path": path, "weight": weight} if colon else {"path": text}
+
+
+@dataclass
 class DataConfig:
-    path: str = _opt("data/corpus", "local text/jsonl/parquet file or folder, or a hub dataset name")
-    text_column: str = _opt("text", "column holding the document text")
+    path: str = _opt(
+        "data/tokenized/shakespeare",
+        "a `nanotron tokenize` output dir; or a small local text/jsonl/json/parquet file or folder, tokenized "
+        "at start-up into cache_dir (up to max_auto_tokenize_mb)",
+    )
+    datasets: list[DatasetConfig] = _opt(
+        [], "weighted blend of datasets, [[data.datasets]] tables with path and weight; when given, replaces path"
+    )
+    text_column: str = _opt("text", "column holding the document text (raw corpora tokenized at start-up)")
     tokenizer: str = _opt("data/tokenizer", "tokenizer.json file or Hugging Face tokenizer dir")
-    validation_split: float = _opt(0.05, "fraction of documents held out for validation", min=0.0)
-    cache_dir: str = _opt(".cache/nanotron", "where tokenized corpora are cached")
+    validation_split: float = _opt(
+        0.05, "fraction of documents held out for validation when a raw corpus is tokenized at start-up", min=0.0
+    )
+    cache_dir: str = _opt(".cache/nanotron", "where raw corpora tokenized at start-up are kept")
+    max_auto_tokenize_mb: float = _opt(
+        64.0, "largest raw corpus (MB of files) tokenized at start-up; beyond it, run `nanotron tokenize`", min=0.0
+    )
+    tokenize_workers: int = _opt(
+        0, "processes tokenizing a raw corpus at start-up; 0 = one per 16 MB, up to the CPUs", min=0
+    )
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
+
+
+@dataclass
+class DistributedConfig:
+    timeout_minutes: float = _opt(
+        30.0, "a collective waiting longer than this fails the job (NCCL watchdog, gloo), once training runs", min=0.1
+    )
+    startup_timeout_minutes: float = _opt(
+        120.0,
+        "the same limit until the first step is done: rank 0 tokenizing a small corpus, checkpoint loading, "
+        "compilation and the first step's collectives may keep the other ranks waiting that long",
+        min=0.1,
+    )
 
 
 @dataclass
@@ -187,6 +249,9 @@ class CheckpointConfig:
     resume_from: str = _opt("auto", "auto (latest in dir if any), latest, none, or a step-N path")
     async_save: bool = _opt(False, "write checkpoints in the background (dcp.async_save)")
     init_from: str = _opt("", "checkpoint dir whose model weights start a new run (e.g. from-hf import)")
+    allow_global_batch_size_change: bool = _opt(
+        False, "let a resume change training.global_batch_size (the data position then shifts; refused otherwise)"
+    )
 
 
 @dataclass
@@ -194,6 +259,9 @@ class LoggingConfig:
     log_interval: int = _opt(10, "steps between log lines", min=1)
     tensorboard: bool = _opt(True, "write TensorBoard scalars to the run dir")
     peak_tflops: float = _opt(0.0, "per-device peak for MFU; 0 = detect (GPU table, CPU matmul probe)", min=0.0)
+    activation_stats_interval: int = _opt(
+        0, "steps between activation statistics (mean |x| per layer output, act/* metrics); 0 disables", min=0
+    )
 
 
 @dataclass
@@ -211,6 +279,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)

@@ -45,6 +45,37 @@ def resolve_model(model: ModelConfig) -> None:
             f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
             "pick num_kv_heads among its divisors"
         )
+    _resolve_mup(m)
+
+
+_MUP_KEYS = {"mup_base_width": 0, "mup_base_depth": 0, "mup_base_head_dim": 0, "mup_depth_exponent": 1.0}
+
+
+def _resolve_mup(m: ModelConfig) -> None:
+    """µP's base shape, 0s filled from this model (µP at its own shape is standard); recorded in the resolved
+    config, so a wider or deeper copy of it keeps the base the hyperparameters were tuned on."""
+    if m.parametrization == "standard":
+        for key, default in _MUP_KEYS.items():
+            if getattr(m, key) != default:
+                raise ConfigError(
+                    f"model.{key}={getattr(m, key)} only applies with model.parametrization='mup'; "
+                    f"set model.parametrization='mup', or drop model.{key}"
+                )
+        return
+    if m.mup_depth_exponent > 1.0:
+        raise ConfigError(
+            f"model.mup_depth_exponent={m.mup_depth_exponent}: expected a value in [0.5, 1] (1 = CompleteP, "
+            "0.5 = depth-µP); above 1 deep models would learn less the deeper they are"
+        )
+    m.mup_base_width = m.mup_base_width or m.hidden_size
+    m.mup_base_depth = m.mup_base_depth or m.num_layers
+    if not m.mup_base_head_dim and m.mup_base_width % m.num_heads:
+        raise ConfigError(
+            f"model.mup_base_width={m.mup_base_width} is not divisible by model.num_heads={m.num_heads}, so the "
+            "base head dim is undefined; pick a base width that is a multiple of num_heads, or set "
+            "model.mup_base_head_dim"
+        )
+    m.mup_base_head_dim = m.mup_base_head_dim or m.mup_base_width // m.num_heads
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -52,6 +83,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for section in fields(cfg):
         if section.name != "model":
             check_ranges(section.name, getattr(cfg, section.name))
+    if cfg.job.seed >= 2**64:
+        raise ConfigError(f"job.seed: expected a value below 2**64 (seeds are 64-bit), got {cfg.job.seed}")
     if not RUN_NAME.fullmatch(cfg.job.name):
         raise ConfigError(f"job.name {cfg.job.name!r}: expected {RUN_NAME_RULE} (it names the run dir in job.out_dir)")
     resolve_model(cfg.model)
@@ -64,6 +97,23 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
     if not 0.0 <= cfg.data.validation_split < 1.0:
         raise ConfigError(f"data.validation_split: expected a fraction in [0, 1), got {cfg.data.validation_split}")
+    for index, dataset in enumerate(cfg.data.datasets):
+        if not dataset.path:
+            raise ConfigError(
+                f'data.datasets[{index}]: missing path; each [[data.datasets]] table needs path = "<a tokenized dir>" '
+                "and weight = <a share>"
+            )
+        if not dataset.weight > 0:
+            raise ConfigError(
+                f"data.datasets[{index}].weight: expected a number > 0 (a share relative to the other datasets' "
+                f"weights), got {dataset.weight}"
+            )
+    if cfg.logging.activation_stats_interval and t.compile:
+        raise ConfigError(
+            "logging.activation_stats_interval needs training.compile=false: a compiled layer ignores forward "
+            "hooks added after it was compiled; measure activations in an eager run, or set "
+            "logging.activation_stats_interval=0"
+        )
     _validate_parallelism(cfg)
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(

@@ -3,8 +3,10 @@
     python -m nanotron.launch.local [torchrun options] -m nanotron.train --config ...
 
 is `torchrun` with two differences: when workers fail on bad input (exit code 2, or 3 for a diverged run)
-it exits with that code and prints nothing more than the workers' own one-line errors, and SIGUSR1 (the
-Slurm/preemption "checkpoint now" signal, which would kill torchrun itself) is handed to the workers.
+it exits with that code and prints nothing more than the workers' own one-line errors, and the stop signals
+(SIGUSR1, Slurm's "checkpoint now", which would kill torchrun itself; SIGTERM and SIGINT, on which torchrun
+would kill its workers after 30 s and exit 1) are handed to the workers, which save and exit 0, and so does
+the launch.
 `python -m nanotron.train --nproc_per_node N ...` uses it after validating the config.
 """
 
@@ -18,8 +20,9 @@ import sys
 from pathlib import Path
 
 from nanotron.errors import ConfigError, DivergenceError, UserError
+from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
 
-QUIET_EXIT_CODES = {UserError.exit_code, DivergenceError.exit_code}
+QUIET_EXIT_CODES = {UserError.exit_code, DivergenceError.exit_code, ABORT_EXIT_CODE}
 
 
 def pop_nproc(argv: list[str]) -> int:
@@ -28,7 +31,7 @@ def pop_nproc(argv: list[str]) -> int:
         if arg == "--nproc_per_node" or arg.startswith("--nproc_per_node="):
             value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             del argv[i : i + (1 if "=" in arg else 2)]
-            if not value.isdigit() or int(value) < 1:
+            if not (value.isascii() and value.isdigit()) or int(value) < 1:
                 raise ConfigError(f"--nproc_per_node: expected a positive integer, got {value!r}")
             return int(value)
     return 0
@@ -41,14 +44,17 @@ def spawn_local(nproc: int, command: list[str]) -> int:
 
 
 def run_torchrun(args: list[str]) -> int:
-    """torchrun's main with the exit code of the first failed worker and SIGUSR1 forwarded to workers."""
+    """torchrun's main with the exit code of the first failed worker and the stop signals forwarded to workers."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    signal.signal(signal.SIGUSR1, _forward_to_workers)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _forward_to_workers)
+    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # workers stop when this process dies
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
     try:
-        run(parse_args(args))
+        # torchrun's own handlers would replace ours when it starts the workers: leave it the other signals only.
+        run(parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *args]))
     except ChildFailedError as error:
         _, failure = error.get_first_failure()
         if failure.exitcode in QUIET_EXIT_CODES:  # the worker has printed its one-line error
@@ -59,8 +65,9 @@ def run_torchrun(args: list[str]) -> int:
 
 
 def _forward_to_workers(signum: int, frame: object) -> None:
-    """torchrun would die of SIGUSR1 (it doesn't handle it) and its workers run in their own sessions:
-    hand the signal to the workers (our children), which checkpoint and exit 0, and so does torchrun."""
+    """The workers run in their own sessions, so a signal to this process (Ctrl-C at a terminal, `kill`,
+    `timeout`) reaches them only through here: hand it to the workers (our children), which checkpoint and
+    exit 0, and so does torchrun."""
     me = str(os.getpid())
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):

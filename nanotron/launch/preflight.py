@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nanotron.config import Config
 from nanotron.errors import ConfigError, LaunchError
+from nanotron.tokenize.sources import is_hub_name
 
 # Filesystems one node can't share with another: each node reads its own copy of what is written here.
 NODE_LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "vfat", "exfat"}
@@ -21,6 +22,7 @@ SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", 
 SHARED_FS |= {"pvfs2", "orangefs", "gfs2", "ocfs2", "fuse.glusterfs", "fuse.ceph", "fuse.juicefs", "fuse.sshfs"}
 SHARED_FS |= {"fuse.weka", "fuse.gcsfuse", "fuse.s3fs", "fuse.mountpoint-s3", "fuse.lustre"}
 NOT_PATHS = {"auto", "latest", "none", ""}
+_DATASET_PATH = re.compile(r"data\.datasets\[(\d+)\]\.path")
 
 
 def check_printable(argv: list[str]) -> None:
@@ -42,8 +44,12 @@ def check_config_strings(cfg: Config) -> None:
     """The same for every string of the resolved config, wherever it came from (a --config file too)."""
     for section, table in cfg.to_dict().items():
         for key, value in table.items():
-            if isinstance(value, str) and any(unicodedata.category(c) == "Cc" for c in value):
-                raise ConfigError(f"{section}.{key}: {value!r} contains a control character; use printable ones")
+            items = [(f"{section}.{key}", value)]
+            if key == "datasets":  # [[data.datasets]] tables
+                items = [(f"data.datasets[{i}].{k}", v) for i, entry in enumerate(value) for k, v in entry.items()]
+            for name, item in items:
+                if isinstance(item, str) and any(unicodedata.category(c) == "Cc" for c in item):
+                    raise ConfigError(f"{name}: {item!r} contains a control character; use printable ones")
 
 
 def path_keys(cfg: Config) -> dict[str, str]:
@@ -54,8 +60,12 @@ def path_keys(cfg: Config) -> dict[str, str]:
     keys["profiler.export_path"] = cfg.profiler.export_path
     if c.resume_from not in NOT_PATHS:
         keys["checkpoint.resume_from"] = c.resume_from
-    if Path(d.path).expanduser().exists() or d.path.startswith((".", "/", "~")):
-        keys["data.path"] = d.path
+    datasets = (
+        [("data.path", d.path)]
+        if not d.datasets
+        else [(f"data.datasets[{i}].path", e.path) for i, e in enumerate(d.datasets)]
+    )
+    keys |= {key: path for key, path in datasets if not is_hub_name(path)}
     return {key: value for key, value in keys.items() if value not in NOT_PATHS}
 
 
@@ -63,8 +73,12 @@ def make_paths_absolute(cfg: Config) -> None:
     """Writes absolute paths into the run's config: the job resolves them wherever it starts, and the config
     means the same when reused from another directory. Symlinks are kept (a `current` link stays one)."""
     for key, value in path_keys(cfg).items():
+        absolute = os.path.abspath(os.path.expanduser(value))
+        if entry := _DATASET_PATH.fullmatch(key):
+            cfg.data.datasets[int(entry[1])].path = absolute
+            continue
         section, name = key.split(".")
-        setattr(getattr(cfg, section), name, os.path.abspath(os.path.expanduser(value)))
+        setattr(getattr(cfg, section), name, absolute)
 
 
 def job_python() -> str:
@@ -126,8 +140,8 @@ def job_paths(cfg: Config, environment: str, workdir: Path) -> dict[str, Path]:
 
 
 def check_data(cfg: Config) -> None:
-    """Tokenizer, token cache and split sizes, as the trainer will find them: tokenizing here, on the login node,
-    also spares the allocated nodes from waiting while rank 0 does it (and works where they have no network)."""
+    """Tokenizer, tokenized dirs (shards checked against meta.json) and split sizes, as the trainer will find them;
+    a small raw corpus is tokenized here, on the login node, so the job finds it ready in data.cache_dir."""
     from nanotron.data import prepare_data
 
     prepare_data(cfg)

@@ -3,7 +3,8 @@
 Parameter names equal Hugging Face `LlamaForCausalLM`'s, so checkpoints export without a rename table.
 Nothing here knows about parallelism: reshapes use -1 for head counts so tensor-parallel shards
 (fewer local heads) run the same code, and pipeline stages are this module with parts set to None.
-`param_init_std` says how each parameter is initialised; `nanotron.parallel.init` draws the values.
+`nanotron.models.parametrization` says how each parameter is initialised (`nanotron.parallel.init` draws the
+values) and which multipliers µP applies here: plain scalars from the config, 1 under standard parametrization.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotron.config import ModelConfig
+from nanotron.models.parametrization import multipliers
 
 
 class RMSNorm(nn.Module):
@@ -47,6 +49,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.scale = multipliers(cfg).attention_scale
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
@@ -58,7 +61,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -80,10 +84,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.residual_multiplier = multipliers(cfg).residual
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + _scaled(self.self_attn(self.input_layernorm(x), rope), self.residual_multiplier)
+        return x + _scaled(self.mlp(self.post_attention_layernorm(x)), self.residual_multiplier)
 
 
 class LlamaModel(nn.Module):
@@ -110,13 +115,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
+        self.logit_multiplier = multipliers(cfg).logits
         self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model(x)
-        return self.lm_head(h) if self.lm_head is not None else h
+        return _scaled(self.lm_head(h), self.logit_multiplier) if self.lm_head is not None else h
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recomputes the RoPE table (a non-persistent buffer: a model built on the meta device has none)."""
@@ -124,17 +130,9 @@ class LlamaForCausalLM(nn.Module):
         self.model.rope = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
 
 
-def param_init_std(cfg: ModelConfig, name: str) -> float | None:
-    """The std of parameter `name`'s normal init; None for norm weights, which start at one.
-
-    Residual output projections (o_proj, down_proj) are scaled by 1/sqrt(2 * num_layers), as in GPT-2,
-    so the residual stream's variance does not grow with depth.
-    """
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return cfg.init_std * (2 * cfg.num_layers) ** -0.5
-    return cfg.init_std
+def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """x times a µP multiplier; no extra op where it is 1 (standard parametrization stays bit-identical)."""
+    return x if multiplier == 1.0 else x * multiplier
 
 
 def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:

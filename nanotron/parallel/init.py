@@ -14,7 +14,8 @@ import hashlib
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from nanotron.models.llama import LlamaForCausalLM, param_init_std
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.parametrization import param_init_std
 
 
 @torch.no_grad()

@@ -1,0 +1,104 @@
+"""Many short single-process training runs inside this Python process (the µP benchmarks' sweeps).
+
+A fresh `python -m nanotron.train` costs seconds of start-up (imports, process group); a sweep of ~100 runs of
+a few seconds each would spend most of its time there. Each run here is the real Trainer on a world of one,
+torn down after it as the command line does, so every run starts from the same clean state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import shutil
+from pathlib import Path
+
+from benchmarks.common import REPO, ensure_data
+
+SHAKESPEARE = REPO / "data" / "corpus" / "shakespeare.jsonl"
+
+# Every sweep run: one process on the CPU, no checkpoints or TensorBoard.
+SWEEP_RUN = [
+    "--training.device=cpu",
+    "--checkpoint.save_final=false",
+    "--checkpoint.interval=0",
+    "--checkpoint.resume_from=none",
+    "--logging.tensorboard=false",
+    "--logging.peak_tflops=1",
+    "--training.max_skipped_steps=0",
+]
+
+
+def corpus_overrides(work_dir: Path, quick: bool, vocab_size: int = 1024) -> list[str]:
+    """`--data.*` overrides: the synthetic corpus for --quick, else the Shakespeare plays from `make data` with
+    their own small BPE (vocab 1024 keeps the embedding and head small next to the layers being scaled)."""
+    if quick:
+        return ensure_data(work_dir)
+    if not SHAKESPEARE.is_file():
+        raise SystemExit(f"error: {SHAKESPEARE} not found; run `make data` first (or pass --quick)")
+    from nanotron.prepare import read_jsonl_texts, train_tokenizer
+
+    tokenizer = work_dir / "shakespeare" / f"tokenizer-{vocab_size}"
+    if not (tokenizer / "tokenizer.json").is_file():
+        train_tokenizer(read_jsonl_texts(SHAKESPEARE), tokenizer, vocab_size=vocab_size)
+    cache = work_dir / "shakespeare" / "cache"
+    return [f"--data.path={SHAKESPEARE}", f"--data.tokenizer={tokenizer}", f"--data.cache_dir={cache}"]
+
+
+def train_run(name: str, args: list[str], work_dir: Path) -> tuple[list[dict], bool]:
+    """Trains one run in this process; its metrics.jsonl records, and False if it diverged (stopped at a
+    non-finite loss or gradient: the records until then are kept). The trainer's output goes to train.log."""
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.distributed import destroy_distributed
+    from nanotron.errors import DivergenceError
+    from nanotron.trainer import Trainer
+
+    run_dir = work_dir / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cfg = load_config(*parse_overrides([*SWEEP_RUN, *args, f"--job.out_dir={run_dir.parent}", f"--job.name={name}"]))
+    finished = True
+    with open(run_dir / "train.log", "w") as log, contextlib.redirect_stdout(log):
+        trainer = Trainer(cfg)
+        try:
+            trainer.train()
+        except DivergenceError as error:
+            print(f"diverged: {error}")
+            finished = False
+        finally:
+            trainer.close()
+            destroy_distributed()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records, finished
+
+
+def late_train_loss(records: list[dict], finished: bool, fraction: float = 0.2) -> float:
+    """Mean training loss over the last `fraction` of the steps; inf for a run that diverged.
+
+    In a run shorter than one pass over the data every batch is new to the model when its loss is taken, so
+    this is a held-out estimate, over far more tokens than an evaluation pass of the same cost."""
+    losses = [r["loss"] for r in records if "loss" in r]
+    tail = losses[-max(1, round(fraction * len(losses))) :]
+    if not finished or not tail or not all(math.isfinite(x) for x in tail):
+        return math.inf
+    return sum(tail) / len(tail)
+
+
+def family_overrides(width: int, depth: int, heads: int = 4, mlp_ratio: int = 4) -> list[str]:
+    """One member of a model family that grows in width (fixed head count: head_dim grows) and depth."""
+    return [
+        f"--model.hidden_size={width}",
+        f"--model.intermediate_size={mlp_ratio * width}",
+        f"--model.num_layers={depth}",
+        f"--model.num_heads={heads}",
+        f"--model.num_kv_heads={heads}",
+    ]
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """Every row, every column (the markdown next to it holds the summary, not the rows)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,157 @@
+"""One run per run dir: a lock file naming its owner (host, pid, Slurm job), taken by global rank 0.
+
+Two runs writing one run dir interleave metrics.jsonl, resume from each other's checkpoints and prune each
+other's saves. The lock is a hard link to a fully written file (atomic, and it fails when the lock exists, on
+local and NFS-style shared filesystems alike, unlike flock, which many cluster filesystems don't honour
+across nodes). A lock whose owner is gone is taken over with a note: a dead pid on this host, or an earlier
+run of the same Slurm job (a requeue: a higher SLURM_RESTART_COUNT, which Slurm starts only after the
+previous run ended, possibly on another node). Anything else is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from nanotron.errors import ConfigError
+
+LOCK_FILE = "run.lock"
+
+
+def _owner() -> dict:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
+        "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _stale_reason(owner: dict) -> str | None:
+    """Why the lock's owner can no longer be writing (None: it may be)."""
+    me = _owner()
+    restart = owner.get("slurm_restart", 0)
+    if (
+        owner.get("slurm_job_id") == me["slurm_job_id"] != ""
+        and isinstance(restart, int)
+        and restart < me["slurm_restart"]
+    ):
+        return f"an earlier run of Slurm job {owner['slurm_job_id']} (requeued)"
+    pid = owner.get("pid")
+    if owner.get("host") == me["host"] and isinstance(pid, int) and not _alive(pid):
+        return f"process {pid} on {owner['host']}, which has exited"
+    return None
+
+
+class RunLock:
+    """Held from start-up until the run ends; `release()` removes the file only if it is still ours."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LOCK_FILE
+        self.owner = _owner()
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Takes the lock, or raises ConfigError naming who holds it; returns a note when a stale one was taken."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        mine = self.path.with_name(f"{LOCK_FILE}.{self.owner['host']}.{self.owner['pid']}")
+        mine.write_text(json.dumps(self.owner))
+        note = None
+        try:
+            for _ in range(5):  # a takeover races with at most a few other starters
+                try:
+                    os.link(mine, self.path)  # atomic, fails if the lock exists, and never shows a half-written one
+                except FileExistsError:
+                    owner = self._read(self.path)
+                    if owner == {}:
+                        continue  # released meanwhile
+                    reason = "an unreadable lock file" if owner is None else _stale_reason(owner)
+                    if reason is None:
+                        raise ConfigError(self._refusal(owner)) from None
+                    self._take_over(owner)
+                    note = f"run dir: took over the lock of {reason} ({self.path})"
+                    continue
+                self.held = True
+                return note
+        finally:
+            mine.unlink(missing_ok=True)
+        raise ConfigError(f"{self.path}: other runs keep taking this run dir's lock; check who uses the run dir")
+
+    def _take_over(self, stale_owner: dict | None) -> None:
+        """Moves a stale lock aside; puts it back if another starter replaced it meanwhile with a live one."""
+        aside = self.path.with_name(f"{LOCK_FILE}.stale.{self.owner['pid']}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        if self._read(aside) != stale_owner:
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+        aside.unlink(missing_ok=True)
+
+    @staticmethod
+    def _read(path: Path) -> dict | None:
+        """The lock's owner; {} when there is no lock file any more, None when it is unreadable."""
+        try:
+            owner = json.loads(path.read_text(errors="replace"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            return None
+        return owner if isinstance(owner, dict) else None
+
+    def _refusal(self, owner: dict) -> str:
+        who = f"pid {owner.get('pid')} on {owner.get('host')}"
+        if owner.get("slurm_job_id"):
+            who += f" (Slurm job {owner['slurm_job_id']})"
+        return (
+            f"job.name: the run dir {self.path.parent} is in use by another run ({who}, since "
+            f"{owner.get('started', '?')}); pick another job.name (or job.out_dir), or stop that run; "
+            f"if it is gone and was on another host, delete {self.path}"
+        )
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        if self._read(self.path) == self.owner:
+            self.path.unlink(missing_ok=True)
+
+
+def lock_run(folders: list[Path], log=print) -> contextlib.ExitStack:
+    """Locks each distinct folder a run writes (run dir, and checkpoint.dir when it lies elsewhere)."""
+    stack = contextlib.ExitStack()
+    roots: list[Path] = []
+    for folder in (Path(f).resolve() for f in folders):
+        if not any(folder == root or root in folder.parents for root in roots):
+            roots.append(folder)
+    with contextlib.ExitStack() as undo:
+        for root in roots:
+            lock = undo.enter_context(RunLock(root))
+            if note := lock.acquire():
+                log(note)
+        stack.push(undo.pop_all())
+    return stack

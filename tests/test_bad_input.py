@@ -1,0 +1,228 @@
+"""Odd input that used to end in a traceback is one `error:` line naming the file, key or flag, exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY_MODEL, run_train, train_env
+
+import nanotron.convert
+import nanotron.generate
+import nanotron.train
+
+
+def one_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+# ---- config files and flags ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"[training]\nsteps = 1\n\xff\xfe\n", "is not UTF-8 text"),
+        (b"x = " + b"[" * 2000 + b"]" * 2000 + b"\n", "is not valid TOML"),
+    ],
+)
+def test_unreadable_toml_files_are_one_line(tmp_path, capsys, content, expected):
+    file = tmp_path / "job.toml"
+    file.write_bytes(content)
+    assert nanotron.train.main(["--config", str(file)]) == 2
+    assert f"'{file}' {expected}" in one_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [
+        ("--job.seed=18446744073709551616", "job.seed: expected a value below 2**64"),
+        ("--nproc_per_node=²", "--nproc_per_node: expected a positive integer, got '²'"),
+        ("--training.steps=1e999", "training.steps: expected int, got '1e999'"),
+    ],
+)
+def test_out_of_range_and_odd_numbers_are_one_line(capsys, flag, expected):
+    assert nanotron.train.main(["--config", f"{REPO}/configs/tiny.toml", flag]) == 2
+    assert expected in one_line(capsys)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    common = [*TINY_MODEL, *tiny_data.overrides(), "--training.steps=2"]
+    run_train([*common, f"--job.out_dir={root}", "--job.name=base"])
+    return common, root / "base" / "checkpoints"
+
+
+def copy_checkpoints(saved, tmp_path) -> tuple[list[str], Path]:
+    common, folder = saved
+    run = tmp_path / "run"
+    shutil.copytree(folder, run / "checkpoints")
+    return [*common, f"--job.out_dir={tmp_path}", "--job.name=run"], run / "checkpoints"
+
+
+@pytest.mark.slow
+def test_binary_bytes_in_latest_fall_back_to_the_newest_committed_step(saved, tmp_path):
+    args, folder = copy_checkpoints(saved, tmp_path)
+    (folder / "latest").write_bytes(b"\x00\xff\xfe step-\x80\n")
+    proc = run_train([*args, "--training.steps=3"])
+    assert f"resumed from {folder / 'step-2'}" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"step": -3}, "step: expected a non-negative integer, got -3"),
+        ({"consumed_samples": "many"}, "consumed_samples: expected a non-negative integer, got 'many'"),
+        ({"layout": 5, "step": [2]}, "step: expected a non-negative integer, got [2]"),
+    ],
+)
+def test_a_trainer_state_with_wrong_values_is_one_line(saved, tmp_path, capsys, change, expected):
+    args, folder = copy_checkpoints(saved, tmp_path)
+    state = folder / "step-2" / "trainer_state.json"
+    state.write_text(json.dumps(json.loads(state.read_text()) | change))
+    assert nanotron.train.main([*args, "--training.steps=3"]) == 2
+    assert f"'{state}' is unreadable or incomplete (ValueError: {expected})" in one_line(capsys)
+
+
+# ---- tokenizers ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def broken_tokenizers(tiny_data, tmp_path):
+    bad_config, binary = tmp_path / "bad_config", tmp_path / "binary"
+    shutil.copytree(tiny_data.tokenizer, bad_config)
+    (bad_config / "tokenizer_config.json").write_text('{"eos_token": ')
+    binary.mkdir()
+    (binary / "tokenizer.json").write_bytes(os.urandom(256))
+    return {"bad_config": (bad_config, "tokenizer_config.json' is not valid JSON"), "binary": (binary, "not UTF-8")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["bad_config", "binary"])
+def test_broken_tokenizer_files_are_one_line_for_train_generate_and_export(
+    saved, tmp_path, capsys, broken_tokenizers, which
+):
+    tokenizer, expected = broken_tokenizers[which]
+    common, folder = saved
+    assert nanotron.train.main([*common, f"--job.out_dir={tmp_path}", f"--data.tokenizer={tokenizer}"]) == 2
+    assert expected in one_line(capsys)
+    step = tmp_path / "step-2"
+    shutil.copytree(folder / "step-2", step)
+    shutil.rmtree(step / "tokenizer")
+    shutil.copytree(tokenizer, step / "tokenizer")
+    (step / "checksums.json").unlink()  # handed over without checksums: the files themselves are checked
+    assert nanotron.generate.main(["--checkpoint", str(step), "--prompt", "the"]) == 2
+    assert expected in one_line(capsys)
+    assert nanotron.convert.main(["to-hf", str(step), str(tmp_path / "hf")]) == 2
+    assert expected in one_line(capsys)
+
+
+@pytest.mark.slow
+def test_generate_refuses_a_temperature_that_is_not_a_number(saved, capsys):
+    step = saved[1] / "step-2"
+    for value in ("nan", "inf", "-1"):
+        assert nanotron.generate.main(["--checkpoint", str(step), "--prompt", "a", "--temperature", value]) == 2
+        assert "--temperature: expected a finite number >= 0" in one_line(capsys)
+
+
+# ---- Hugging Face folders ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_export(saved, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "model"
+    assert nanotron.convert.main(["to-hf", str(saved[1] / "step-2"), str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ([1, 2, 3], "config.json' is not a JSON object"),
+        ({"num_attention_heads": 0}, "model.num_heads: expected a value >= 1, got 0"),
+        ({"hidden_size": "wide"}, "lacks a usable Llama field"),
+    ],
+)
+def test_malformed_hf_configs_are_one_line(hf_export, tmp_path, capsys, config, expected):
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_export, hf)
+    original = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(config if isinstance(config, list) else original | config))
+    assert nanotron.convert.main(["from-hf", str(hf), str(tmp_path / "imported")]) == 2
+    assert expected in one_line(capsys)
+
+
+@pytest.mark.slow
+def test_from_hf_leaves_an_out_tmp_it_did_not_create(hf_export, tmp_path, capsys):
+    precious = tmp_path / "imported.tmp"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("someone else's")
+    assert nanotron.convert.main(["from-hf", str(hf_export), str(tmp_path / "imported")]) == 0
+    assert (precious / "notes.txt").read_text() == "someone else's"
+    assert (tmp_path / "imported" / "checksums.json").is_file()
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_a_fifo_in_an_hf_index_is_refused_without_hanging(hf_export, tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_export, hf)
+    from safetensors import safe_open
+
+    with safe_open(hf / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    (hf / "model.safetensors").unlink()
+    os.mkfifo(hf / "model.safetensors")  # opening it for reading would wait for a writer forever
+    index = {"weight_map": {name: "model.safetensors" for name in names}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanotron.convert", "from-hf", str(hf), str(tmp_path / "imported")],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "is not a regular file" in proc.stderr, proc.stderr
+
+
+# ---- the checkpoint dir fails mid-run (read-only or full: the same OSError path) ----
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_that_hits_the_file_size_limit_names_the_file_and_the_os_error(tiny_data, tmp_path):
+    args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--training.steps=2"]
+
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # metrics fit, shards don't
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanotron.train", *args],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert re.search(
+        r"cannot save checkpoint '.*step-2.tmp': writing '.*/__0_\d+\.distcp' failed \(File too large\)", lines[0]
+    )

@@ -1,0 +1,105 @@
+"""One run per run dir: a live owner refuses a second run in one line; a dead one's lock is taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+from conftest import TINY_MODEL, popen_train, read_metrics, run_train, wait_for_training
+
+from nanotron.errors import ConfigError
+from nanotron.lock import LOCK_FILE, RunLock, lock_run
+
+
+def write_lock(folder, **owner) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **owner}))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_held_lock_refuses_a_second_run_naming_the_owner_and_release_frees_it(tmp_path):
+    first = RunLock(tmp_path)
+    assert first.acquire() is None
+    with pytest.raises(ConfigError, match=rf"in use by another run \(pid {os.getpid()} on {socket.gethostname()}"):
+        RunLock(tmp_path).acquire()
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    with RunLock(tmp_path) as again:
+        assert again.acquire() is None
+
+
+def test_a_dead_owner_on_this_host_or_an_earlier_run_of_the_same_slurm_job_is_taken_over(tmp_path, monkeypatch):
+    write_lock(tmp_path, pid=dead_pid())
+    lock = RunLock(tmp_path)
+    assert "which has exited" in lock.acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    write_lock(tmp_path, host="node7", pid=1, slurm_job_id="4242", slurm_restart=1)  # another step of this run
+    with pytest.raises(ConfigError, match=r"\(Slurm job 4242\)"):
+        RunLock(tmp_path).acquire()
+    write_lock(tmp_path, host="node7", pid=1, slurm_job_id="4242", slurm_restart=0)  # requeued, maybe elsewhere
+    assert "Slurm job 4242 (requeued)" in RunLock(tmp_path).acquire()
+
+    (tmp_path / LOCK_FILE).write_bytes(b"\x00\xff garbage")
+    assert "unreadable lock file" in RunLock(tmp_path).acquire()
+
+
+def test_a_lock_of_another_host_or_another_job_is_refused_with_a_way_out(tmp_path, monkeypatch):
+    write_lock(tmp_path, host="node7", pid=1234)
+    with pytest.raises(ConfigError, match=rf"pid 1234 on node7.*delete {tmp_path / LOCK_FILE}"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "2")
+    write_lock(tmp_path, host="node7", pid=1234, slurm_job_id="1")
+    with pytest.raises(ConfigError, match=r"\(Slurm job 1\)"):
+        RunLock(tmp_path).acquire()
+
+
+def test_release_never_removes_a_lock_someone_else_took(tmp_path):
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    write_lock(tmp_path, host="node7", pid=99)  # e.g. removed by hand and taken by another run
+    lock.release()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == "node7"
+
+
+def test_a_checkpoint_dir_outside_the_run_dir_is_locked_too_and_a_failure_releases_what_was_taken(tmp_path):
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "ckpt"
+    write_lock(elsewhere, host="node7", pid=1)
+    with pytest.raises(ConfigError):
+        lock_run([run_dir, elsewhere])
+    assert not (run_dir / LOCK_FILE).exists()
+    with lock_run([run_dir, run_dir / "checkpoints"]):
+        assert (run_dir / LOCK_FILE).is_file() and not (run_dir / "checkpoints" / LOCK_FILE).exists()
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_is_untouched(tiny_data, tmp_path):
+    args = [*tiny_data.overrides(), *TINY_MODEL, f"--job.out_dir={tmp_path}", "--job.name=shared"]
+    first = popen_train([*args, "--training.steps=5000", "--parallelism.dp=2", "--nproc_per_node=2"])
+    try:
+        wait_for_training(first)
+        second = run_train([*args, "--training.steps=3"], check=False)
+        errors = [line for line in second.stderr.splitlines() if line.strip()]
+        assert second.returncode == 2 and len(errors) == 1, second.stderr[-2000:]
+        assert errors[0].startswith("error: job.name: the run dir") and "in use by another run" in errors[0]
+    finally:
+        first.send_signal(signal.SIGTERM)
+        output = first.communicate(timeout=180)[0]
+    assert first.returncode == 0, output[-2000:]
+    steps = [r["step"] for r in read_metrics(tmp_path / "shared") if "loss" in r]
+    assert steps == list(range(1, len(steps) + 1))  # one writer: no interleaved records
+    assert not (tmp_path / "shared" / LOCK_FILE).exists()  # released at the end, so the run resumes:
+    run_train([*args, f"--training.steps={steps[-1] + 1}"])

@@ -1,0 +1,207 @@
+"""µP: its rules (init std, LR scale, multipliers), equal to standard parametrization at the base shape, the
+same training and activation statistics at every layout as in one process, exact resume at another layout,
+and param-group settings that follow the config on resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_MODEL, read_metrics, run_train, train_losses
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from nanotron.checkpoint import OptimizerState
+from nanotron.config import load_config, parse_overrides
+from nanotron.errors import ConfigError
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.parametrization import multipliers, param_init_std, param_lr_scale
+from nanotron.optim import build_optimizer, set_lr
+from nanotron.parallel.init import init_weights
+
+# TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
+MUP = [
+    "--model.parametrization=mup",
+    "--model.mup_base_width=16",
+    "--model.mup_base_depth=2",
+    "--optimizer.decay_steps=4",  # the schedule does not depend on a leg's training.steps (resume test)
+    "--logging.activation_stats_interval=2",
+]
+STEPS = 6
+RTOL = 1e-5
+
+
+def config(*extra: str):
+    return load_config(*parse_overrides([*TINY_MODEL, *extra]))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_mup_rules_per_parameter(alpha):
+    m = config(*MUP, f"--model.mup_depth_exponent={alpha}").model  # m = 2, r = 2, base head dim 16 / 4 = 4
+    assert m.mup_base_head_dim == 4
+    std, lr = (lambda name: param_init_std(m, name)), (lambda name: param_lr_scale(m, name))
+    assert std("model.embed_tokens.weight") == std("lm_head.weight") == 0.02
+    assert std("model.layers.3.self_attn.q_proj.weight") == pytest.approx(0.02 / 2**0.5)
+    assert std("model.layers.0.mlp.up_proj.weight") == pytest.approx(0.02 / 2**0.5)
+    assert std("model.layers.1.mlp.down_proj.weight") == pytest.approx(0.02 / (2 * 2) ** 0.5 / 2**0.5)
+    assert std("model.layers.1.input_layernorm.weight") is None and std("model.norm.weight") is None
+    assert lr("model.embed_tokens.weight") == lr("lm_head.weight") == lr("model.norm.weight") == 1.0
+    depth_lr = 2 ** (alpha - 1)  # 1 for CompleteP, 1/sqrt(2) for depth-µP
+    assert lr("model.layers.2.self_attn.o_proj.weight") == pytest.approx(depth_lr / 2)
+    assert lr("model.layers.2.post_attention_layernorm.weight") == pytest.approx(depth_lr)
+    mult = multipliers(m)
+    assert mult.attention_scale == pytest.approx(4**0.5 / 8)  # 1/head_dim, = 1/sqrt(4) at the base head dim
+    assert (mult.residual, mult.logits) == (pytest.approx(2**-alpha), 0.5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_mup_at_its_base_shape_is_standard_parametrization_bit_for_bit(tied):
+    """Every µP factor is 1 at the base shape: same init, same LR per group, same losses, exactly."""
+    extra = [f"--model.tie_word_embeddings={str(tied).lower()}"]
+    base = ["--model.parametrization=mup", "--model.mup_base_width=32", "--model.mup_base_depth=4"]
+    losses = []
+    for cfg in (config(*extra), config(*extra, *base)):
+        model = LlamaForCausalLM(cfg.model)
+        init_weights(model, cfg.job.seed)
+        optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
+        assert {group["lr_scale"] for group in optimizer.param_groups} == {1.0}
+        batch = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            set_lr(optimizer, 3e-3)
+            loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    assert losses[:3] == losses[3:]
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["--model.mup_base_width=16"], "model.mup_base_width=16 only applies with model.parametrization='mup'"),
+        (["--model.parametrization=mup", "--model.mup_base_width=18"], "mup_base_width=18 is not divisible by"),
+        (["--model.mup_depth_exponent=0.5"], "model.mup_depth_exponent=0.5 only applies with"),
+        (["--model.parametrization=mup", "--model.mup_depth_exponent=2"], r"expected a value in \[0.5, 1\]"),
+    ],
+)
+def test_mup_misconfigurations_name_the_key(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        config(*overrides)
+
+
+def test_resumed_param_groups_take_lr_scale_and_weight_decay_from_the_config():
+    """Torch would copy each group's settings from the checkpoint; the config's must win (like the LR)."""
+    cfg = config(*MUP)
+    model = LlamaForCausalLM(cfg.model)
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
+    state = OptimizerState([model], [optimizer])
+    saved = state.state_dict()
+    for key in saved:  # a checkpoint of another µP base and weight decay
+        if key.endswith((".lr_scale", ".weight_decay")):
+            saved[key] = 0.123
+    state.load_state_dict(saved)
+    by_name = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        names = [by_name[id(p)] for p in group["params"]]
+        assert {param_lr_scale(cfg.model, n) for n in names} == {group["lr_scale"]}
+        assert group["weight_decay"] in (0.0, cfg.optimizer.weight_decay)
+
+
+# ---- every layout against one process (slow: real process groups) -------------------------------------------
+
+
+def train(tiny_data, out: Path, name: str, layout: list[str], steps: int = STEPS, extra: list[str] = ()) -> Path:
+    nproc = 1
+    for arg in layout:
+        key, _, value = arg.partition("=")
+        nproc *= int(value) if key in ("--parallelism.dp", "--parallelism.tp", "--parallelism.pp") else 1
+    run_train(
+        [
+            *TINY_MODEL,
+            *MUP,
+            *tiny_data.overrides(),
+            f"--job.out_dir={out}",
+            f"--job.name={name}",
+            f"--training.steps={steps}",
+            "--checkpoint.save_final=true",
+            *layout,
+            *extra,
+        ],
+        nproc=nproc,
+    )
+    return out / name
+
+
+def activation_records(run_dir: Path) -> dict[int, dict[str, float]]:
+    return {r["step"]: r for r in read_metrics(run_dir) if "act/embed" in r}
+
+
+def final_weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    target = run_dir / "weights.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{step}", target)
+    return torch.load(target, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory) -> Path:
+    return train(tiny_data, tmp_path_factory.mktemp("mup_reference"), "ref", [])
+
+
+def assert_same_activations(run_dir: Path, ref_dir: Path, steps: list[int]) -> None:
+    ours, ref = activation_records(run_dir), activation_records(ref_dir)
+    assert sorted(ours) == steps and len(ref[steps[0]]) == 1 + 1 + 3 * 4 + 2  # step, embed, 4 layers, norm, logits
+    for step in steps:
+        for name, value in ref[step].items():
+            assert ours[step][name] == pytest.approx(value, rel=RTOL, abs=0), (step, name)
+
+
+LAYOUTS = {
+    "dp2-zero3": ["--parallelism.dp=2", "--parallelism.zero_stage=3"],
+    "tp2-reduce_scatter": ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"],
+    "tp2-all_reduce-recompute": [
+        "--parallelism.tp=2",
+        "--parallelism.tp_mode=all_reduce",
+        "--parallelism.recompute_layer=true",
+    ],
+    "pp2-1f1b": ["--parallelism.pp=2"],
+    "dp2-tp2-pp2-zero3-recompute": [
+        "--parallelism.dp=2",
+        "--parallelism.tp=2",
+        "--parallelism.pp=2",
+        "--parallelism.zero_stage=3",
+        "--parallelism.recompute_layer=true",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_mup_training_and_activation_stats_match_one_process(layout, reference, tiny_data, tmp_path):
+    run_dir = train(tiny_data, tmp_path, "run", layout)
+    losses, ref_losses = train_losses(run_dir), train_losses(reference)
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=0)
+    final, ref = final_weights(run_dir), final_weights(reference)
+    diff = torch.cat([(final[n] - w).flatten() for n, w in ref.items()]).norm()
+    assert (diff / torch.cat([w.flatten() for w in ref.values()]).norm()).item() <= RTOL
+    assert_same_activations(run_dir, reference, [2, 4, 6])
+
+
+@pytest.mark.slow
+def test_mup_resume_at_another_layout_is_exact(reference, tiny_data, tmp_path):
+    """Saved at dp2 x pp2 (zero 1) after 3 steps, resumed at tp2: the losses and activations of the
+    uninterrupted 1-process run, so every group's lr_scale survived the resharded optimizer state."""
+    saved = train(
+        tiny_data, tmp_path, "saved", ["--parallelism.dp=2", "--parallelism.pp=2", "--parallelism.zero_stage=1"], 3
+    )
+    step3 = saved / "checkpoints" / "step-3"
+    resumed = train(tiny_data, tmp_path, "resumed", ["--parallelism.tp=2"], extra=[f"--checkpoint.resume_from={step3}"])
+    ref_losses = train_losses(reference)
+    assert train_losses(saved) == pytest.approx(ref_losses[:3], rel=RTOL, abs=0)
+    assert train_losses(resumed) == pytest.approx(ref_losses[3:], rel=RTOL, abs=0)
+    assert_same_activations(resumed, reference, [4, 6])
+    state = json.loads((step3 / "trainer_state.json").read_text())
+    assert state["layout"] == {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 1}
