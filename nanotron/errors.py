@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import socket
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -84,11 +85,21 @@ def _report(message: str, code: int) -> None:
 def _store():
     """A client of the launcher's key-value store (torchrun's, or rank 0's), or None when there is none."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if _world_size() == 1 or not addr or not port:
+    if _world_size() == 1 or not addr or not port or not _listening(addr, port):
         return None
     from torch.distributed import TCPStore
 
     return _quiet(lambda: TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=10)))
+
+
+def _listening(addr: str, port: str) -> bool:
+    """Whether anything accepts connections there. A store whose launcher died (SIGKILL, a lost node) refuses at
+    once, where TCPStore's client would retry for twice its timeout and print pages of C++ stack per try."""
+    try:
+        socket.create_connection((addr, int(port)), timeout=2).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _quiet(action: Callable):

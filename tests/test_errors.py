@@ -60,3 +60,28 @@ def test_an_error_on_any_rank_is_one_line_and_the_launch_exits_2(tmp_path, mode,
 def test_a_clean_run_under_the_local_launcher_exits_0(tmp_path):
     proc = launch(tmp_path, "none")
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr[-3000:]
+
+
+def test_a_dead_launcher_store_is_given_up_at_once_and_quietly(monkeypatch, capfd):
+    """When the launcher died (its store with it), a failing rank must not spend 20 s in TCPStore's connect
+    retries, printing pages of C++ stack, before it can exit."""
+    import socket
+    import time
+
+    from nanotron import errors
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    errors._store.cache_clear()
+    started = time.monotonic()
+    try:
+        assert errors._first_failure() is None
+        errors._report("the token cache is gone", 2)
+    finally:
+        errors._store.cache_clear()
+    assert time.monotonic() - started < 5
+    assert capfd.readouterr().err == "error: [rank ?] the token cache is gone\n"
