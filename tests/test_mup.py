@@ -78,6 +78,23 @@ def test_mup_at_its_base_shape_is_standard_parametrization_bit_for_bit(tied):
     assert losses[:3] == losses[3:]
 
 
+def test_the_first_adam_step_moves_each_weight_by_its_scaled_learning_rate():
+    """Adam's first step moves every weight with a gradient by lr x its group's lr_scale (|m/sqrt(v)| = 1):
+    the factors reach the update, not only the param groups."""
+    cfg = config(*MUP, "--optimizer.weight_decay=0", "--optimizer.eps=1e-30")
+    model = LlamaForCausalLM(cfg.model)
+    init_weights(model, cfg.job.seed)
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
+    set_lr(optimizer, 1e-2)
+    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+    optimizer.step()
+    for name, param in model.named_parameters():
+        moved = (param.detach() - before[name]).abs().max().item()
+        assert moved == pytest.approx(1e-2 * param_lr_scale(cfg.model, name), rel=1e-3), name
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [
