@@ -1,6 +1,6 @@
 """µTransfer: does the best learning rate of a small model stay best as it grows? Standard parametrization vs µP.
 
-    python -m benchmarks.mup_transfer [--widths 32,64,128,256] [--depths 4,16] [--lrs=-11,-5] [--steps 200]
+    python -m benchmarks.mup_transfer [--widths 32,64,128,256] [--depths 4,16] [--lrs=-11,-3] [--steps 200]
                                       [--seeds 3] [--workers 2] [--quick]
 
 For each parametrization, a learning-rate sweep (a log2 grid) trains every width at the first depth and every
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", default="32,64,128,256", help="width sweep; the first is µP's base width")
     parser.add_argument("--depths", default="4,16", help="depth sweep at the first width; the first is µP's base")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the loss-vs-width curve at the base's best LR")
-    parser.add_argument("--lrs", default="-11,-5", help="log2 LR grid: first,last (every integer between)")
+    parser.add_argument("--lrs", default="-11,-3", help="log2 LR grid: first,last (every integer between)")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run")
     parser.add_argument("--head-dim", type=int, default=16, help="head dim of every model (heads = width / it)")
     parser.add_argument("--workers", type=int, default=2, help="processes running the sweep's runs")
