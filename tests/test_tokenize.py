@@ -294,3 +294,24 @@ def test_a_run_that_died_mid_shard_leaves_nothing_behind_once_resumed(corpus, tm
     assert len(json.loads((tmp_path / "out" / PROGRESS).read_text())["shards"]) == 2
     assert tokenize(corpus, tmp_path / "out", "--workers", "1") == 0
     assert files(tmp_path / "out") == files(tmp_path / "reference")
+
+
+def test_workers_ignore_every_stop_signal_the_trainer_handles(monkeypatch):
+    """A trainer tokenizing a small corpus at start-up traps SIGUSR1 too (Slurm's --signal): a signal to the
+    whole process group must not kill its tokenize workers (SIGUSR1's default action ends a process)."""
+    import multiprocessing
+
+    from nanotron.signals import STOP_SIGNALS
+
+    monkeypatch.setattr(encode, "Encoder", lambda *args: None)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+
+    def worker():
+        encode._init_worker(os.getppid(), "", 0, "uint16")
+        queue.put({signal.Signals(s).name: signal.getsignal(s) == signal.SIG_IGN for s in STOP_SIGNALS})
+
+    process = context.Process(target=worker)
+    process.start()
+    assert queue.get(timeout=60) == {"SIGUSR1": True, "SIGTERM": True, "SIGINT": True}
+    process.join(timeout=60)

@@ -48,7 +48,7 @@ def resolve_model(model: ModelConfig) -> None:
     _resolve_mup(m)
 
 
-_MUP_KEYS = {"mup_base_width": 0, "mup_base_depth": 0, "mup_base_head_dim": 0, "mup_depth_exponent": 1.0}
+_MUP_KEYS = {f.name: f.default for f in fields(ModelConfig) if f.name.startswith("mup_")}  # standard: defaults only
 
 
 def _resolve_mup(m: ModelConfig) -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from nanotron.errors import ConfigError, DataError, run_command
+from nanotron.signals import ABORT_EXIT_CODE
 from nanotron.tokenize.format import check_files, read_meta
 from nanotron.tokenize.sources import resolve_sources
 from nanotron.tokenize.writer import DEFAULT_SHARD_TOKENS, tokenize
@@ -86,7 +87,7 @@ def _main(argv: list[str]) -> int:
         )
     except KeyboardInterrupt:
         print(f"interrupted: {args.out} keeps its committed shards; re-run the same command to resume", file=sys.stderr)
-        return 130
+        return ABORT_EXIT_CODE
     print(f"tokenize: {summary(meta)} in {args.out} ({status} in {time.perf_counter() - started:.1f} s)")
     return 0
 

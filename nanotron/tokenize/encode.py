@@ -20,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import tokenizers
 
+from nanotron.signals import STOP_SIGNALS, ignore_stop_signals
 from nanotron.tokenizer import Tokenizer
 
 BATCH_CHARS = 1 << 18  # text per task (~0.15 s of one core): pickling costs <1%, and the workers stay balanced
@@ -116,26 +117,24 @@ def _single_threaded() -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _WORKER_ENCODER: Encoder | None = None
 
 
 @contextlib.contextmanager
 def _stop_signals_blocked() -> Iterator[None]:
     """Ctrl-C or SIGTERM while a worker starts would otherwise end it mid-import with a traceback."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _init_worker(parent: int, tokenizer_json: str, eos_id: int, dtype: str) -> None:
     """Stop signals are the parent's to handle (it keeps the committed shards and exits; the worker then dies)."""
     global _WORKER_ENCODER
-    for stop in _STOP_SIGNALS:
-        signal.signal(stop, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    ignore_stop_signals()  # also SIGUSR1, which the trainer (tokenizing a small corpus at start-up) handles
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _die_with(parent)
     _WORKER_ENCODER = Encoder(tokenizer_json, eos_id, dtype)
 
