@@ -47,7 +47,7 @@ def load_tokenizer(path: str | Path, what: str = "data.tokenizer") -> Tokenizer:
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"data.tokenizer: '{file}' is not a tokenizer.json (not UTF-8 text: {e})") from None
+        raise DataError(f"{what}: '{file}' is not a tokenizer.json (not UTF-8 text: {e})") from None
     try:
         backend = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
@@ -67,7 +67,7 @@ def _eos_token(folder: Path, backend: tokenizers.Tokenizer, what: str) -> str:
         try:
             settings = json.loads(config.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise DataError(f"data.tokenizer: '{config}' is not valid JSON ({e}); fix or remove it") from None
+            raise DataError(f"{what}: '{config}' is not valid JSON ({e}); fix or remove it") from None
         token = settings.get("eos_token") if isinstance(settings, dict) else None
         token = token.get("content") if isinstance(token, dict) else token
         if token and backend.token_to_id(token) is not None:

@@ -226,3 +226,19 @@ def test_a_checkpoint_write_that_hits_the_file_size_limit_names_the_file_and_the
     assert re.search(
         r"cannot save checkpoint '.*step-2.tmp': writing '.*/__0_\d+\.distcp' failed \(File too large\)", lines[0]
     )
+
+
+def test_tokenizer_errors_name_the_option_the_caller_passes(tmp_path):
+    """`nanotron tokenize --tokenizer T` must be told about --tokenizer, not the trainer's data.tokenizer."""
+    from nanotron.errors import DataError
+    from nanotron.tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(DataError, match=r"^--tokenizer: .*not UTF-8"):
+        load_tokenizer(tmp_path, what="--tokenizer")
+    import tokenizers
+
+    (tmp_path / "tokenizer.json").write_text(tokenizers.Tokenizer(tokenizers.models.BPE()).to_str())
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"^--tokenizer: .*tokenizer_config.json' is not valid JSON"):
+        load_tokenizer(tmp_path, what="--tokenizer")

@@ -36,6 +36,7 @@ from nanotron.checkpoint import (
     read_metadata,
     read_model_weights,
     resolve_source,
+    verified_checkpoint,
 )
 from nanotron.config import CheckpointConfig, load_config, parse_overrides
 from nanotron.errors import CheckpointError
@@ -267,10 +268,10 @@ def test_corrupt_files_are_errors_naming_them(tmp_path, saved_run):
     data[: len(data) // 2] = bytes(len(data) // 2)  # same size, garbage content
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"'{shard}' is corrupt"):
-        read_model_weights(step, shapes_of(step))
+        read_model_weights(verified_checkpoint(step), shapes_of(step))
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"'{shard}' is missing"):
-        read_model_weights(step, shapes_of(step))
+        read_model_weights(verified_checkpoint(step), shapes_of(step))
 
 
 class _Exploit:

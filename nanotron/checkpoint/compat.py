@@ -59,7 +59,8 @@ def check_resume(cfg: Config, step_dir: Path) -> str | None:
     bad = [key for key in changes if refused(key, allow)]
     saved_tokenizer = step_dir / "tokenizer"
     if (saved_tokenizer / "tokenizer.json").is_file():
-        if load_tokenizer(saved_tokenizer).fingerprint != load_tokenizer(cfg.data.tokenizer).fingerprint:
+        saved = load_tokenizer(saved_tokenizer, what=f"the tokenizer saved in {step_dir}")
+        if saved.fingerprint != load_tokenizer(cfg.data.tokenizer).fingerprint:
             bad.append("data.tokenizer (another vocabulary)")
     if bad:
         listed = "; ".join(_change(key, changes) if key in changes else key for key in bad)

@@ -197,10 +197,6 @@ def read_model_weights(path: Path, expected: dict[str, torch.Size]) -> dict[str,
             problem = f"has shape {list(found[name].size)}, but its config.toml says {list(shape)}"
         if problem:
             raise CheckpointError(f"checkpoint '{path}': {name} {problem}; the checkpoint and its config disagree")
-    if (sums := integrity.saved(path)) is not None:
-        integrity.verify(
-            path, sums, names=[".metadata", *sorted({i.relative_path for i in metadata.storage_data.values()})]
-        )
     state = {name: torch.empty(found[name].size, dtype=found[name].properties.dtype) for name in expected}
     wrapped = {"model": state}
     load_dcp(path, wrapped, metadata)
