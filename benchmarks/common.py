@@ -177,13 +177,18 @@ def median_after_warmup(values: Sequence[float], warmup: int) -> float:
     return statistics.median(steady)
 
 
-def write_table(rows: list[dict], columns: Sequence[str], stem: Path) -> str:
-    """`<stem>.csv` (every column) and `<stem>.md` (a markdown table); returns the markdown."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+def write_csv(rows: list[dict], path: Path, columns: Sequence[str] | None = None) -> None:
+    """Every row, in `columns` (default: the first row's keys)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns or rows[0]), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def write_table(rows: list[dict], columns: Sequence[str], stem: Path) -> str:
+    """`<stem>.csv` (every column) and `<stem>.md` (a markdown table); returns the markdown."""
+    write_csv(rows, stem.with_suffix(".csv"), columns)
     markdown = markdown_table(rows, columns)
     stem.with_suffix(".md").write_text(markdown + "\n")
     return markdown

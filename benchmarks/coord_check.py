@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, RESULTS_DIR, markdown_table
-from benchmarks.inprocess import corpus_overrides, family_overrides, train_run, write_csv
+from benchmarks.common import DEFAULT_WORK_DIR, RESULTS_DIR, markdown_table, write_csv
+from benchmarks.inprocess import corpus_overrides, family_overrides, train_run
 
 # (id, label, overrides) of each parametrization a sweep runs.
 STANDARD = ("standard", "standard", [])

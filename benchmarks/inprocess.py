@@ -8,7 +8,6 @@ torn down after it as the command line does, so every run starts from the same c
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import math
 import shutil
@@ -94,11 +93,3 @@ def family_overrides(width: int, depth: int, heads: int = 4, mlp_ratio: int = 4)
         f"--model.num_heads={heads}",
         f"--model.num_kv_heads={heads}",
     ]
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    """Every row, every column (the markdown next to it holds the summary, not the rows)."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)

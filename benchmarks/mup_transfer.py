@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy
 
-from benchmarks.common import DEFAULT_WORK_DIR, RESULTS_DIR, markdown_table
-from benchmarks.inprocess import corpus_overrides, family_overrides, late_train_loss, train_run, write_csv
+from benchmarks.common import DEFAULT_WORK_DIR, RESULTS_DIR, markdown_table, write_csv
+from benchmarks.inprocess import corpus_overrides, family_overrides, late_train_loss, train_run
 
 PARAMETRIZATIONS = ("standard", "mup")
 LABEL = {"standard": "standard", "mup": "µP"}

@@ -169,7 +169,8 @@ def tokenize(
         meta = read_meta(out, labels.out)
         _refuse_another_job(out, meta["job"], job, labels)
         check_all(out, meta, labels.out)
-        (out / PROGRESS).unlink(missing_ok=True)  # a run killed between writing meta.json and removing this
+        if (out / PROGRESS).exists():  # a run killed between writing meta.json and removing this (read-only: no-op)
+            (out / PROGRESS).unlink()
         return meta, "reused"
     out.mkdir(parents=True, exist_ok=True)
     with _locked(out, labels):
