@@ -2,7 +2,7 @@
 
     python -m benchmarks.coord_check [--steps 10] [--seeds 3] [--lr 0.004] [--quick]
 
-A width sweep (64 -> 512, 4 layers) and a depth sweep (2 -> 16 layers, width 128) train a few steps each at one
+A width sweep (64 -> 512, 4 layers) and a depth sweep (4 -> 32 layers, width 128) train a few steps each at one
 learning rate (constant, no warmup) and log nanotron's activation statistics every step
 (`logging.activation_stats_interval = 1`: mean |x| of the embedding, each layer's attention and MLP output and
 residual stream, the final norm, the logits), averaged over seeds. Each sweep's first model is its µP base,
@@ -37,7 +37,9 @@ KINDS = ("embed", "attn", "mlp", "residual", "last residual", "norm", "logits")
 # Per-layer activations at the same relative depth (the layer ending the first half, the last layer), which
 # is how layers of models of different depths compare. A mean over layers does not: the residual stream grows
 # along the depth, and the mean of a 2-layer model weights its last layer 1/2, of a 16-layer model 1/16
-# (with linear growth (L+1)/2L: 0.75 vs 0.53, a 1.4x spread however good the parametrization).
+# (with linear growth (L+1)/2L: 0.75 vs 0.53, a 1.4x spread however good the parametrization). The depth
+# sweep starts at 4 layers: in a 2-layer model the layer ending the first half is layer 0, whose attention
+# reads the bare embedding and is several times smaller than every later layer's in every parametrization.
 AT_DEPTH = tuple(f"{kind} @{f}" for kind in ("attn", "mlp", "residual") for f in ("1/2", "1"))
 # The activations the ≤ 2x target is about: every one a model of each size has, compared like for like.
 TARGET_KINDS = ("embed", *AT_DEPTH, "norm", "logits")
@@ -169,7 +171,7 @@ def plot(rows: list[dict], sweep: str, sizes: list[int], steps: int, path: Path)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", default="64,128,256,512", help="width sweep (4 layers); the first is µP's base")
-    parser.add_argument("--depths", default="2,4,8,16", help="depth sweep (width 128); the first is µP's base")
+    parser.add_argument("--depths", default="4,8,16,32", help="depth sweep (width 128); the first is µP's base")
     parser.add_argument("--steps", type=int, default=10, help="training steps per run (statistics every step)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per point, averaged")
     parser.add_argument("--lr", type=float, default=2**-8, help="the one (constant) learning rate")

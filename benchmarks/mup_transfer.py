@@ -1,7 +1,7 @@
 """µTransfer: does the best learning rate of a small model stay best as it grows? Standard parametrization vs µP.
 
     python -m benchmarks.mup_transfer [--widths 32,64,128,256] [--depths 4,16] [--lrs=-11,-3] [--steps 200]
-                                      [--seeds 3] [--workers 2] [--quick]
+                                      [--wider-steps 600] [--seeds 3] [--workers 2] [--quick]
 
 For each parametrization, a learning-rate sweep (a log2 grid) trains every width at the first depth and every
 depth at the first width of a model family (heads of 16 dims, so the head count grows with the width;
@@ -17,6 +17,11 @@ a width doubling at these sizes). Runs go to --workers processes (one core each)
 (loss vs LR, a curve per width and one per depth, standard vs µP), wider-is-better.png (loss vs width at the
 base model's best LR), mup_transfer.csv (every run) and mup_transfer.md (best LR per size, loss vs width at
 the base's best LR, the targets) to --out.
+
+The loss-vs-width curve has its own, longer horizon (--wider-steps): in --steps = 200 steps of these sizes
+every width reaches the same loss under µP (the wide models learn more slowly at first and overtake the
+narrow ones after ~300 steps). For it the base model's LR grid is run again at --wider-steps, and every width
+trains at the best LR of that sweep (µP over --seeds seeds; standard parametrization over one).
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ PARAMETRIZATIONS = ("standard", "mup")
 LABEL = {"standard": "standard", "mup": "µP"}
 
 
-def run_point(point: tuple[str, int, int, int, int], common: list[str], args: argparse.Namespace) -> dict:
-    """One (parametrization, width, depth, log2 lr, seed) run, in this process; its row."""
-    parametrization, width, depth, log2_lr, seed = point
+def run_point(point: tuple[str, int, int, int, int, int], common: list[str], args: argparse.Namespace) -> dict:
+    """One (parametrization, width, depth, log2 lr, seed, steps) run, in this process; its row."""
+    parametrization, width, depth, log2_lr, seed, steps = point
     lr = 2.0**log2_lr
     mup = [
         "--model.parametrization=mup",
@@ -56,18 +61,20 @@ def run_point(point: tuple[str, int, int, int, int], common: list[str], args: ar
         f"--optimizer.lr={lr}",
         f"--optimizer.min_lr={lr / 10}",
         f"--job.seed={seed}",
+        f"--training.steps={steps}",
+        f"--optimizer.warmup_steps={max(steps // 10, 1)}",
     ]
     started = time.perf_counter()
-    name = f"transfer-{parametrization}-w{width}-d{depth}-lr{log2_lr}-s{seed}"
+    name = f"transfer-{parametrization}-w{width}-d{depth}-lr{log2_lr}-s{seed}-n{steps}"
     records, finished = train_run(name, overrides, args.work_dir)
     loss = late_train_loss(records, finished)
     return dict(parametrization=parametrization, width=width, depth=depth, log2_lr=log2_lr, lr=lr, seed=seed,
-                loss=loss, seconds=time.perf_counter() - started)  # fmt: skip
+                steps=steps, loss=loss, seconds=time.perf_counter() - started)  # fmt: skip
 
 
-def run_all(points: list[tuple[str, int, int, int, int]], common: list[str], args: argparse.Namespace) -> list[dict]:
+def run_all(points: list[tuple], common: list[str], args: argparse.Namespace) -> list[dict]:
     """Every point on `args.workers` processes, costliest first."""
-    points = sorted(points, key=lambda p: -(p[1] ** 2) * p[2])
+    points = sorted(points, key=lambda p: -(p[1] ** 2) * p[2] * p[5])
     if args.workers == 1:
         return [run_point(point, common, args) for point in points]
     context = multiprocessing.get_context("spawn")
@@ -75,10 +82,11 @@ def run_all(points: list[tuple[str, int, int, int, int]], common: list[str], arg
         return list(pool.map(run_point, points, [common] * len(points), [args] * len(points)))
 
 
-def curve(rows: list[dict], parametrization: str, width: int, depth: int) -> list[tuple[int, float]]:
-    """(log2 lr, loss) of one model size in the sweep (seed 0), diverged runs left out."""
-    points = [(r["log2_lr"], r["loss"]) for r in rows if (r["parametrization"], r["width"], r["depth"], r["seed"]) ==
-              (parametrization, width, depth, 0)]  # fmt: skip
+def curve(rows: list[dict], parametrization: str, width: int, depth: int, steps: int) -> list[tuple[int, float]]:
+    """(log2 lr, loss) of one model size in the sweep of `steps`-step runs (seed 0), diverged runs left out."""
+    key = (parametrization, width, depth, 0, steps)
+    points = [(r["log2_lr"], r["loss"]) for r in rows if (r["parametrization"], r["width"], r["depth"], r["seed"],
+              r["steps"]) == key]  # fmt: skip
     return sorted((x, y) for x, y in points if math.isfinite(y))
 
 
@@ -107,7 +115,7 @@ def analyse(rows: list[dict], args, width_depth: int) -> tuple[list[dict], list[
         for width, depth in sizes:
             row = {"sweep": sweep, "size": width if sweep == "width" else depth}
             for p in PARAMETRIZATIONS:
-                points = curve(rows, p, width, depth)
+                points = curve(rows, p, width, depth, args.steps)
                 fit, grid = best_log2_lr(points)
                 fitted[p].append(fit)
                 row[f"{LABEL[p]} best log2 lr (fit; grid)"] = f"{fit:.2f}; {grid}"
@@ -124,31 +132,37 @@ def analyse(rows: list[dict], args, width_depth: int) -> tuple[list[dict], list[
     return table, lines
 
 
-def base_log2_lr(rows: list[dict], args, width_depth: int) -> int:
-    """The grid LR nearest the base model's fitted best (the same model, so the same LR, in both)."""
-    return round(best_log2_lr(curve(rows, "mup", args.widths[0], width_depth))[0])
+def base_log2_lr(rows: list[dict], args, width_depth: int, steps: int) -> int:
+    """The grid LR nearest the base model's fitted best at `steps` steps (µP is standard there: one LR)."""
+    return round(best_log2_lr(curve(rows, "mup", args.widths[0], width_depth, steps))[0])
 
 
-def width_losses(rows: list[dict], parametrization: str, depth: int, log2_lr: int) -> dict[int, list[float]]:
-    """Every seed's loss per width at one LR."""
+def width_losses(rows: list[dict], args, parametrization: str, depth: int, log2_lr: int, steps: int) -> dict:
+    """Every seed's loss per width at one LR and horizon. The base width's runs count for both
+    parametrizations: it is the same model (the wider-is-better stage runs it once, as µP)."""
     losses: dict[int, list[float]] = {}
     for r in rows:
-        if (r["parametrization"], r["depth"], r["log2_lr"]) == (parametrization, depth, log2_lr):
+        if (r["depth"], r["log2_lr"], r["steps"]) == (depth, log2_lr, steps) and (
+            r["parametrization"] == parametrization or (r["width"] == args.widths[0] and r["parametrization"] == "mup")
+        ):
             losses.setdefault(r["width"], []).append(r["loss"])
     return losses
 
 
-def wider_is_better(rows: list[dict], args, width_depth: int, log2_lr: int) -> list[str]:
+def wider_is_better(rows: list[dict], args, width_depth: int, log2_lr: int, steps: int, target: bool) -> list[str]:
     lines = []
-    for p in PARAMETRIZATIONS:
-        losses = width_losses(rows, p, width_depth, log2_lr)
+    for p in ("mup", "standard"):
+        losses = width_losses(rows, args, p, width_depth, log2_lr, steps)
+        if p == "standard":  # one seed at every width: the base's seed 0 only
+            losses = {w: v[:1] for w, v in losses.items()}
         means = [statistics.fmean(losses[w]) for w in args.widths]
         monotone = all(b < a for a, b in zip(means, means[1:]))
-        verdict = f" (target: {'met' if monotone else 'MISSED'})" if p == "mup" else ""
+        verdict = f" (target: {'met' if monotone else 'MISSED'})" if p == "mup" and target else ""
         per_seed = "; ".join(f"{w}: " + " ".join(f"{x:.3f}" for x in losses[w]) for w in args.widths)
+        count = len(losses[args.widths[0]])
         lines.append(
-            f"{LABEL[p]}: at the base's best lr 2^{log2_lr}, mean loss over {len(losses[args.widths[0]])} seeds by "
-            f"width {args.widths}: " + ", ".join(f"{x:.4f}" for x in means)
+            f"{LABEL[p]}: {steps} steps at the base's best lr 2^{log2_lr}, mean loss over {count} seed(s) by width "
+            f"{args.widths}: " + ", ".join(f"{x:.4f}" for x in means)
             + (" (decreasing with width)" if monotone else " (NOT decreasing with width)")
             + f"{verdict}; per seed {per_seed}"
         )  # fmt: skip
@@ -156,6 +170,7 @@ def wider_is_better(rows: list[dict], args, width_depth: int, log2_lr: int) -> l
 
 
 def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
+    """lr-transfer.png (the --steps sweeps) and wider-is-better.png (the --wider-steps stage at `log2_lr`)."""
     try:
         import matplotlib
 
@@ -172,7 +187,7 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
         for j, p in enumerate(PARAMETRIZATIONS):
             ax = axes[i][j]
             for k, (width, depth) in enumerate(sizes):
-                points = curve(rows, p, width, depth)
+                points = curve(rows, p, width, depth, args.steps)
                 color = colors(k / max(len(sizes) - 1, 1))
                 label = f"width {width}" if sweep == "width" else f"depth {depth}"
                 ax.plot([x for x, _ in points], [y for _, y in points], marker="o", color=color, label=label)
@@ -189,7 +204,9 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for p, marker in zip(PARAMETRIZATIONS, ("s", "o")):
-        losses = width_losses(rows, p, width_depth, log2_lr)
+        losses = width_losses(rows, args, p, width_depth, log2_lr, args.wider_steps)
+        if p == "standard":
+            losses = {w: v[:1] for w, v in losses.items()}
         means = {w: statistics.fmean(losses[w]) for w in args.widths}
         xs = [w for w in args.widths if math.isfinite(means[w])]
         ax.plot(xs, [means[w] for w in xs], marker=marker, label=f"{LABEL[p]} at lr 2^{log2_lr} (base's best)")
@@ -200,7 +217,7 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xticks(args.widths, [str(w) for w in args.widths])
     ax.set_xlabel("width (hidden size)")
-    ax.set_ylabel(f"train loss, last 20% of {args.steps} steps")
+    ax.set_ylabel(f"train loss, last 20% of {args.wider_steps} steps")
     ax.set_title("Wider is better: loss vs width at the base model's best LR (mean, and each seed)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -216,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="4,16", help="depth sweep at the first width; the first is µP's base")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the loss-vs-width curve at the base's best LR")
     parser.add_argument("--lrs", default="-11,-3", help="log2 LR grid: first,last (every integer between)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run of the LR sweeps")
+    parser.add_argument("--wider-steps", type=int, default=600, help="steps per run, loss vs width")
     parser.add_argument("--head-dim", type=int, default=16, help="head dim of every model (heads = width / it)")
     parser.add_argument("--workers", type=int, default=2, help="processes running the sweep's runs")
     parser.add_argument("--quick", action="store_true", help="2 widths, 2 depths, 3 LRs, 3 steps, synthetic text")
@@ -225,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.widths, args.depths, args.lrs, args.steps, args.workers, args.seeds = "32,64", "1,2", "-8,-6", 3, 1, 2
+        args.wider_steps = 4
     args.widths = [int(w) for w in args.widths.split(",")]
     args.depths = [int(d) for d in args.depths.split(",")]
     first, last = (int(x) for x in args.lrs.split(","))
@@ -240,39 +259,44 @@ def main(argv: list[str] | None = None) -> int:
     common = [
         *corpus_overrides(args.work_dir, args.quick),
         *args.shape,
-        f"--training.steps={args.steps}",
         "--training.eval_interval=0",
         "--logging.log_interval=1",
-        f"--optimizer.warmup_steps={max(args.steps // 10, 1)}",
         "--optimizer.decay_style=cosine",
     ]
     width_depth = args.depths[0]
     sizes = [(w, width_depth) for w in args.widths] + [(args.widths[0], d) for d in args.depths[1:]]
-    points = [(p, w, d, lr, 0) for w, d in sizes for p in PARAMETRIZATIONS for lr in grid]
+    points = [(p, w, d, lr, 0, args.steps) for w, d in sizes for p in PARAMETRIZATIONS for lr in grid]
     started = time.perf_counter()
     # The first run alone, in this process: it tokenizes the corpus into the cache the workers then read.
     rows = [run_point(points[0], common, args)]
     rows += run_all(points[1:], common, args)
     for w, d in sizes:
         for p in PARAMETRIZATIONS:
-            losses = " ".join(f"{y:.3f}" for _, y in curve(rows, p, w, d))
+            losses = " ".join(f"{y:.3f}" for _, y in curve(rows, p, w, d, args.steps))
             print(f"  {p:8s} width {w:4d} depth {d:2d}: loss by lr 2^{first}..2^{last}: {losses}", flush=True)
     table, lines = analyse(rows, args, width_depth)
-    # The loss-vs-width curve at the base's best LR, over more seeds: one run's noise is as large as the gains.
-    base_lr = base_log2_lr(rows, args, width_depth)
-    seeds = [
-        (p, w, width_depth, base_lr, s) for p in PARAMETRIZATIONS for w in args.widths for s in range(1, args.seeds)
-    ]
-    rows += run_all(seeds, common, args)
-    lines += wider_is_better(rows, args, width_depth, base_lr)
-    rows.sort(key=lambda r: (r["seed"], r["depth"], r["width"], r["parametrization"], r["log2_lr"]))
+    lines += wider_is_better(rows, args, width_depth, base_log2_lr(rows, args, width_depth, args.steps), args.steps,
+                             target=False)  # fmt: skip
+    # Wider is better, at its own horizon: the base's LR grid again, then every width at its best LR (µP over
+    # --seeds seeds, since one run's noise is as large as a width doubling's gain; standard over one).
+    base = [("mup", args.widths[0], width_depth, lr, 0, args.wider_steps) for lr in grid]
+    rows += run_all(base, common, args)
+    base_lr = base_log2_lr(rows, args, width_depth, args.wider_steps)
+    lines.append(f"base model at {args.wider_steps} steps: best lr 2^{base_lr} (grid nearest the fitted best)")
+    wider = [("mup", w, width_depth, base_lr, s, args.wider_steps) for w in args.widths for s in range(args.seeds)]
+    wider += [("standard", w, width_depth, base_lr, 0, args.wider_steps) for w in args.widths[1:]]
+    rows += run_all([p for p in wider if p[0] != "mup" or p[1] != args.widths[0] or p[4] != 0], common, args)
+    lines += wider_is_better(rows, args, width_depth, base_lr, args.wider_steps, target=True)
+    rows.sort(key=lambda r: (r["steps"], r["seed"], r["depth"], r["width"], r["parametrization"], r["log2_lr"]))
     write_csv(rows, args.out / "mup_transfer.csv")
     markdown = markdown_table(table, list(table[0]))
     elapsed = time.perf_counter() - started
     (args.out / "mup_transfer.md").write_text(
-        f"{len(rows)} runs of {args.steps} steps, lr grid 2^{first}..2^{last}, width sweep at depth {width_depth}, "
-        f"depth sweep at width {args.widths[0]}, {args.seeds} seeds at the base's best lr; {elapsed / 60:.1f} min in "
-        f"all\n\n{markdown}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n"
+        f"{len(rows)} runs: lr grid 2^{first}..2^{last} at {args.steps} steps, width sweep at depth {width_depth}, "
+        f"depth sweep at width {args.widths[0]}; wider is better at {args.wider_steps} steps ({args.seeds} µP seeds "
+        f"at the base's best lr); {elapsed / 60:.1f} min in all\n\n{markdown}\n\n"
+        + "\n".join(f"- {line}" for line in lines)
+        + "\n"
     )
     print(markdown + "\n" + "\n".join(lines))
     if not plot(rows, args, width_depth, base_lr):

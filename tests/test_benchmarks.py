@@ -124,9 +124,12 @@ def test_coord_check_quick_writes_spreads_values_and_figures(tmp_path, work_dir)
 def test_mup_transfer_quick_writes_runs_best_lrs_and_figures(tmp_path, work_dir):
     stdout = run_benchmark("benchmarks.mup_transfer", tmp_path, work_dir)
     rows = read_csv(tmp_path / "mup_transfer.csv")
-    assert len(rows) == 2 * 3 * 3 + 2 * 2  # parametrizations x (2 widths + 1 depth) x 3 lrs, + 1 more seed per width
+    # parametrizations x (2 widths + 1 depth) x 3 lrs; the longer horizon's base LR grid (3), then µP's 2 seeds at
+    # both widths (the base's seed 0 is in that grid) and standard at the wider one
+    assert len(rows) == 2 * 3 * 3 + 3 + 3 + 1
+    assert {r["steps"] for r in rows} == {"3", "4"}
     summary = (tmp_path / "mup_transfer.md").read_text()
-    assert "| sweep | size | standard best log2 lr (fit; grid) |" in summary and "at the base's best lr" in summary
+    assert "| sweep | size | standard best log2 lr (fit; grid) |" in summary and "4 steps at the base's best lr" in summary
     if importlib.util.find_spec("matplotlib"):
         assert all((tmp_path / f).stat().st_size > 0 for f in ("lr-transfer.png", "wider-is-better.png"))
     else:
