@@ -141,17 +141,15 @@ class RunLock:
             self.path.unlink(missing_ok=True)
 
 
-def lock_run(folders: list[Path], log=print) -> contextlib.ExitStack:
-    """Locks each distinct folder a run writes (run dir, and checkpoint.dir when it lies elsewhere)."""
-    stack = contextlib.ExitStack()
+def lock_run(folders: list[Path]) -> contextlib.ExitStack:
+    """Locks each distinct folder a run writes (run dir, and checkpoint.dir when it lies elsewhere); the stack
+    releases them. A refusal releases the ones already taken."""
     roots: list[Path] = []
     for folder in (Path(f).resolve() for f in folders):
         if not any(folder == root or root in folder.parents for root in roots):
             roots.append(folder)
-    with contextlib.ExitStack() as undo:
+    with contextlib.ExitStack() as taken:
         for root in roots:
-            lock = undo.enter_context(RunLock(root))
-            if note := lock.acquire():
-                log(note)
-        stack.push(undo.pop_all())
-    return stack
+            if note := taken.enter_context(RunLock(root)).acquire():
+                print(note)
+        return taken.pop_all()
