@@ -25,14 +25,18 @@ WORDS = (
     "sees makes finds under over near far before after and but so then we they it is was will"
 ).split()
 
-# Keys every benchmark run shares: no evaluation, checkpoints or TensorBoard in the timed loop, one
-# metrics record per step, and a constant LR (the schedule's cost is the same at any LR).
-QUIET_RUN = [
-    "--training.eval_interval=0",
+# No checkpoints (saved or resumed) and no TensorBoard: every benchmark run, timed or swept.
+NO_OUTPUTS = [
     "--checkpoint.save_final=false",
     "--checkpoint.interval=0",
     "--checkpoint.resume_from=none",
     "--logging.tensorboard=false",
+]
+# Keys every timed benchmark run shares: those, no evaluation in the timed loop, one metrics record per
+# step, and a constant LR (the schedule's cost is the same at any LR).
+QUIET_RUN = [
+    *NO_OUTPUTS,
+    "--training.eval_interval=0",
     "--logging.log_interval=1",
     "--optimizer.warmup_steps=0",
     "--optimizer.decay_style=constant",

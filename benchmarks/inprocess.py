@@ -13,17 +13,14 @@ import math
 import shutil
 from pathlib import Path
 
-from benchmarks.common import REPO, ensure_data
+from benchmarks.common import NO_OUTPUTS, REPO, ensure_data
 
 SHAKESPEARE = REPO / "data" / "corpus" / "shakespeare.jsonl"
 
 # Every sweep run: one process on the CPU, no checkpoints or TensorBoard.
 SWEEP_RUN = [
+    *NO_OUTPUTS,
     "--training.device=cpu",
-    "--checkpoint.save_final=false",
-    "--checkpoint.interval=0",
-    "--checkpoint.resume_from=none",
-    "--logging.tensorboard=false",
     "--logging.peak_tflops=1",
     "--training.max_skipped_steps=0",
 ]

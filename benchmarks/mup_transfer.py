@@ -281,8 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     # --seeds seeds, since one run's noise is as large as a width doubling's gain; standard over one).
     base = [("mup", args.widths[0], width_depth, lr, 0, args.wider_steps) for lr in grid]
     rows += run_all(base, common, args)
+    fit, grid_best = best_log2_lr(curve(rows, "mup", args.widths[0], width_depth, args.wider_steps))
     base_lr = base_log2_lr(rows, args, width_depth, args.wider_steps)
-    lines.append(f"base model at {args.wider_steps} steps: best lr 2^{base_lr} (grid nearest the fitted best)")
+    lines.append(
+        f"base model at {args.wider_steps} steps: best lr 2^{fit:.2f} fitted (grid minimum 2^{grid_best}); every "
+        f"width trains at the grid LR nearest the fit, 2^{base_lr}"
+    )
     wider = [("mup", w, width_depth, base_lr, s, args.wider_steps) for w in args.widths for s in range(args.seeds)]
     wider += [("standard", w, width_depth, base_lr, 0, args.wider_steps) for w in args.widths[1:]]
     rows += run_all([p for p in wider if p[0] != "mup" or p[1] != args.widths[0] or p[4] != 0], common, args)
