@@ -129,7 +129,8 @@ def test_mup_transfer_quick_writes_runs_best_lrs_and_figures(tmp_path, work_dir)
     assert len(rows) == 2 * 3 * 3 + 3 + 3 + 1
     assert {r["steps"] for r in rows} == {"3", "4"}
     summary = (tmp_path / "mup_transfer.md").read_text()
-    assert "| sweep | size | standard best log2 lr (fit; grid) |" in summary and "4 steps at the base's best lr" in summary
+    assert "| sweep | size | standard best log2 lr (fit; grid) |" in summary
+    assert "4 steps at the base's best lr" in summary and "base model at 4 steps: best lr" in summary
     if importlib.util.find_spec("matplotlib"):
         assert all((tmp_path / f).stat().st_size > 0 for f in ("lr-transfer.png", "wider-is-better.png"))
     else:

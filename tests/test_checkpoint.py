@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume, resharded resume, preemption, kills at random moments, untrusted/corrupt files."""
+"""Checkpoints: exact resume, preemption, kills at random moments, untrusted/corrupt files (resume at another
+layout: test_parallel.py and test_mup.py)."""
 
 from __future__ import annotations
 
@@ -129,33 +130,6 @@ def test_a_changed_learning_rate_is_honoured_on_resume(tiny_data, tmp_path, save
     )
     logged = [r["lr"] for r in read_metrics(tmp_path / "new-lr") if "lr" in r]
     assert logged == pytest.approx([lr_at(step, cfg.optimizer, 30) for step in range(10, 30)], rel=1e-12)
-
-
-@pytest.mark.slow
-def test_resume_at_another_layout_continues_within_1e5(tiny_data, tmp_path):
-    """Saved at dp2 x pp2 with FSDP (zero 1), resumed at tp2: model, optimizer and data all reshard."""
-    common = [*tiny_data.overrides(), *TINY_MODEL, f"--job.out_dir={tmp_path}", "--training.steps=8"]
-    run_train(
-        [
-            *common,
-            "--job.name=saved",
-            "--parallelism.dp=2",
-            "--parallelism.pp=2",
-            "--parallelism.zero_stage=1",
-            "--checkpoint.interval=4",
-        ],
-        nproc=4,
-    )
-    uninterrupted = train_losses(tmp_path / "saved")
-    step4 = tmp_path / "saved" / "checkpoints" / "step-4"
-    run_train([*common, "--job.name=resumed", "--parallelism.tp=2", f"--checkpoint.resume_from={step4}"], nproc=2)
-    resumed = train_losses(tmp_path / "resumed")
-    assert len(resumed) == 4
-    assert resumed == pytest.approx(uninterrupted[4:], rel=1e-5, abs=0)
-    first = next(
-        r for r in map(json.loads, (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()) if "loss" in r
-    )
-    assert (first["step"], first["consumed_samples"]) == (5, 40)  # the data continues at global sample 32
 
 
 def _kill_mid_save(args: list[str], folder: Path, tries: int = 5) -> list[str]:
