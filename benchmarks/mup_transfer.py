@@ -132,20 +132,20 @@ def analyse(rows: list[dict], args, width_depth: int) -> tuple[list[dict], list[
     return table, lines
 
 
-def base_log2_lr(rows: list[dict], args, width_depth: int, steps: int) -> int:
-    """The grid LR nearest the base model's fitted best at `steps` steps (µP is standard there: one LR)."""
-    return round(best_log2_lr(curve(rows, "mup", args.widths[0], width_depth, steps))[0])
+def base_best_log2_lr(rows: list[dict], args, width_depth: int, steps: int) -> tuple[float, int]:
+    """(fitted, grid) best log2 LR of the base model at `steps` steps (µP is standard there: one curve)."""
+    return best_log2_lr(curve(rows, "mup", args.widths[0], width_depth, steps))
 
 
 def width_losses(rows: list[dict], args, parametrization: str, depth: int, log2_lr: int, steps: int) -> dict:
-    """Every seed's loss per width at one LR and horizon. The base width's runs count for both
-    parametrizations: it is the same model (the wider-is-better stage runs it once, as µP)."""
+    """Every seed's loss per width at one LR and horizon (standard parametrization: seed 0 only). At the base
+    width both parametrizations are one model, whose runs are µP's (the wider stage runs it only as µP)."""
     losses: dict[int, list[float]] = {}
     for r in rows:
-        if (r["depth"], r["log2_lr"], r["steps"]) == (depth, log2_lr, steps) and (
-            r["parametrization"] == parametrization or (r["width"] == args.widths[0] and r["parametrization"] == "mup")
-        ):
-            losses.setdefault(r["width"], []).append(r["loss"])
+        owner = "mup" if r["width"] == args.widths[0] else parametrization
+        if (r["parametrization"], r["depth"], r["log2_lr"], r["steps"]) == (owner, depth, log2_lr, steps):
+            if parametrization == "mup" or r["seed"] == 0:
+                losses.setdefault(r["width"], []).append(r["loss"])
     return losses
 
 
@@ -153,8 +153,6 @@ def wider_is_better(rows: list[dict], args, width_depth: int, log2_lr: int, step
     lines = []
     for p in ("mup", "standard"):
         losses = width_losses(rows, args, p, width_depth, log2_lr, steps)
-        if p == "standard":  # one seed at every width: the base's seed 0 only
-            losses = {w: v[:1] for w, v in losses.items()}
         means = [statistics.fmean(losses[w]) for w in args.widths]
         monotone = all(b < a for a, b in zip(means, means[1:]))
         verdict = f" (target: {'met' if monotone else 'MISSED'})" if p == "mup" and target else ""
@@ -205,8 +203,6 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for p, marker in zip(PARAMETRIZATIONS, ("s", "o")):
         losses = width_losses(rows, args, p, width_depth, log2_lr, args.wider_steps)
-        if p == "standard":
-            losses = {w: v[:1] for w, v in losses.items()}
         means = {w: statistics.fmean(losses[w]) for w in args.widths}
         xs = [w for w in args.widths if math.isfinite(means[w])]
         ax.plot(xs, [means[w] for w in xs], marker=marker, label=f"{LABEL[p]} at lr 2^{log2_lr} (base's best)")
@@ -275,21 +271,22 @@ def main(argv: list[str] | None = None) -> int:
             losses = " ".join(f"{y:.3f}" for _, y in curve(rows, p, w, d, args.steps))
             print(f"  {p:8s} width {w:4d} depth {d:2d}: loss by lr 2^{first}..2^{last}: {losses}", flush=True)
     table, lines = analyse(rows, args, width_depth)
-    lines += wider_is_better(rows, args, width_depth, base_log2_lr(rows, args, width_depth, args.steps), args.steps,
-                             target=False)  # fmt: skip
+    sweep_lr = round(base_best_log2_lr(rows, args, width_depth, args.steps)[0])
+    lines += wider_is_better(rows, args, width_depth, sweep_lr, args.steps, target=False)
     # Wider is better, at its own horizon: the base's LR grid again, then every width at its best LR (µP over
     # --seeds seeds, since one run's noise is as large as a width doubling's gain; standard over one).
     base = [("mup", args.widths[0], width_depth, lr, 0, args.wider_steps) for lr in grid]
     rows += run_all(base, common, args)
-    fit, grid_best = best_log2_lr(curve(rows, "mup", args.widths[0], width_depth, args.wider_steps))
-    base_lr = base_log2_lr(rows, args, width_depth, args.wider_steps)
+    fit, grid_best = base_best_log2_lr(rows, args, width_depth, args.wider_steps)
+    base_lr = round(fit)
     lines.append(
         f"base model at {args.wider_steps} steps: best lr 2^{fit:.2f} fitted (grid minimum 2^{grid_best}); every "
         f"width trains at the grid LR nearest the fit, 2^{base_lr}"
     )
-    wider = [("mup", w, width_depth, base_lr, s, args.wider_steps) for w in args.widths for s in range(args.seeds)]
+    wider = [("mup", w, width_depth, base_lr, s, args.wider_steps) for w in args.widths for s in range(args.seeds)
+             if (w, s) != (args.widths[0], 0)]  # fmt: skip  # the base's seed 0 ran in its grid
     wider += [("standard", w, width_depth, base_lr, 0, args.wider_steps) for w in args.widths[1:]]
-    rows += run_all([p for p in wider if p[0] != "mup" or p[1] != args.widths[0] or p[4] != 0], common, args)
+    rows += run_all(wider, common, args)
     lines += wider_is_better(rows, args, width_depth, base_lr, args.wider_steps, target=True)
     rows.sort(key=lambda r: (r["steps"], r["seed"], r["depth"], r["width"], r["parametrization"], r["log2_lr"]))
     write_csv(rows, args.out / "mup_transfer.csv")
