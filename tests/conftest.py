@@ -115,6 +115,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def activation_stats(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The `act/*` values of each step that logged them."""
+    records = (r for r in read_metrics(run_dir) if "act/embed" in r)
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("act/")} for r in records}
+
+
 def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 

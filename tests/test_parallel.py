@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_MODEL, read_metrics, run_train, train_losses
+from conftest import TINY_MODEL, activation_stats, read_metrics, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nanotron.config import load_config, parse_overrides
@@ -84,11 +84,6 @@ def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
 
 def eval_losses(run_dir: Path) -> list[float]:
     return [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]
-
-
-def activation_stats(run_dir: Path) -> dict[int, dict[str, float]]:
-    return {r["step"]: {k: v for k, v in r.items() if k.startswith("act/")} for r in read_metrics(run_dir) if
-            "act/embed" in r}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
