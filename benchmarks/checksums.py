@@ -22,7 +22,8 @@ import torch.distributed as dist
 from benchmarks.common import RESULTS_DIR, write_table
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, integrity
 from nanotron.config import CheckpointConfig, load_config
-from nanotron.models.llama import LlamaForCausalLM, num_params
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.shapes import num_params
 from nanotron.optim import build_optimizer
 from nanotron.parallel.init import init_weights
 

@@ -178,7 +178,7 @@ def run_once(implementation: str, args: list[str], steps: int, work_dir: Path, n
 def measure(size: str, implementations: list[str], settings: argparse.Namespace) -> list[dict]:
     """Interleaved rounds for one model size (settings: the parsed command line); a row per implementation."""
     from nanotron.config import load_config, parse_overrides
-    from nanotron.models.llama import num_params
+    from nanotron.models.shapes import num_params
 
     args = run_args(size, settings.steps, settings.global_batch, ensure_data(settings.work_dir))
     cfg = load_config(*parse_overrides(args))

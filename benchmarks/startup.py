@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes, rounds = (["tiny"], 1) if args.quick else (args.sizes.split(","), args.rounds)
     data = ensure_data(args.work_dir)
     from nanotron.config import load_config
-    from nanotron.models.llama import num_params
+    from nanotron.models.shapes import num_params
 
     rows = []
     for size in sizes:

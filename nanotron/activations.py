@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from nanotron.config import Config
+from nanotron.parallel.torch_private import in_backward_pass
 
 
 def activation_names(num_layers: int) -> list[str]:
@@ -107,7 +108,7 @@ class ActivationStats:
 
     def _hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            if torch._C._current_graph_task_id() != -1:  # a forward run again by backward: recomputation
+            if in_backward_pass():  # a forward run again by backward: recomputation
                 return
             self._add(index, output)
 

@@ -7,7 +7,7 @@ import sys
 
 COMMANDS = {
     "train": "nanotron.train",
-    "launch": "nanotron.launch",
+    "launch": "nanotron.launch.cluster",
     "tokenize": "nanotron.tokenize.cli",
     "convert": "nanotron.convert",
     "generate": "nanotron.generate",

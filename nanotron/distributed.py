@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nanotron.config import Config
 from nanotron.errors import ConfigError
+from nanotron.parallel.torch_private import flatten_mesh, set_group_timeout
 
 
 def launched_world_size() -> int:
@@ -103,9 +104,9 @@ def init_distributed(cfg: Config) -> ParallelContext:
 
 
 def set_timeout(groups: list[dist.ProcessGroup], timeout: timedelta) -> None:
-    """The collective timeout of existing groups (torch's `_set_pg_timeout`: NCCL and gloo backends)."""
+    """The collective timeout of existing groups (NCCL and gloo backends)."""
     for group in groups:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        set_group_timeout(group, timeout)
 
 
 def build_mesh(cfg: Config, device_type: str) -> DeviceMesh:
@@ -119,7 +120,7 @@ def build_mesh(cfg: Config, device_type: str) -> DeviceMesh:
         return init_device_mesh(device_type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
     names = ("pp", "dp_replicate", "dp_shard", "tp")
     mesh = init_device_mesh(device_type, (p.pp, p.dp // shard, shard, p.tp), mesh_dim_names=names)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
     return mesh
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from nanotron.config import Config
-from nanotron.parallel import async_tp_unavailable
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,28 @@ def gpu_peak_tflops(name: str, mode: str) -> float | None:
     """The dense peak of device `name` in math `mode`, or None when the table doesn't know it."""
     peak = GPU_PEAKS.get(device_model(name))
     return None if peak is None else getattr(peak, mode)
+
+
+def async_tp_unavailable(cfg: Config, device: torch.device) -> str | None:
+    """Why parallelism.tp_linear_async_communication can't take effect here (None: it can).
+
+    Async TP is inductor's micro-pipelining of sequence parallelism: it splits each all-gather before a
+    column-parallel matmul and each reduce-scatter after a row-parallel one into chunks that overlap the
+    matmul. Plain Megatron TP (all_reduce) has neither pattern, so there it would overlap nothing.
+    """
+    p = cfg.parallelism
+    if p.tp == 1:
+        return "async TP needs tp > 1"
+    if p.tp_mode == "all_reduce":
+        return (
+            "with tp_mode='all_reduce' async TP has nothing to overlap (it overlaps the all-gathers and "
+            "reduce-scatters of tp_mode='reduce_scatter' with the matmuls); use tp_mode='reduce_scatter'"
+        )
+    if not cfg.training.compile:
+        return "async TP is an inductor pass: it needs training.compile=true"
+    if device.type != "cuda":
+        return "async TP needs CUDA (symmetric memory)"
+    return None
 
 
 def set_matmul_precision(cfg: Config, device: torch.device) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from nanotron.config import Config, ProfilerConfig
 from nanotron.gpu import gpu_peak_tflops, math_mode
-from nanotron.models.llama import num_params
+from nanotron.models.shapes import num_params
 
 
 def detect_peak_tflops(device: torch.device, dtype: str, tf32: bool) -> float:

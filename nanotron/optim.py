@@ -89,17 +89,18 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
     """Global L2 norm over every DTensor shard and every pipeline stage, as a device tensor (no host sync);
     clips to max_norm when max_norm > 0.
 
-    Grads are grouped by (mesh, placements) so each group reduces its partial norms in one collective;
-    the stages' squared norms are then summed over the pp group.
+    Parameters are grouped by their gradients' (mesh, placements) so each group reduces its partial norms in
+    one collective (and foreach kernels never mix DTensors of different meshes); the stages' squared norms are
+    then summed over the pp group.
     """
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[object, list[nn.Parameter]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups[key].append(p.grad)
+            groups[key].append(p)
     squared = torch.zeros((), dtype=torch.float32)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squared = squared.to(norm.device) + norm.float() ** 2
@@ -107,7 +108,6 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
         dist.all_reduce(squared, group=pp_group)
     total = squared.sqrt()
     if max_norm > 0:
-        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for grads in groups.values():
-            torch._foreach_mul_(grads, scale)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

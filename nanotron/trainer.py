@@ -5,7 +5,6 @@ Started by `nanotron.train` (the command line); everything a step does is here.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, fields
@@ -13,13 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from nanotron.activations import ActivationStats
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
-from nanotron.checkpoint.compat import check_resume
+from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, prepare_data
 from nanotron.distributed import ParallelContext, init_distributed
@@ -35,11 +31,10 @@ from nanotron.metrics import (
     run_line,
     step_record,
 )
-from nanotron.models.llama import flops_per_token
+from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from nanotron.parallel import async_tp_unavailable, build_model, enable_async_tp
-from nanotron.parallel.fsdp import prepare_backward
-from nanotron.parallel.pipeline import build_schedule, forward_only
+from nanotron.parallel.parallelize import build_model
+from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
 from nanotron.tokenizer import copy_tokenizer
 
@@ -74,12 +69,6 @@ class Trainer:
         set_matmul_precision(cfg, self.ctx.device)
         p = cfg.parallelism
         self.corpus = prepare_data(cfg)
-        if p.tp_linear_async_communication:
-            reason = async_tp_unavailable(cfg, self.ctx.device)
-            if reason is None:
-                enable_async_tp(self.ctx)
-            elif self.ctx.rank == 0:
-                print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)
         # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
         self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
         if self.source is not None and not self.source[1]:  # a resume: refuse what it cannot honour, list the rest
@@ -91,18 +80,14 @@ class Trainer:
         self.build_seconds = time.perf_counter() - started
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
-        stage_ids = [index for index, _ in self.stages]
-        self.has_first, self.has_last = 0 in stage_ids, cfg.num_stages - 1 in stage_ids
-        self.schedule = (
-            build_schedule(self.stages, cfg, self.ctx.mesh, self.ctx.device, self.loss_fn) if p.pp > 1 else None
-        )
+        self.runner = MicrobatchRunner(self.stages, cfg, self.ctx)
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [
             build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
         ]
         self.state = TrainState()
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/tp rank logs.
-        self.is_logging_rank = self.has_last and self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
+        self.is_logging_rank = self.runner.has_last and self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
         self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
         self.checkpoints = CheckpointManager(
@@ -122,60 +107,9 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss of one microbatch; microbatches and dp ranks average to the global-batch mean."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    def compute_context(self) -> contextlib.AbstractContextManager:
-        """loss_parallel for vocab-sharded logits (bf16 is FSDP's MixedPrecisionPolicy at every layout)."""
-        return loss_parallel() if self.cfg.parallelism.tp > 1 else contextlib.nullcontext()
-
     def next_batch(self) -> torch.Tensor:
         """grad_accum_steps microbatches stacked: [grad_accum_steps * micro_batch_size, seq_len + 1]."""
         return torch.cat([next(self.loader_iter) for _ in range(self.cfg.training.grad_accum_steps)])
-
-    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor | None:
-        """Mean loss over this dp rank's part of the batch (None on ranks without the last stage)."""
-        batch = batch.to(self.ctx.device, non_blocking=True)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        n_micro = self.cfg.training.grad_accum_steps
-        with self.compute_context():
-            if self.schedule is not None:
-                losses: list[torch.Tensor] = []
-                self.schedule.step(
-                    *([inputs] if self.has_first else []),
-                    target=targets if self.has_last else None,
-                    losses=losses if self.has_last else None,
-                    return_outputs=False,
-                )
-                return torch.stack([_plain(loss).detach().float() for loss in losses]).mean() if self.has_last else None
-            model, total = self.modules[0], torch.zeros((), device=self.ctx.device)
-            for index, (inp, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
-                prepare_backward(model, self.cfg.parallelism.zero_stage, last_microbatch=index == n_micro - 1)
-                loss = self.loss_fn(model(inp), tgt) / n_micro
-                loss.backward()
-                total += _plain(loss).detach()
-            return total
-
-    @torch.no_grad()
-    def eval_loss(self, batch: torch.Tensor) -> torch.Tensor | None:
-        """Mean loss of a batch, forward only (None on ranks without the last stage)."""
-        batch = batch.to(self.ctx.device, non_blocking=True)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        with self.compute_context():
-            if self.schedule is not None:
-                losses: list[torch.Tensor] = []
-                with forward_only(self.schedule):
-                    self.schedule.eval(
-                        *([inputs] if self.has_first else []),
-                        target=targets if self.has_last else None,
-                        losses=losses if self.has_last else None,
-                        return_outputs=False,
-                    )
-                return torch.stack([_plain(loss).float() for loss in losses]).mean() if self.has_last else None
-            n_micro = self.cfg.training.grad_accum_steps
-            chunks = zip(inputs.chunk(n_micro), targets.chunk(n_micro))
-            return torch.stack([_plain(self.loss_fn(self.modules[0](i), t)) for i, t in chunks]).mean()
 
     def dp_mean(self, value: torch.Tensor | None) -> float | None:
         """The dp-average of a per-rank loss, on the host (a collective and a sync: logging steps only)."""
@@ -195,7 +129,7 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
             set_lr(optimizer, lr_at(self.state.step, self.cfg.optimizer, t.steps))
-        loss = self.forward_backward(self.next_batch())
+        loss = self.runner.forward_backward(self.next_batch())
         pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
         grad_norm = clip_grad_norm(self.params, t.clip_grad, pp_group)
         bad_loss = False if loss is None else ~torch.isfinite(loss)
@@ -222,19 +156,12 @@ class Trainer:
             )
         self.metrics.info(f"warning: non-finite loss or gradients at {where}; step skipped")
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
+        """The validation loss, averaged over dp (None on ranks without the last pipeline stage)."""
         t, p = self.cfg.training, self.cfg.parallelism
-        for module in self.modules:
-            module.eval()
         microbatches = list(eval_batches(self.corpus, t, dp=p.dp, dp_rank=self.ctx.dp_rank))
-        losses = [
-            self.eval_loss(torch.cat(microbatches[start : start + t.grad_accum_steps]))
-            for start in range(0, len(microbatches), t.grad_accum_steps)
-        ]
-        for module in self.modules:
-            module.train()
-        return self.dp_mean(torch.stack(losses).mean()) if self.has_last else None
+        steps = range(0, len(microbatches), t.grad_accum_steps)
+        return self.dp_mean(self.runner.evaluate([torch.cat(microbatches[i : i + t.grad_accum_steps]) for i in steps]))
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -331,11 +258,6 @@ class Trainer:
         self.checkpoints.close()
         self.metrics.close()
         self.stop.close()
-
-
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """A loss computed under loss_parallel is a replicated DTensor; logging wants the plain value."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _host(value: torch.Tensor | None) -> float | None:

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from nanotron.config import load_config, parse_overrides
-from nanotron.gpu import apply_env_defaults, env_defaults
-from nanotron.parallel import async_tp_unavailable
+from nanotron.gpu import apply_env_defaults, async_tp_unavailable, env_defaults
 
 
 def config(*overrides: str):

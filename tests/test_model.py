@@ -7,7 +7,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from nanotron.config import ModelConfig
-from nanotron.models.llama import LlamaForCausalLM, flops_per_token, num_params
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.shapes import flops_per_token, num_params
 from nanotron.parallel.init import init_weights
 
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import TINY_MODEL, activation_stats, read_metrics, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -16,8 +15,10 @@ from nanotron.config import load_config, parse_overrides
 from nanotron.distributed import destroy_distributed, init_distributed
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.parametrization import param_init_std
+from nanotron.parallel.fsdp import GradientSync
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import build_schedule, split_layers, split_model
+from nanotron.parallel.runner import microbatch_loss
 
 STEPS = 5
 RTOL = 1e-5
@@ -232,8 +233,7 @@ def test_first_pipeline_step_runs_each_stage_once_per_microbatch():
             module.to_empty(device="cpu")
             init_weights(module, cfg.job.seed)
             module.register_forward_pre_hook(lambda m, a, index=index: calls.__setitem__(index, calls[index] + 1))
-        loss_fn = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # noqa: E731
-        schedule = build_schedule(stages, cfg, ctx.mesh, ctx.device, loss_fn)
+        schedule = build_schedule(stages, cfg, ctx.mesh, ctx.device, microbatch_loss, GradientSync(0))
         batch = torch.randint(0, cfg.model.vocab_size, (cfg.training.global_batch_size, cfg.training.seq_len + 1))
         losses: list[torch.Tensor] = []
         schedule.step(batch[:, :-1], target=batch[:, 1:], losses=losses)

@@ -7,7 +7,7 @@ import torch
 from conftest import TINY_MODEL, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import nanotron.parallel
+import nanotron.parallel.parallelize
 import nanotron.train
 
 
@@ -26,7 +26,7 @@ def test_resume_skips_the_random_init_and_still_resumes_bit_exact(tiny_data, tmp
     def no_init(*args, **kwargs):
         raise AssertionError("the random init ran although a checkpoint overwrites it")
 
-    monkeypatch.setattr(nanotron.parallel, "init_weights", no_init)
+    monkeypatch.setattr(nanotron.parallel.parallelize, "init_weights", no_init)
     step2 = fresh / "checkpoints" / "step-2"
     code = nanotron.train.main([*common, "--job.name=resumed", f"--checkpoint.resume_from={step2}"])
     assert code == 0

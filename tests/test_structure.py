@@ -1,10 +1,16 @@
-"""The package's shape: no import cycles, a model that knows nothing of parallelism, files you can hold in
+"""The package's shape: imports only go down the layers, a training process loads only what trains, private torch
+names only behind two doors, no import cycles, a model that knows nothing of parallelism, files you can hold in
 your head. Read from the source with `ast`, so a lazy import inside a function counts too."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanotron"
 MAX_LINES = 400
@@ -73,7 +79,7 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycle_in_nanotron():
     graph = import_graph()
-    assert {"nanotron.checkpoint", "nanotron.config", "nanotron.parallel"} <= graph["nanotron.trainer"]
+    assert {"nanotron.checkpoint", "nanotron.config", "nanotron.parallel.runner"} <= graph["nanotron.trainer"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -100,3 +106,122 @@ def test_no_file_over_400_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long
+
+
+# Lowest first; a module may import from its own layer and the layers below, never from a layer above. A module
+# belongs to the layer of the longest prefix that names it.
+LAYERS = [
+    ["nanotron", "nanotron.io", "nanotron.errors", "nanotron.signals", "nanotron.config"],
+    ["nanotron.gpu", "nanotron.tokenizer", "nanotron.models"],
+    ["nanotron.parallel", "nanotron.distributed", "nanotron.optim", "nanotron.activations"],
+    ["nanotron.tokenize", "nanotron.data"],
+    ["nanotron.checkpoint", "nanotron.lock"],
+    ["nanotron.metrics", "nanotron.trainer"],
+    [  # commands
+        "nanotron.train",
+        "nanotron.launch",
+        "nanotron.plan",
+        "nanotron.tokenize.cli",
+        "nanotron.tokenize.__main__",
+        "nanotron.convert",
+        "nanotron.generate",
+        "nanotron.prepare",
+        "nanotron.cli",
+    ],
+]
+# Commands a training process never runs, so never loads (the launcher's local part, `launch.local`, it does).
+NOT_THE_TRAINERS = [
+    "nanotron.launch.cluster",
+    "nanotron.launch.flags",
+    "nanotron.launch.preflight",
+    "nanotron.plan",
+    "nanotron.tokenize.cli",
+    "nanotron.convert",
+    "nanotron.generate",
+    "nanotron.prepare",
+    "nanotron.cli",
+]
+PRIVATE_DOORS = {PACKAGE / "parallel" / "torch_private.py", PACKAGE / "checkpoint" / "torch_private.py"}
+# A private name reached through torch's modules (in code or in a pickle allow-list string), or one of the private
+# methods of torch objects this project has needed (reached through a variable, so no module prefix shows).
+PRIVATE_TORCH = re.compile(
+    r"\b(torch|dist|dcp|c10d|distributed_c10d|inductor_config)(\.\w+)*\._[A-Za-z]"
+    r"|\.(_flatten|_set_pg_timeout|_state_ctx|_fsdp_param_groups|_root_post_backward_\w+|_micro_pipeline_tp)\b"
+)
+
+
+def layer_of(module: str) -> int:
+    matches = [(len(prefix), index) for index, layer in enumerate(LAYERS) for prefix in layer if _under(module, prefix)]
+    assert matches, f"{module} is in no layer of LAYERS: add it where it belongs"
+    return max(matches)[1]
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or (prefix != "nanotron" and module.startswith(prefix + "."))
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(module)
+    ]
+
+
+def test_layer_check_finds_an_upward_import():
+    assert upward_imports({"nanotron.models.llama": {"nanotron.parallel.tensor"}, "nanotron.parallel.tensor": set()})
+    assert not upward_imports({"nanotron.trainer": {"nanotron.parallel.runner"}, "nanotron.parallel.runner": set()})
+
+
+def test_imports_only_go_down_the_layers():
+    assert not upward_imports(import_graph())
+
+
+def test_a_training_process_loads_only_what_trains():
+    """A fresh interpreter that imports the trainer's entry point holds no command it does not run."""
+    code = "import sys, nanotron.train; print('\\n'.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "nanotron.trainer" in loaded and "nanotron.launch.local" in loaded
+    assert not [m for m in loaded if any(_under(m, name) for name in NOT_THE_TRAINERS)]
+
+
+def private_torch_uses(path: Path) -> list[str]:
+    """Lines of `path` that name a private torch API (comments aside), and imports of private torch modules."""
+    found = [
+        f"{path.name}:{number}: {line.strip()}"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if PRIVATE_TORCH.search(line.split("#")[0])
+    ]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "torch" and any(part.startswith("_") and not part.startswith("__") for part in parts):
+                found.append(f"{path.name}: imports {name}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from torch.distributed._composable import checkpoint",
+        "import torch._inductor.config",
+        "dist.distributed_c10d._set_pg_timeout(timeout, group)",
+        'mesh["a", "b"]._flatten("dp")',
+        '"torch.serialization._get_layout",',
+    ],
+)
+def test_private_torch_check_finds_each_spelling(tmp_path, line):
+    (tmp_path / "m.py").write_text(line + "\n")
+    assert private_torch_uses(tmp_path / "m.py")
+
+
+def test_private_torch_names_only_behind_the_two_doors():
+    uses = [use for path in PACKAGE.rglob("*.py") if path not in PRIVATE_DOORS for use in private_torch_uses(path)]
+    assert not uses, "reach private torch APIs through parallel/ or checkpoint/torch_private.py:\n" + "\n".join(uses)

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -27,14 +26,13 @@ from torch.futures import Future
 
 import nanotron.checkpoint.integrity as integrity
 from nanotron.checkpoint.layout import find_checkpoint
+from nanotron.checkpoint.torch_private import DCP_INDEX_PRIVATE_GLOBALS, set_element
 from nanotron.errors import CheckpointError
 
 _DCP_INDEX_CLASSES = "Metadata MetadataIndex StorageMeta TensorProperties TensorStorageMetadata ChunkStorageMetadata"
 _ALLOWED_GLOBALS = {f"torch.distributed.checkpoint.metadata.{name}" for name in _DCP_INDEX_CLASSES.split()} | {
     "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
-    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "torch.serialization._get_layout",
+    *DCP_INDEX_PRIVATE_GLOBALS,
     "torch.Size",
     "pathlib.PosixPath",
     "pathlib.WindowsPath",

@@ -107,19 +107,36 @@ PRESET_COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=
 
 @dataclass(frozen=True)
 class PipelineEngine:
-    """What a `parallelism.pp_engine` is: its torch.distributed.pipelining class and what it requires."""
+    """What a `parallelism.pp_engine` is: the one table that the schedule builder (`parallel/pipeline.py`),
+    config validation and the planner read."""
 
     schedule: str  # class name in torch.distributed.pipelining
-    multi_stage: bool  # runs pp_stages_per_rank virtual stages per rank
-    needs_pp_microbatches: bool  # keeps pp microbatches in flight: grad_accum_steps >= pp
+    stage_order: str  # "one": a stage per rank; "loop": rank r runs r, r+pp, ...; "v": rank r runs r and 2pp-1-r
+    split_backward: bool  # input and weight gradients in separate passes (zero bubble)
+    fills_pipeline: bool  # keeps pp microbatches in flight: needs grad_accum_steps >= pp
+    forward_all_first: bool = False  # every forward before any backward (GPipe): all activations held at once
+
+    def stages_per_rank(self, pp_stages_per_rank: int) -> int:
+        return 1 if self.stage_order == "one" else pp_stages_per_rank
+
+    def min_microbatches(self, pp: int) -> int:
+        return pp if self.fills_pipeline else 1
+
+    def bubble_fraction(self, pp: int, n_microbatches: int, pp_stages_per_rank: int) -> float:
+        """Idle time relative to compute: (pp-1)/(microbatches x loop-interleaved stages); a split backward
+        fills two thirds of it with deferred weight gradients."""
+        if pp == 1:
+            return 0.0
+        v = pp_stages_per_rank if self.stage_order == "loop" else 1
+        return (pp - 1) / (n_microbatches * v) * (1 / 3 if self.split_backward else 1)
 
 
 PP_ENGINES = {
-    "1f1b": PipelineEngine("Schedule1F1B", multi_stage=False, needs_pp_microbatches=True),
-    "afab": PipelineEngine("ScheduleGPipe", multi_stage=False, needs_pp_microbatches=False),
-    "interleaved_1f1b": PipelineEngine("ScheduleInterleaved1F1B", multi_stage=True, needs_pp_microbatches=True),
-    "zero_bubble": PipelineEngine("ScheduleInterleavedZeroBubble", multi_stage=True, needs_pp_microbatches=True),
-    "zbv": PipelineEngine("ScheduleZBVZeroBubble", multi_stage=True, needs_pp_microbatches=False),
+    "1f1b": PipelineEngine("Schedule1F1B", "one", split_backward=False, fills_pipeline=True),
+    "afab": PipelineEngine("ScheduleGPipe", "one", split_backward=False, fills_pipeline=False, forward_all_first=True),
+    "interleaved_1f1b": PipelineEngine("ScheduleInterleaved1F1B", "loop", split_backward=False, fills_pipeline=True),
+    "zero_bubble": PipelineEngine("ScheduleInterleavedZeroBubble", "loop", split_backward=True, fills_pipeline=True),
+    "zbv": PipelineEngine("ScheduleZBVZeroBubble", "v", split_backward=True, fills_pipeline=False),
 }
 
 
@@ -163,7 +180,11 @@ class TrainingConfig:
         0, "samples per optimizer step across all ranks; 0 = micro_batch_size * grad_accum_steps * dp", min=0
     )
     seq_len: int = _opt(128, "tokens per sample", min=1)
-    dtype: str = _opt("float32", "compute dtype (bfloat16 = autocast / FSDP mixed precision)", ("float32", "bfloat16"))
+    dtype: str = _opt(
+        "float32",
+        "compute dtype (bfloat16: FSDP mixed precision, bf16 compute with fp32 master weights and reductions)",
+        ("float32", "bfloat16"),
+    )
     clip_grad: float = _opt(1.0, "max global grad norm; 0 disables clipping", min=0.0)
     max_skipped_steps: int = _opt(
         0, "steps with a non-finite loss or gradient skipped (not applied) before the run stops", min=0
@@ -306,7 +327,7 @@ class Config:
     def num_stages(self) -> int:
         """Pipeline stages in all: pp, times pp_stages_per_rank for multi-stage engines."""
         p = self.parallelism
-        return p.pp * (p.pp_stages_per_rank if PP_ENGINES[p.pp_engine].multi_stage else 1)
+        return p.pp * PP_ENGINES[p.pp_engine].stages_per_rank(p.pp_stages_per_rank)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in asdict(self).items()}

@@ -121,7 +121,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"processes were launched; set dp, tp, pp so their product is {world_size}"
         )
     _resolve_batch(cfg)
-    if p.pp > 1 and PP_ENGINES[p.pp_engine].needs_pp_microbatches and t.grad_accum_steps < p.pp:
+    if p.pp > 1 and t.grad_accum_steps < PP_ENGINES[p.pp_engine].min_microbatches(p.pp):
         raise ConfigError(
             f"parallelism.pp_engine='{p.pp_engine}' with pp={p.pp} needs at least {p.pp} microbatches "
             f"per step, got grad_accum_steps={t.grad_accum_steps}; raise grad_accum_steps "
@@ -153,13 +153,13 @@ def _validate_parallelism(cfg: Config) -> None:
             f"parallelism.dp_shard={p.dp_shard} shards within groups, but zero_stage=0 replicates everything; "
             "set parallelism.zero_stage >= 1 for HSDP, or dp_shard=0"
         )
-    if p.pp > 1 and p.zero_stage == 3 and p.pp_engine in ("zero_bubble", "zbv"):
+    if p.pp > 1 and p.zero_stage == 3 and PP_ENGINES[p.pp_engine].split_backward:
         raise ConfigError(
             f"parallelism.zero_stage=3 with pp_engine='{p.pp_engine}' computes wrong gradients in torch's split "
             "backward (parameters freed after forward); use zero_stage=2 (gradients stay sharded) or "
             "pp_engine '1f1b' or 'interleaved_1f1b'"
         )
-    if p.pp_engine == "zbv" and p.pp_stages_per_rank != 2:
+    if PP_ENGINES[p.pp_engine].stage_order == "v" and p.pp_stages_per_rank != 2:
         raise ConfigError("parallelism.pp_engine='zbv' needs parallelism.pp_stages_per_rank=2 (a V of two stages)")
     stages = cfg.num_stages
     if p.pp > 1 and m.num_layers < stages:

@@ -21,8 +21,8 @@ from nanotron.config import Config, DataConfig, TrainingConfig
 from nanotron.data.order import Blend
 from nanotron.data.tokens import TokenizedData, open_tokenized
 from nanotron.errors import ConfigError, DataError
-from nanotron.tokenize.cli import available_cpus, summary
-from nanotron.tokenize.format import META, is_tokenized
+from nanotron.tokenize.encode import available_cpus
+from nanotron.tokenize.format import META, is_tokenized, summary
 from nanotron.tokenize.sources import Labels, Source, is_hub_name, resolve_sources
 from nanotron.tokenize.writer import DEFAULT_SHARD_TOKENS, job_of, tokenize
 from nanotron.tokenizer import Tokenizer, load_tokenizer

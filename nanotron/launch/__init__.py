@@ -1,7 +1,5 @@
 """Launching runs: `local` starts workers on this machine (torchrun with job-friendly exit codes and
 signals; also each Slurm node's launcher), `cluster` submits a run to Slurm with the seed launcher's flags
-(`python -m nanotron.launch`): `flags` turns them into a config, `preflight` checks what would fail in the queue."""
+(`python -m nanotron.launch`): `flags` turns them into a config, `preflight` checks what would fail in the queue.
 
-from nanotron.launch.cluster import main
-
-__all__ = ["main"]
+Nothing is imported here: the trainer loads `launch.local` alone, never the Slurm submitter."""

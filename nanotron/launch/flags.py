@@ -145,7 +145,7 @@ def fit_max_seq_len(path: Path, args: argparse.Namespace, overrides: list[tuple[
 
 def model_summary(cfg: Config) -> str:
     """The model a run trains, in one line: what --model_size, the file and the flags resolved to."""
-    from nanotron.models.llama import num_params
+    from nanotron.models.shapes import num_params
 
     m, count = cfg.model, num_params(cfg.model)
     size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"

@@ -133,25 +133,3 @@ class LlamaForCausalLM(nn.Module):
 def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
     """x times a µP multiplier; no extra op where it is 1 (standard parametrization stays bit-identical)."""
     return x if multiplier == 1.0 else x * multiplier
-
-
-def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
-    """Parameter count from the config (no model needed): used for FLOPs and memory estimates."""
-    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    layer = 2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size + 2 * h
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return cfg.num_layers * layer + h + head + (cfg.vocab_size * h if include_embedding else 0)
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul weights, lm_head included) + causal-free attention 12·L·H·T.
-
-    The attention term counts QK^T and AV for forward (4·T·H per layer) times 3 for forward+backward,
-    as in the PaLM/Megatron MFU convention (no discount for the causal mask). Norm weights and the
-    embedding lookup do no matmul and are not counted.
-    """
-    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
-    matmul_params = num_params(cfg, include_embedding=False) - norms
-    if cfg.tie_word_embeddings:
-        matmul_params += cfg.vocab_size * cfg.hidden_size
-    return 6 * matmul_params + 12 * cfg.num_layers * cfg.hidden_size * seq_len

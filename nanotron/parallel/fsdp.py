@@ -5,7 +5,7 @@ It is applied at every dp size, dp=1 included (its collectives are then no-ops),
 one mechanism everywhere: FSDP's MixedPrecisionPolicy casts parameters to bf16 for compute and reduces
 gradients in fp32 against fp32 master weights, and a dp=1 run computes exactly as a dp=8 run does.
 
-What each ZeRO stage keeps between the microbatches of a step (the memory promise, DESIGN contract 11):
+What each ZeRO stage keeps between the microbatches of a step (its memory promise):
   0  full parameters, gradients and optimizer state; gradients all-reduced once per step.
   1  sharded optimizer state and parameters; gradients accumulate unsharded and are reduce-scattered once
      per step, and gathered parameters stay gathered until the step's last backward (fewest collectives).
@@ -17,14 +17,15 @@ deferring every reduction to the step's end.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import stage_backward
 
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.torch_private import reduce_accumulated_gradients, replicate, stage_backward
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
@@ -53,30 +54,29 @@ def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dt
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
 
 
-def prepare_backward(module: FSDPModule, zero_stage: int, last_microbatch: bool) -> None:
-    """Before a microbatch's backward: whether it reduces its gradients now, and whether it frees the gathered
-    parameters after. Stages 0/1 defer both to the step's last microbatch; 2/3 reduce-scatter every time."""
-    module.set_requires_gradient_sync(zero_stage >= 2 or last_microbatch)
-    module.set_reshard_after_backward(zero_stage == 3 or last_microbatch)
+@dataclass(frozen=True)
+class GradientSync:
+    """The ZeRO stage's rule for each microbatch's backward, one object for the plain loop and the pipeline:
+    whether the gradients are reduced now or once at the step's end, and whether the gathered parameters are
+    freed after it. Stages 0/1 defer both to the step's last microbatch; 2/3 reduce-scatter every time."""
 
+    zero_stage: int
 
-def reduce_gradients(module: FSDPModule, reshard: bool) -> None:
-    """Reduce-scatters the gradients `module` accumulated unsharded, now (outside autograd's hooks).
+    @property
+    def every_microbatch(self) -> bool:
+        return self.zero_stage >= 2
 
-    What torch's pipeline stage does once per step (`perform_reduce_grad`) minus the gradient scaling,
-    reaching into the same FSDP internals for it.
-    """
-    module.set_requires_gradient_sync(True)
-    module.set_reshard_after_backward(reshard)
-    state = fully_shard.state(module)
-    for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
-            group.post_backward()
-    state._root_post_backward_final_callback()
+    @property
+    def reshard_after_backward(self) -> bool:
+        return self.zero_stage == 3
+
+    def before_backward(self, module: FSDPModule, last_microbatch: bool) -> None:
+        module.set_requires_gradient_sync(self.every_microbatch or last_microbatch)
+        module.set_reshard_after_backward(self.reshard_after_backward or last_microbatch)
 
 
 class ZeroPipelineStage(PipelineStage):
-    """A pipeline stage whose gradient reduction follows the ZeRO stage.
+    """A pipeline stage whose gradient reduction follows the ZeRO stage's `GradientSync`.
 
     torch's stage turns FSDP's gradient sync off for every microbatch and reduces once at the step's end,
     so FSDP accumulates full unsharded gradients (and keeps every gathered parameter) across the step. For
@@ -85,22 +85,21 @@ class ZeroPipelineStage(PipelineStage):
     part, when the microbatch's gradients are complete. The step-end reduction then finds nothing left.
     """
 
-    def __init__(self, *args, zero_stage: int, **kwargs):
+    def __init__(self, *args, sync: GradientSync, **kwargs):
         super().__init__(*args, **kwargs)
-        self.zero_stage = zero_stage
+        self.sync = sync
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if self.zero_stage < 2 or not isinstance(self.submod, FSDPModule):
+        if not self.sync.every_microbatch or not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        reshard = self.zero_stage == 3
         if backward_type == "full":
             self.submod.set_is_last_backward(True)
-            prepare_backward(self.submod, self.zero_stage, last_microbatch=False)
+            self.sync.before_backward(self.submod, last_microbatch=False)
             grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
             return grads, None
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if backward_type == "weight":
             # The schedule finds pending weight passes' parameters by the module's registered (gathered) ones:
             # free them only when no microbatch still waits for its weight gradients.
-            reduce_gradients(self.submod, reshard and not self.backward_state)
+            reduce_accumulated_gradients(self.submod, self.sync.reshard_after_backward and not self.backward_state)
         return result

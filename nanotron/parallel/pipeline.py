@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.parallel.fsdp import ZeroPipelineStage
+from nanotron.models.shapes import head_forward_flops, layer_forward_flops
+from nanotron.parallel.fsdp import GradientSync, ZeroPipelineStage
 
 
 def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
@@ -26,10 +27,8 @@ def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     The embedding does no matmul, but its backward scatter-add and optimizer update touch vocab x hidden
     values, so it is counted as half the head.
     """
-    h = cfg.hidden_size
-    layer = 2 * (2 * h * h + 2 * h * cfg.num_kv_heads * cfg.head_dim + 3 * h * cfg.intermediate_size) + 4 * h * seq_len
-    head = 2 * h * cfg.vocab_size
-    return head / 2, layer, head
+    head = head_forward_flops(cfg)
+    return head / 2, layer_forward_flops(cfg, seq_len), head
 
 
 def split_layers(num_layers: int, n_stages: int, costs: tuple[float, float, float]) -> list[range]:
@@ -63,7 +62,7 @@ def split_layers(num_layers: int, n_stages: int, costs: tuple[float, float, floa
 def stage_indices(cfg: Config, pp_rank: int) -> list[int]:
     """Which global stages this rank runs: loop order for interleaved schedules, a V for zbv."""
     p = cfg.parallelism
-    if p.pp_engine == "zbv":
+    if PP_ENGINES[p.pp_engine].stage_order == "v":
         return [pp_rank, 2 * p.pp - 1 - pp_rank]
     return list(range(pp_rank, cfg.num_stages, p.pp))
 
@@ -95,27 +94,22 @@ def build_schedule(
     mesh: DeviceMesh,
     device: torch.device,
     loss_fn: Callable,
+    sync: GradientSync,
 ):
     """The `parallelism.pp_engine` schedule over this rank's stages (one microbatch per gradient-accumulation
-    step); gradients are averaged over the microbatches and reduced as the ZeRO stage says (ZeroPipelineStage).
+    step); gradients are averaged over the microbatches and reduced as `sync` (the ZeRO stage's rule) says.
     `mesh` is the whole device mesh (its "pp" and "tp" dimensions are used)."""
-    n, zero_stage = cfg.num_stages, cfg.parallelism.zero_stage
+    n = cfg.num_stages
     pipeline_stages = [
         ZeroPipelineStage(
-            module,
-            index,
-            n,
-            device,
-            group=mesh["pp"].get_group(),
-            zero_stage=zero_stage,
-            **stage_shapes(cfg, index, mesh),
+            module, index, n, device, group=mesh["pp"].get_group(), sync=sync, **stage_shapes(cfg, index, mesh)
         )
         for index, module in stages
     ]
     engine = PP_ENGINES[cfg.parallelism.pp_engine]
     schedule_cls = getattr(pipelining, engine.schedule)
     n_microbatches = cfg.training.grad_accum_steps
-    staged = pipeline_stages if engine.multi_stage else pipeline_stages[0]
+    staged = pipeline_stages if engine.stage_order != "one" else pipeline_stages[0]
     return schedule_cls(staged, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
@@ -128,7 +122,7 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
     vocab-sharded DTensors under TP, whose gradient metadata static mode then needs as well.
     """
     m, t, p = cfg.model, cfg.training, cfg.parallelism
-    dtype = torch.bfloat16 if t.dtype == "bfloat16" else torch.float32
+    dtype = getattr(torch, t.dtype)
     seq = t.seq_len // p.tp if p.tp > 1 and p.tp_mode == "reduce_scatter" else t.seq_len
 
     def hidden(requires_grad: bool) -> torch.Tensor:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from torch.distributed._composable import checkpoint
-
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.torch_private import checkpoint_in_place
 
 
 def apply_recompute(model: LlamaForCausalLM) -> None:
-    """The composable `checkpoint` hooks the layer in place, so parameter names (FQNs) don't change."""
+    """Hooks each layer in place, so parameter names (FQNs) don't change."""
     for layer in model.model.layers.values():
-        checkpoint(layer)
+        checkpoint_in_place(layer)

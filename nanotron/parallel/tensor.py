@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -22,6 +21,21 @@ from torch.distributed.tensor.parallel import (
 )
 
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.torch_private import AsyncCollectiveTensor
+
+# The linears of a decoder layer: column-parallel ones shard their output features (weight dim 0), row-parallel
+# ones their input features (weight dim 1). The vocab-parallel embedding and head shard vocab rows (dim 0).
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+VOCAB_PARALLEL = ("model.embed_tokens", "lm_head")
+
+
+def tp_shard_dim(name: str) -> int | None:
+    """The weight dimension TP splits for parameter `name` (a layer-relative or full name); None: replicated."""
+    module = name.removesuffix(".weight")
+    if module.endswith(COLWISE) or module in VOCAB_PARALLEL:
+        return 0
+    return 1 if module.endswith(ROWWISE) else None
 
 
 def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -33,13 +47,8 @@ def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     }
     layer_plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+        **{name: ColwiseParallel() for name in COLWISE},
+        **{name: RowwiseParallel(output_layouts=residual) for name in ROWWISE},
         **(norm_plan | gather_plan if sequence_parallel else {}),
     }
     for layer in model.model.layers.values():

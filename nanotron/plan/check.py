@@ -56,16 +56,15 @@ def distinct_ranks(cfg: Config) -> list[tuple[int, int, int]]:
 
 def check_ranks(cfg: Config) -> list[RankCheck]:
     """Builds each distinct rank on a fake process group of cfg.world_size ranks."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from nanotron.parallel import parallelize
+    from nanotron.parallel.parallelize import parallelize
+    from nanotron.parallel.torch_private import fake_process_group
 
     if dist.is_initialized():
         raise RuntimeError("nanotron plan --check needs a process without a process group")
     results = []
     for pp_rank, dp_rank, tp_rank in distinct_ranks(cfg):
         rank = rank_of(cfg, pp_rank, dp_rank, tp_rank)
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cfg.world_size)
+        fake_process_group(rank, cfg.world_size)
         try:
             mesh = build_mesh(cfg, "cpu")
             built = parallelize(cfg, _Coordinates(mesh, mesh["pp"].get_local_rank()))

@@ -16,7 +16,7 @@ import sys
 
 from nanotron.config import Config, load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
-from nanotron.models.llama import num_params
+from nanotron.models.shapes import num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
 from nanotron.plan.search import reserve_bytes, search, usable_bytes
 from nanotron.plan.timing import GPUS, Gpu, estimate_step, parse_gpu

@@ -12,8 +12,10 @@ import functools
 import math
 from dataclasses import dataclass
 
-from nanotron.config import Config, ModelConfig
+from nanotron.config import PP_ENGINES, Config, ModelConfig
+from nanotron.models.shapes import element_bytes, layer_shapes, root_shapes
 from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
+from nanotron.parallel.tensor import tp_shard_dim
 
 GIB = 2**30
 FP32 = 4
@@ -37,31 +39,13 @@ class Param:
 
 
 def layer_params(m: ModelConfig, index: int) -> list[Param]:
-    h, q, kv, i = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
     prefix = f"model.layers.{index}."
-    shapes = [
-        ("input_layernorm.weight", (h,), None),
-        ("self_attn.q_proj.weight", (q, h), 0),
-        ("self_attn.k_proj.weight", (kv, h), 0),
-        ("self_attn.v_proj.weight", (kv, h), 0),
-        ("self_attn.o_proj.weight", (h, q), 1),
-        ("post_attention_layernorm.weight", (h,), None),
-        ("mlp.gate_proj.weight", (i, h), 0),
-        ("mlp.up_proj.weight", (i, h), 0),
-        ("mlp.down_proj.weight", (h, i), 1),
-    ]
-    return [Param(prefix + name, shape, dim) for name, shape, dim in shapes]
+    return [Param(prefix + name, shape, tp_shard_dim(name)) for name, shape in layer_shapes(m).items()]
 
 
 def stage_params(m: ModelConfig, layers: range, first: bool, last: bool) -> tuple[list[Param], list[Param]]:
     """(root params, per-layer params) of one pipeline stage; FQNs as in the model (layout-independent)."""
-    root = []
-    if first:
-        root.append(Param("model.embed_tokens.weight", (m.vocab_size, m.hidden_size), 0))
-    if last:
-        root.append(Param("model.norm.weight", (m.hidden_size,), None))
-        if not m.tie_word_embeddings:
-            root.append(Param("lm_head.weight", (m.vocab_size, m.hidden_size), 0))
+    root = [Param(name, shape, tp_shard_dim(name)) for name, shape in root_shapes(m, first, last).items()]
     return root, [p for index in layers for p in layer_params(m, index)]
 
 
@@ -128,16 +112,16 @@ def in_flight(cfg: Config, pp_rank: int) -> float:
     interleaved warm-up and the last rank about every microbatch; ranks between are interpolated (approximate).
     """
     p, n = cfg.parallelism, cfg.training.grad_accum_steps
+    engine = PP_ENGINES[p.pp_engine]
     if p.pp == 1:
         return 1
-    engine = p.pp_engine
-    if engine == "afab":
+    if engine.forward_all_first:
         return n
-    if engine == "1f1b":
+    if engine.stage_order == "one":
         return min(p.pp - pp_rank, n)
     v = p.pp_stages_per_rank
     interleaved = min(n * v, (v - 1) * p.pp + 2 * (p.pp - 1 - pp_rank) + 1) / v
-    if engine == "interleaved_1f1b":
+    if not engine.split_backward:
         return interleaved
     return interleaved + (n - interleaved) * pp_rank / (p.pp - 1)
 
@@ -151,7 +135,7 @@ def layer_activation_bytes(cfg: Config, tokens: int) -> tuple[float, float]:
     saves gate, up, silu(gate) and their product. Recompute keeps only each layer's input.
     """
     m, p = cfg.model, cfg.parallelism
-    e = 2 if cfg.training.dtype == "bfloat16" else 4
+    e = element_bytes(cfg.training.dtype)
     tp, sp = p.tp, p.tp if p.tp_mode == "reduce_scatter" else 1
     h, kv, i = m.hidden_size, m.num_kv_heads * m.head_dim, m.intermediate_size
     norms = 2 * ((FP32 + e) * h / sp + e * h)
@@ -165,7 +149,7 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     chunks), plus "activations_saved" (what autograd holds: the measured quantity) and "total"."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     shard, n_micro = cfg.dp_shard_size, t.grad_accum_steps
-    e = 2 if t.dtype == "bfloat16" else 4
+    e = element_bytes(t.dtype)
     tokens = t.micro_batch_size * t.seq_len
     sp = p.tp if p.tp_mode == "reduce_scatter" else 1
     stages = rank_stages(cfg, pp_rank)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanotron.config import Config
+from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
 from nanotron.gpu import GPU_PEAKS
-from nanotron.models.llama import flops_per_token
-from nanotron.plan.memory import FP32, layer_params, local_numel, rank_stages
+from nanotron.models.shapes import element_bytes, flops_per_token, layer_forward_flops
+from nanotron.plan.memory import FP32, local_numel, rank_stages
 
 
 @dataclass(frozen=True)
@@ -81,17 +81,14 @@ def ring_gb(bytes_: float, group: int, all_reduce: bool = False) -> float:
 def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) -> StepEstimate:
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     world, n_micro, shard = cfg.world_size, t.grad_accum_steps, cfg.dp_shard_size
-    e = 2 if t.dtype == "bfloat16" else 4
+    e = element_bytes(t.dtype)
     peak = gpu.peak_tflops * (1 if t.dtype == "bfloat16" else 0.5) * 1e12
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
     flops = model_flops
     if p.recompute_layer:  # one more forward of every decoder layer
-        flops += tokens_step * m.num_layers * layer_forward_flops(cfg)
-    bubble = 0.0
-    if p.pp > 1:
-        v = p.pp_stages_per_rank if p.pp_engine in ("interleaved_1f1b", "zero_bubble") else 1
-        bubble = (p.pp - 1) / (n_micro * v) * (1 / 3 if p.pp_engine in ("zero_bubble", "zbv") else 1)
+        flops += tokens_step * m.num_layers * layer_forward_flops(m, t.seq_len)
+    bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, n_micro, p.pp_stages_per_rank)
     compute_s = flops / world / (peak * efficiency) * (1 + bubble)
 
     tokens_micro = t.micro_batch_size * t.seq_len
@@ -122,12 +119,6 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     overlapped = sum(comm[k].seconds for k in ("dp", "dp_replicate") if k in comm)
     step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds
     return StepEstimate(step_s, compute_s, tokens_step / step_s, model_flops / (step_s * world * peak), comm)
-
-
-def layer_forward_flops(cfg: Config) -> float:
-    """Forward FLOPs of one decoder layer per token: its matmuls plus attention scores and values."""
-    matmuls = sum(2 * q.shape[0] * q.shape[1] for q in layer_params(cfg.model, 0) if len(q.shape) == 2)
-    return matmuls + 4 * cfg.model.hidden_size * cfg.training.seq_len
 
 
 def _tp_local(cfg: Config, pp_rank: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import signal
 import sys
 import time
@@ -19,15 +18,11 @@ from pathlib import Path
 
 from nanotron.errors import ConfigError, DataError, run_command
 from nanotron.signals import ABORT_EXIT_CODE
-from nanotron.tokenize.format import check_files, read_meta
+from nanotron.tokenize.encode import available_cpus
+from nanotron.tokenize.format import check_files, read_meta, summary
 from nanotron.tokenize.sources import resolve_sources
 from nanotron.tokenize.writer import DEFAULT_SHARD_TOKENS, tokenize
 from nanotron.tokenizer import load_tokenizer
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (a Slurm or container limit included), not the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -94,15 +89,6 @@ def _main(argv: list[str]) -> int:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def summary(meta: dict) -> str:
-    """One line: documents, tokens per split, dtype and shards of a tokenized dir."""
-    docs, tokens = meta["documents"], meta["tokens"]
-    return (
-        f"{docs['train']} train / {docs['val']} validation documents, {tokens['train']} / {tokens['val']} tokens "
-        f"({meta['dtype']}, {len(meta['shards'])} shards)"
-    )
 
 
 def verify(directory: Path) -> int:

@@ -60,6 +60,11 @@ class Encoder:
         return np.fromiter(itertools.chain.from_iterable(ids), self.dtype, int(lengths.sum())), lengths
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (a Slurm or container limit included), not the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def batches(documents: Iterable[str], chars: int | None = None) -> Iterator[list[str]]:
     """Consecutive documents grouped until they hold `chars` (default BATCH_CHARS) characters."""
     batch, size, chars = [], 0, chars or BATCH_CHARS

@@ -83,3 +83,12 @@ def check_files(directory: Path, files: dict[str, dict[str, Any]], itemsize: int
                 f"{what}: token file '{path}' is {size} bytes but {META} says {record['bytes']} (cut short or "
                 f"replaced{odd}); {RETOKENIZE}"
             )
+
+
+def summary(meta: dict) -> str:
+    """One line: documents, tokens per split, dtype and shards of a tokenized dir."""
+    docs, tokens = meta["documents"], meta["tokens"]
+    return (
+        f"{docs['train']} train / {docs['val']} validation documents, {tokens['train']} / {tokens['val']} tokens "
+        f"({meta['dtype']}, {len(meta['shards'])} shards)"
+    )

@@ -1,0 +1,67 @@
+"""Turns the plain model into this rank's parallel pieces, in a fixed order: pipeline split -> TP/SP plan ->
+activation checkpointing -> compile -> FSDP/replicate -> per-shard init. Parameter names (FQNs) never change, so
+checkpoints and HF names don't depend on the layout."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanotron.config import Config
+from nanotron.distributed import ParallelContext, data_parallel_mesh
+from nanotron.gpu import async_tp_unavailable
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.fsdp import apply_fsdp
+from nanotron.parallel.init import init_weights
+from nanotron.parallel.pipeline import split_model
+from nanotron.parallel.recompute import apply_recompute
+from nanotron.parallel.tensor import apply_tensor_parallel
+from nanotron.parallel.torch_private import enable_inductor_async_tp
+
+
+def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]]:
+    """(global pipeline stage index, module) for every stage this rank runs, sharded but still on the meta
+    device: no memory is allocated, so `nanotron plan --check` can build any rank of any world size."""
+    p = cfg.parallelism
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg.model)
+    stages = split_model(model, cfg, ctx.pp_rank) if p.pp > 1 else [(0, model)]
+    for _, module in stages:
+        if p.tp > 1:
+            apply_tensor_parallel(module, ctx.mesh["tp"], sequence_parallel=p.tp_mode == "reduce_scatter")
+        if p.recompute_layer:
+            apply_recompute(module)
+        if cfg.training.compile:
+            for layer in module.model.layers.values():
+                layer.compile()
+        apply_fsdp(module, data_parallel_mesh(ctx.mesh), p.zero_stage, cfg.training.dtype)
+    return stages
+
+
+def build_model(cfg: Config, ctx: ParallelContext, initialize: bool = True) -> list[tuple[int, nn.Module]]:
+    """This rank's stages, on its device; randomly initialised unless `initialize` is False (a checkpoint
+    load is about to overwrite every weight: drawing them would only cost start-up time).
+
+    No rank ever holds more than its own shards plus one full tensor at a time during init.
+    """
+    enable_async_tp(cfg, ctx)
+    stages = parallelize(cfg, ctx)
+    for _, module in stages:
+        module.to_empty(device=ctx.device)
+        if initialize:
+            init_weights(module, cfg.job.seed)
+        else:
+            module.init_buffers(ctx.device)
+    return stages
+
+
+def enable_async_tp(cfg: Config, ctx: ParallelContext) -> None:
+    """parallelism.tp_linear_async_communication: lets inductor overlap the sequence-parallel collectives with
+    the matmuls (micro-pipelined TP over symmetric memory), or says on rank 0 why it can't here."""
+    if not cfg.parallelism.tp_linear_async_communication:
+        return
+    reason = async_tp_unavailable(cfg, ctx.device)
+    if reason is None:
+        enable_inductor_async_tp()
+    elif ctx.rank == 0:
+        print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)

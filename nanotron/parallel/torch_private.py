@@ -1,0 +1,88 @@
+"""The one door to private torch APIs outside checkpointing (`checkpoint/torch_private.py` is the other).
+
+Each entry names what it reaches and why no public API does the job on torch 2.13. A torch upgrade that
+moves or changes one of them fails its canary in `tests/test_torch_private.py`, not a run on a cluster.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint as _checkpoint
+from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining._backward import stage_backward
+
+__all__ = [
+    "AsyncCollectiveTensor",
+    "checkpoint_in_place",
+    "enable_inductor_async_tp",
+    "fake_process_group",
+    "flatten_mesh",
+    "in_backward_pass",
+    "reduce_accumulated_gradients",
+    "replicate",
+    "set_group_timeout",
+    "stage_backward",
+]
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """The collective timeout of an existing group: torch sets it only when a group is created."""
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """`mesh` (a sub-mesh of several dimensions) as one dimension `name` of its root mesh (HSDP's "dp")."""
+    return mesh._flatten(name)
+
+
+def replicate(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+    """DDP semantics on FSDP2's machinery (the same mixed precision and hooks as `fully_shard`)."""
+    _replicate(module, mesh=mesh, mp_policy=mp_policy)
+
+
+def checkpoint_in_place(module: nn.Module) -> None:
+    """Activation checkpointing as a hook: unlike the public `checkpoint_wrapper` it keeps parameter names."""
+    _checkpoint(module)
+
+
+def enable_inductor_async_tp() -> None:
+    """Inductor's micro-pipelined TP pass (async TP). Symmetric memory needs no set-up any more (torch deprecated
+    `enable_symm_mem_for_group`: "there is no need to call this function anymore")."""
+    from torch._inductor import config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
+
+
+def in_backward_pass() -> bool:
+    """Whether autograd is executing a graph now: a forward run inside backward is a recomputation."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def reduce_accumulated_gradients(module: FSDPModule, reshard: bool) -> None:
+    """Reduce-scatters the gradients `module` accumulated unsharded, now (outside autograd's hooks).
+
+    What torch's pipeline stage does once per step (`perform_reduce_grad`) minus the gradient scaling, for a
+    split backward whose weight part ends outside FSDP's post-backward hooks.
+    """
+    module.set_requires_gradient_sync(True)
+    module.set_reshard_after_backward(reshard)
+    state = fully_shard.state(module)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def fake_process_group(rank: int, world_size: int) -> None:
+    """A process group that plays `rank` of `world_size` without peers (collectives are no-ops), so one process
+    can build any rank of any layout (`nanotron plan --check`)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -1,0 +1,123 @@
+"""Canaries: every private torch API behind the two doors, exercised on the installed torch in one process.
+
+A torch upgrade that moves, renames or changes one of them fails the test named after it here, in seconds,
+instead of a run on a cluster. Each test checks the effect the project relies on, not only that a name exists.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import nanotron.checkpoint.torch_private as checkpoint_door
+import nanotron.parallel.torch_private as door
+from nanotron.checkpoint.safe_io import _MetadataUnpickler
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_set_group_timeout_changes_an_existing_groups_timeout(world_of_one):
+    door.set_group_timeout(dist.group.WORLD, timedelta(seconds=123))
+    assert dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=123)
+
+
+def test_flatten_mesh_names_a_new_dimension_of_the_root_mesh(world_of_one):
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    flat = door.flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+    assert flat.mesh_dim_names == ("dp",) and mesh["dp"].size() == 1
+
+
+def test_replicate_keeps_names_and_averages_gradients(world_of_one):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    names = [name for name, _ in model.named_parameters()]
+    door.replicate(model, init_device_mesh("cpu", (1,)), torch.distributed.fsdp.MixedPrecisionPolicy())
+    model(torch.ones(3, 4)).sum().backward()
+    assert [name for name, _ in model.named_parameters()] == names
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_checkpoint_in_place_keeps_names_and_recomputes_in_backward():
+    layer, forwards = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), []
+    layer[0].register_forward_hook(lambda module, args, out: forwards.append(door.in_backward_pass()))
+    door.checkpoint_in_place(layer)
+    assert [name for name, _ in layer.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    layer(torch.ones(2, 4)).sum().backward()
+    assert forwards == [False, True]  # the forward, then its recomputation inside backward
+
+
+def test_async_collective_tensor_is_what_functional_collectives_return(world_of_one):
+    import torch.distributed._functional_collectives as funcol
+
+    out = funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD)
+    assert isinstance(out, door.AsyncCollectiveTensor)
+    out.wait()
+
+
+def test_stage_backward_returns_input_gradients():
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    grads = door.stage_backward([y], [torch.ones(3)], [x])
+    assert torch.equal(grads[0], torch.full((3,), 2.0))
+
+
+def test_reduce_accumulated_gradients_reduce_scatters_held_gradients(world_of_one):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer in model:
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    model.set_requires_gradient_sync(False)  # accumulate unsharded, as a split backward's weight pass leaves it
+    model(torch.ones(2, 4)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    door.reduce_accumulated_gradients(model, reshard=True)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_enable_inductor_async_tp_sets_inductors_flag():
+    from torch._inductor import config as inductor_config
+
+    before = inductor_config._micro_pipeline_tp
+    try:
+        door.enable_inductor_async_tp()
+        assert inductor_config._micro_pipeline_tp is True
+    finally:
+        inductor_config._micro_pipeline_tp = before
+
+
+def test_fake_process_group_plays_any_rank():
+    door.fake_process_group(rank=5, world_size=512)
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (5, 512)
+        dist.all_reduce(torch.ones(1))  # moves nothing, returns at once
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dcp_index_private_globals_exist_and_are_all_a_saved_index_needs(tmp_path):
+    for qualified in checkpoint_door.DCP_INDEX_PRIVATE_GLOBALS:
+        module, _, name = qualified.rpartition(".")
+        assert hasattr(__import__(module, fromlist=[name]), name), qualified
+    dcp.save({"w": torch.ones(2, 3), "lr": 0.5}, checkpoint_id=tmp_path, no_dist=True)
+    with open(tmp_path / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()  # refuses any global outside the allow-list
+    assert list(metadata.state_dict_metadata["w"].size) == [2, 3]
+    with open(tmp_path / ".metadata", "rb") as f:
+        assert pickle.load(f).state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+
+
+def test_set_element_writes_into_a_nested_state_dict():
+    state: dict = {"optimizer": {"param_groups": [{"lr": 0.0}]}}
+    checkpoint_door.set_element(state, ("optimizer", "param_groups", 0, "lr"), 0.25)
+    assert state["optimizer"]["param_groups"][0]["lr"] == 0.25
