@@ -9,7 +9,6 @@ too: they ignore it, and end when the trainer closes the loader (or dies).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -62,8 +61,16 @@ def stop_with_launcher() -> None:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
     launcher = os.environ.get(LAUNCHER_PID_VARIABLE)
     if os.getppid() == 1 or (launcher and str(os.getppid()) != launcher):  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def die_with_parent(signum: int) -> bool:
+    """Asks the kernel to send `signum` to this process when its parent dies (Linux's PR_SET_PDEATHSIG); False
+    where that is not available. The parent may have died already: callers check `os.getppid()` after."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum) == 0
+    except (OSError, AttributeError):
+        return False

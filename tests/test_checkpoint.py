@@ -4,6 +4,7 @@ layout: test_parallel.py and test_mup.py)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -26,6 +27,7 @@ from conftest import (
     train_losses,
     wait_for_training,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from nanotron.checkpoint import (
@@ -39,6 +41,7 @@ from nanotron.checkpoint import (
     resolve_source,
     verified_checkpoint,
 )
+from nanotron.checkpoint.safe_io import dcp_errors
 from nanotron.config import CheckpointConfig, load_config, parse_overrides
 from nanotron.errors import CheckpointError
 from nanotron.optim import lr_at
@@ -246,6 +249,24 @@ def test_corrupt_files_are_errors_naming_them(tmp_path, saved_run):
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"'{shard}' is missing"):
         read_model_weights(verified_checkpoint(step), shapes_of(step))
+
+
+def test_only_failures_a_user_can_fix_become_one_line_errors(tmp_path):
+    """Disk and file-format failures are CheckpointErrors naming the path; a programming error (in nanotron or
+    torch, bare or wrapped in DCP's per-rank CheckpointException) stays a traceback so it gets reported."""
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "__0_0.distcp"))
+    with pytest.raises(CheckpointError, match=r"writing '.*__0_0.distcp' failed \(No space left on device\)"):
+        with dcp_errors(tmp_path, "save"):
+            raise CheckpointException("save", {0: (full, None)})
+    with pytest.raises(CheckpointError, match=f"cannot load checkpoint '{tmp_path}': UnpicklingError"):
+        with dcp_errors(tmp_path):
+            raise pickle.UnpicklingError("invalid load key")
+    with pytest.raises(TypeError, match="a bug"):
+        with dcp_errors(tmp_path):
+            raise TypeError("a bug")
+    with pytest.raises(CheckpointException):
+        with dcp_errors(tmp_path, "save"):
+            raise CheckpointException("save", {1: (KeyError("model.layers.0.mlp"), None)})
 
 
 class _Exploit:

@@ -9,18 +9,13 @@ batch too unless checkpoint.allow_global_batch_size_change is set (the data posi
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 from nanotron.config import Config, to_toml
+from nanotron.config.parse import tomllib
 from nanotron.errors import CheckpointError, ConfigError
 from nanotron.tokenizer import load_tokenizer
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 MODEL_KEYS_A_RESUME_MAY_CHANGE = {"model.size", "model.init_std", "model.max_seq_len"}
 LAYOUT_SECTIONS = ("parallelism.",)

@@ -40,6 +40,10 @@ _ALLOWED_GLOBALS = {f"torch.distributed.checkpoint.metadata.{name}" for name in 
 }
 
 
+# Failures a user can fix: the file system's, and files that are not what a checkpoint holds (corrupt, foreign).
+USER_FIXABLE = (OSError, pickle.UnpicklingError, EOFError, UnicodeDecodeError)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's .metadata but refuses any class a checkpoint index never contains (no code runs)."""
 
@@ -127,7 +131,9 @@ def _first_cause(error: BaseException) -> BaseException:
 
 @contextmanager
 def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
-    """Turns any DCP failure into a CheckpointError naming `path` (or the file a safe read named)."""
+    """Turns the DCP failures a user can fix into a CheckpointError naming `path` (or the file a safe read named):
+    the file system's (disk full, read-only, permissions, a file-size limit) and an unreadable file's. Anything else
+    is a bug in nanotron or torch: it stays a traceback (with the rank), so it gets reported, not worked around."""
     try:
         with warnings.catch_warnings():  # single-process use is intended, not a mistake to warn about
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -138,7 +144,9 @@ def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
         cause = _first_cause(error)
         if isinstance(cause, CheckpointError):
             raise cause from None
-        if action == "save" and isinstance(cause, OSError):  # disk full, read-only, a file-size limit
+        if not isinstance(cause, USER_FIXABLE):
+            raise
+        if action == "save" and isinstance(cause, OSError):
             file = cause.filename or _file_being_written(path)
             raise CheckpointError(
                 f"cannot save checkpoint '{path}': writing '{file}' failed ({cause.strerror or cause}); free space "

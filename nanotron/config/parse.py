@@ -23,7 +23,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 SECTIONS = {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
-CONFIG_SPELLINGS = ("config", "config-file", "config_file")  # --config-file: the original nanotron's spelling
+CONFIG_SPELLINGS = ("config", "config-file")  # --config-file: the original nanotron's spelling
 
 
 def _suggest(name: str, options: list[str]) -> str:

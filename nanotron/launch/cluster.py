@@ -231,7 +231,7 @@ def _display_path(path: Path) -> str:
 
 
 def write_run_dir(cfg: Config, cmd: list[str], argv: list[str]) -> Path:
-    """Saves what reproduces the run: the resolved config and the sbatch command (contract 7)."""
+    """Saves what reproduces the run in its run dir: the resolved config and the sbatch command."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "config.toml").write_text(to_toml(cfg))
     submit = cfg.run_dir / "submit.sh"

@@ -82,7 +82,7 @@ def normalize_spellings(argv: list[str], parser: argparse.ArgumentParser) -> lis
         if not name.startswith("--") or name in flags or "." in name:
             out.append(arg)
             continue
-        spelled = "--config" if name in ("--config-file", "--config_file") else "--" + name[2:].replace("-", "_")
+        spelled = "--config" if name == "--config-file" else "--" + name[2:].replace("-", "_")
         if spelled in flags:
             out.append(spelled + eq + value)
         elif name[2:] in ORIGINAL_FLAGS:

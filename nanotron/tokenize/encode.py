@@ -7,7 +7,6 @@ batches come back in the order they went out, so the output never depends on the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import multiprocessing
 import os
@@ -20,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import tokenizers
 
-from nanotron.signals import STOP_SIGNALS, ignore_stop_signals
+from nanotron.signals import STOP_SIGNALS, die_with_parent, ignore_stop_signals
 from nanotron.tokenizer import Tokenizer
 
 BATCH_CHARS = 1 << 18  # text per task (~0.15 s of one core): pickling costs <1%, and the workers stay balanced
@@ -147,9 +146,7 @@ def _init_worker(parent: int, tokenizer_json: str, eos_id: int, dtype: str) -> N
 def _die_with(parent: int) -> None:
     """A worker ends when the tokenizing process does, even when that one was SIGKILLed (Linux: the kernel's
     parent-death signal); otherwise it would wait forever for work."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: workers then end when they find their queue closed
+    if not die_with_parent(signal.SIGKILL):  # not Linux: workers then end when they find their queue closed
         return
     if os.getppid() != parent:  # the parent died before the signal was armed
         os._exit(1)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from nanotron.errors import DataError
+from nanotron.hashing import mix64
 from nanotron.io import fsync_dir, write_atomic
 from nanotron.tokenize.encode import batches, encode_batches
 from nanotron.tokenize.format import (
@@ -46,14 +47,6 @@ _OUR_FILES = re.compile(r"(train|val)-\d{5}\.(bin|idx)|meta\.json|progress\.json
 _TEMPORARY = re.compile(r"\.{1,2}(train|val)-\d{5}\.(bin|idx)\.partial(\.tmp\d+)?|\.(meta|progress)\.json\.tmp\d+")
 
 
-def _mix(x: int) -> int:
-    """splitmix64's finalizer: a 64-bit hash with every output bit depending on every input bit."""
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
 class ValidationSplit:
     """Whether document i is held out, in O(1) from i alone: documents fall into consecutive strata of ~1/f
     (f = the fraction, as an exact ratio p/q: stratum s = floor(i·p/q)), and a keyed hash of s picks one document
@@ -61,14 +54,14 @@ class ValidationSplit:
 
     def __init__(self, fraction: float, seed: int) -> None:
         ratio = Fraction(fraction).limit_denominator(1_000_000)
-        self.p, self.q, self.key = ratio.numerator, ratio.denominator, _mix(seed)
+        self.p, self.q, self.key = ratio.numerator, ratio.denominator, mix64(seed)
 
     def __call__(self, index: int) -> bool:
         if self.p == 0:
             return False
         stratum = index * self.p // self.q
         first, end = -(-stratum * self.q // self.p), -(-(stratum + 1) * self.q // self.p)
-        return index == first + _mix(self.key ^ stratum) % (end - first)
+        return index == first + mix64(self.key ^ stratum) % (end - first)
 
 
 class ShardWriter:
