@@ -1,4 +1,5 @@
-"""ZeRO stages keep their memory promise (DESIGN contract 11), measured in real training processes by
+"""ZeRO stages keep their memory promise and their communication promise (gradients reduced once per step at
+stage 1, every microbatch at 2/3), measured in real training processes by
 `benchmarks/probe.py`: what a rank holds between microbatches, not only after the step. Every run also
 holds `nanotron plan`'s per-rank estimate to the measurement (parameters, gradients, optimizer state
 within 5%, saved activations within 25%)."""
@@ -11,9 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from conftest import REPO, TINY_MODEL, train_env, train_losses
 
 from nanotron.config import load_config, parse_overrides
+from nanotron.distributed import ParallelContext, build_mesh
+from nanotron.parallel.parallelize import build_model
+from nanotron.parallel.runner import MicrobatchRunner
+from nanotron.parallel.torch_private import fake_process_group
 from nanotron.plan.memory import stage_memory
 
 # Global batch 16 of one sample: 16 microbatches in one process, 8 per rank at dp=2 (the issue's case).
@@ -81,3 +88,39 @@ def test_zero_2_and_3_hold_only_gradient_shards_across_eight_microbatches(layout
     assert max(held) <= 0.55 * reference["grad_bytes"], (held, reference["grad_bytes"])
     assert len(losses) == len(ref_losses) == 2
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+
+
+def reduce_scatters_per_step(monkeypatch, zero_stage: int, grad_accum_steps: int) -> list[int]:
+    """Gradient reduce-scatters of two steps of the microbatch runner, as rank 0 of dp=2 on the fake process group
+    (one process, collectives move nothing: what is counted is which collectives FSDP issues)."""
+    overrides = [*TINY_MODEL, "--parallelism.dp=2", f"--parallelism.zero_stage={zero_stage}"]
+    overrides += [f"--training.global_batch_size={2 * 2 * grad_accum_steps}", "--logging.activation_stats_interval=0"]
+    cfg = load_config(*parse_overrides(["--config", "configs/tiny.toml", *overrides]))
+    calls: list[str] = []
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2's default reduce-scatter calls one
+        if hasattr(dist, name):
+            original = getattr(dist, name)
+            monkeypatch.setattr(dist, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    fake_process_group(rank=0, world_size=cfg.world_size)
+    try:
+        mesh = build_mesh(cfg, "cpu")
+        ctx = ParallelContext(mesh, torch.device("cpu"), 0, cfg.world_size, 0, 0, 0)
+        runner = MicrobatchRunner(build_model(cfg, ctx), cfg, ctx)
+        t = cfg.training
+        batch = torch.randint(0, cfg.model.vocab_size, (grad_accum_steps * t.micro_batch_size, t.seq_len + 1))
+        counts = []
+        for _ in range(2):
+            calls.clear()
+            runner.forward_backward(batch)
+            counts.append(len(calls))
+        return counts
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero_1_reduces_gradients_once_per_step_and_zero_2_after_every_microbatch(monkeypatch):
+    """One reduce-scatter per FSDP unit (4 layers + the root) per step at stage 1, whatever the microbatch count;
+    stage 2 reduce-scatters after each of the 4 microbatches: stage 1 silently acting as 2 fails here."""
+    units = 4 + 1
+    assert reduce_scatters_per_step(monkeypatch, zero_stage=1, grad_accum_steps=4) == [units, units]
+    assert reduce_scatters_per_step(monkeypatch, zero_stage=2, grad_accum_steps=4) == [4 * units, 4 * units]

@@ -7,16 +7,16 @@ moves or changes one of them fails its canary in `tests/test_torch_private.py`, 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import checkpoint as _checkpoint
-from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining._backward import stage_backward
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 __all__ = [
     "AsyncCollectiveTensor",
@@ -44,12 +44,16 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 def replicate(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
     """DDP semantics on FSDP2's machinery (the same mixed precision and hooks as `fully_shard`)."""
-    _replicate(module, mesh=mesh, mp_policy=mp_policy)
+    from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
+
+    fsdp_replicate(module, mesh=mesh, mp_policy=mp_policy)
 
 
 def checkpoint_in_place(module: nn.Module) -> None:
     """Activation checkpointing as a hook: unlike the public `checkpoint_wrapper` it keeps parameter names."""
-    _checkpoint(module)
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
 
 
 def enable_inductor_async_tp() -> None:
@@ -71,6 +75,8 @@ def reduce_accumulated_gradients(module: FSDPModule, reshard: bool) -> None:
     What torch's pipeline stage does once per step (`perform_reduce_grad`) minus the gradient scaling, for a
     split backward whose weight part ends outside FSDP's post-backward hooks.
     """
+    from torch.distributed.fsdp import fully_shard
+
     module.set_requires_gradient_sync(True)
     module.set_reshard_after_backward(reshard)
     state = fully_shard.state(module)
@@ -78,6 +84,13 @@ def reduce_accumulated_gradients(module: FSDPModule, reshard: bool) -> None:
         for group in each._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def stage_backward(stage_output, output_grads, input_values) -> list[torch.Tensor | None]:
+    """A pipeline stage's full backward, returning its input gradients (the step torch's stage runs itself)."""
+    from torch.distributed.pipelining._backward import stage_backward as backward
+
+    return backward(stage_output, output_grads, input_values)
 
 
 def fake_process_group(rank: int, world_size: int) -> None:
