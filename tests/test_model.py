@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nanotron.config import ModelConfig
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.models.shapes import flops_per_token, num_params
+from nanotron.models.shapes import flops_per_token, layer_shapes, num_params, root_shapes
 from nanotron.parallel.init import init_weights
 
 transformers = pytest.importorskip("transformers")
@@ -84,6 +84,17 @@ def test_init_depends_only_on_seed_and_meta_init_matches_eager():
     other = LlamaForCausalLM(cfg)
     init_weights(other, seed=4)
     assert not torch.equal(other.lm_head.weight, eager.lm_head.weight)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_shapes_table_is_the_built_models(tied):
+    """models/shapes.py (what the planner and MFU read) names every parameter of the model with its shape."""
+    cfg = small_config(tie_word_embeddings=tied)
+    built = {name: tuple(p.shape) for name, p in LlamaForCausalLM(cfg).named_parameters()}
+    table = dict(root_shapes(cfg))
+    for i in range(cfg.num_layers):
+        table |= {f"model.layers.{i}.{name}": shape for name, shape in layer_shapes(cfg).items()}
+    assert table == built
 
 
 def test_param_count_follows_the_config():
