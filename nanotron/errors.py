@@ -44,6 +44,13 @@ class DivergenceError(UserError):
     exit_code = 3
 
 
+class NodeFaultError(UserError):
+    """A node stalls or slows the job (named by the watcher or the straggler scores, in suspect_nodes.txt of the
+    run dir): the job stops so that it can be requeued without that node."""
+
+    exit_code = 75
+
+
 class LaunchError(UserError):
     """A job can't be started (no Slurm here, sbatch refused it, a worker failed)."""
 

@@ -6,6 +6,7 @@ Started by `nanotron.train` (the command line); everything a step does is here.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -19,7 +20,7 @@ from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, prepare_data
 from nanotron.distributed import ParallelContext, init_distributed
-from nanotron.errors import DivergenceError
+from nanotron.errors import DivergenceError, NodeFaultError
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.metrics import (
@@ -37,6 +38,8 @@ from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
 from nanotron.tokenizer import copy_tokenizer
+from nanotron.watch.heartbeat import Heartbeat
+from nanotron.watch.straggler import StragglerScores
 
 
 @dataclass
@@ -65,6 +68,8 @@ class Trainer:
         self.cfg = cfg
         # Trapped from the start, so a stop signal during set-up still stops cleanly at the first step boundary.
         self.stop = StopRequest()
+        info = {"run_dir": str(cfg.run_dir.absolute()), "watch": asdict(cfg.watch)}
+        self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), info, cfg.watch.enabled)
         self.ctx: ParallelContext = init_distributed(cfg)
         set_matmul_precision(cfg, self.ctx.device)
         p = cfg.parallelism
@@ -80,7 +85,8 @@ class Trainer:
         self.build_seconds = time.perf_counter() - started
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
-        self.runner = MicrobatchRunner(self.stages, cfg, self.ctx)
+        self.runner = MicrobatchRunner(self.stages, cfg, self.ctx, on_phase=self.heartbeat.beat)
+        self.stragglers = StragglerScores(cfg.watch, self.ctx.rank, self.ctx.world_size, self.ctx.device)
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [
             build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
@@ -129,11 +135,13 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
             set_lr(optimizer, lr_at(self.state.step, self.cfg.optimizer, t.steps))
+        self.heartbeat.beat("data", self.state.step + 1)
         loss = self.runner.forward_backward(self.next_batch())
+        self.heartbeat.beat("optimizer")
         pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
         grad_norm = clip_grad_norm(self.params, t.clip_grad, pp_group)
         bad_loss = False if loss is None else ~torch.isfinite(loss)
-        stop, non_finite = self.ctx.any_rank([self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)])
+        stop, non_finite = self.agree([self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)])
         if non_finite:
             self.skip_step(loss, grad_norm)
         else:
@@ -141,6 +149,16 @@ class Trainer:
             for optimizer in self.optimizers:
                 optimizer.step()
         return loss, grad_norm, stop
+
+    def agree(self, flags: list[torch.Tensor | bool]) -> list[bool]:
+        """The step's collective (`ParallelContext.any_rank`), timed for the straggler scores; an injected fault
+        may delay it or skip it on its rank."""
+        fault, step = self.heartbeat.fault, self.state.step + 1
+        if fault is not None:
+            fault.at(self.ctx.rank, "step_collective", step)
+            if fault.skips_collective(self.ctx.rank, step):
+                return [False] * len(flags)
+        return self.stragglers.timed(lambda: self.ctx.any_rank(flags))
 
     def skip_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
         """A non-finite loss or gradient: the step is not applied, and after training.max_skipped_steps such
@@ -166,6 +184,7 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------
 
     def log_eval(self) -> None:
+        self.heartbeat.beat("eval", self.state.step)
         eval_loss = self.evaluate()
         if eval_loss is not None:
             self.metrics.log(
@@ -173,6 +192,22 @@ class Trainer:
                 f"eval step {self.state.step} | eval_loss {eval_loss:.4f} | eval_ppl "
                 f"{math.exp(min(eval_loss, 50)):.1f}",
             )
+
+    def save_checkpoint(self, final: bool = False) -> None:
+        self.heartbeat.beat("checkpoint", self.state.step)
+        self.checkpoints.save(self.state.step, final=final)
+
+    def log_stragglers(self, scores: dict[str, float]) -> None:
+        """The scores to the metrics; a rank late for straggler_patience intervals in a row is named (every rank
+        holds the same scores, so every rank takes the same decision)."""
+        self.metrics.log({"step": self.state.step} | scores)
+        for rank in self.stragglers.persistent():
+            line = self.stragglers.describe(rank, scores)
+            if self.cfg.watch.straggler_action == "exclude":
+                if self.ctx.rank == 0:
+                    write_atomic(self.cfg.run_dir / "suspect_nodes.txt", self.stragglers.nodes[rank] + "\n")
+                raise NodeFaultError(f"{line}; stopped to requeue without its node (watch.straggler_action)")
+            self.metrics.info(f"warning: {line}")
 
     def resume(self) -> None:
         if self.source is None:
@@ -203,7 +238,7 @@ class Trainer:
         )
         self.metrics.info(run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step))
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
-            self.checkpoints.save(self.state.step)
+            self.save_checkpoint()
         if t.eval_interval and self.state.step == 0:
             self.log_eval()
         tokens_per_step = t.global_batch_size * t.seq_len
@@ -223,6 +258,8 @@ class Trainer:
             self.state.step += 1
             if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
                 self.metrics.log({"step": self.state.step} | activations)
+            if (scores := self.stragglers.step_end()) is not None:  # a collective every straggler_interval steps
+                self.log_stragglers(scores)
             self.state.consumed_samples += t.global_batch_size
             self.state.consumed_tokens += tokens_per_step
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
@@ -238,10 +275,10 @@ class Trainer:
             if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                 self.log_eval()
             if not stop and cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
-                self.checkpoints.save(self.state.step)
+                self.save_checkpoint()
         profiler.stop()
         if stop or cfg.checkpoint.save_final:
-            self.checkpoints.save(self.state.step, final=True)
+            self.save_checkpoint(final=True)
         self.checkpoints.wait()
         if stop:
             self.metrics.info(
@@ -255,6 +292,7 @@ class Trainer:
         copy_tokenizer(Path(self.cfg.data.tokenizer), step_dir / "tokenizer")
 
     def close(self) -> None:
+        self.heartbeat.close()
         self.checkpoints.close()
         self.metrics.close()
         self.stop.close()

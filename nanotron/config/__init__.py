@@ -17,6 +17,7 @@ from nanotron.config.schema import (
     PipelineEngine,
     ProfilerConfig,
     TrainingConfig,
+    WatchConfig,
 )
 from nanotron.config.validate import validate
 
@@ -36,6 +37,7 @@ __all__ = [
     "PipelineEngine",
     "ProfilerConfig",
     "TrainingConfig",
+    "WatchConfig",
     "help_text",
     "load_config",
     "parse_overrides",

@@ -286,6 +286,31 @@ class LoggingConfig:
 
 
 @dataclass
+class WatchConfig:
+    enabled: bool = _opt(
+        True, "heartbeats for the node's watcher process (runs under nanotron's launcher: --nproc_per_node, Slurm)"
+    )
+    factor: float = _opt(4.0, "a phase is a hang after factor x the longest time any rank spent in it so far", min=1.0)
+    floor_seconds: float = _opt(60.0, "the smallest hang limit of a phase already seen", min=0.1)
+    unseen_phase_seconds: float = _opt(
+        600.0, "hang limit of a phase not seen yet in this run (the first checkpoint save or evaluation)", min=0.1
+    )
+    startup_seconds: float = _opt(
+        1800.0, "hang limit before the first step (data, model build, checkpoint load)", min=1
+    )
+    straggler_interval: int = _opt(
+        50, "steps between straggler scores (one all-gather of 2 floats per rank); 0 disables", min=0
+    )
+    straggler_threshold: float = _opt(
+        0.25, "a rank arriving later than this fraction of a step at the step's collective is late", min=0.0
+    )
+    straggler_patience: int = _opt(3, "intervals in a row a rank must be late before it is named", min=1)
+    straggler_action: str = _opt(
+        "warn", "on a persistent straggler: warn, or exclude (stop with the node-fault exit code)", ("warn", "exclude")
+    )
+
+
+@dataclass
 class ProfilerConfig:
     export_path: str = _opt("", "folder for torch.profiler traces; empty disables")
     wait_steps: int = _opt(2, "steps skipped before profiling", min=0)
@@ -304,6 +329,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -13,16 +13,22 @@ the launch.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from nanotron.errors import ConfigError, DivergenceError, UserError
+from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, UserError
 from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
+from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE
+from nanotron.watch.watcher import VERDICT
 
-QUIET_EXIT_CODES = {UserError.exit_code, DivergenceError.exit_code, ABORT_EXIT_CODE}
+QUIET_EXIT_CODES = {UserError.exit_code, DivergenceError.exit_code, NodeFaultError.exit_code, ABORT_EXIT_CODE}
 
 
 def pop_nproc(argv: list[str]) -> int:
@@ -44,7 +50,8 @@ def spawn_local(nproc: int, command: list[str]) -> int:
 
 
 def run_torchrun(args: list[str]) -> int:
-    """torchrun's main with the exit code of the first failed worker and the stop signals forwarded to workers."""
+    """torchrun's main with the exit code of the first failed worker, the stop signals forwarded to workers, and
+    the node's watcher process beside them (its verdict on a hang decides the exit code)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -52,16 +59,33 @@ def run_torchrun(args: list[str]) -> int:
         signal.signal(sig, _forward_to_workers)
     os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # workers stop when this process dies
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
-    try:
-        # torchrun's own handlers would replace ours when it starts the workers: leave it the other signals only.
-        run(parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *args]))
-    except ChildFailedError as error:
-        _, failure = error.get_first_failure()
-        if failure.exitcode in QUIET_EXIT_CODES:  # the worker has printed its one-line error
-            return failure.exitcode
-        print(error.format_msg(), file=sys.stderr, flush=True)
-        return 1
+    with _watcher() as watch_dir:
+        try:
+            # torchrun's own handlers would replace ours when it starts the workers: leave it the other signals only.
+            run(parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *args]))
+        except ChildFailedError as error:
+            if (verdict := watch_dir / VERDICT).exists():  # the watcher ended the ranks and printed why
+                return json.loads(verdict.read_text())["exit_code"]
+            _, failure = error.get_first_failure()
+            if failure.exitcode in QUIET_EXIT_CODES:  # the worker has printed its one-line error
+                return failure.exitcode
+            print(error.format_msg(), file=sys.stderr, flush=True)
+            return 1
     return 0
+
+
+@contextlib.contextmanager
+def _watcher() -> Iterator[Path]:
+    """The node's watcher process (nanotron.watch.watcher) and the node-local folder of the ranks' slots."""
+    with tempfile.TemporaryDirectory(prefix="nanotron-watch-") as folder:
+        os.environ[WATCH_DIR_VARIABLE] = folder
+        command = [sys.executable, "-m", "nanotron.watch.watcher", "--dir", folder, "--launcher", str(os.getpid())]
+        watcher = subprocess.Popen(command, start_new_session=True)  # signals to the launch's group pass it by
+        try:
+            yield Path(folder)
+        finally:
+            watcher.kill()  # it ignores the stop signals, which are the ranks' to act on
+            watcher.wait()
 
 
 def _forward_to_workers(signum: int, frame: object) -> None:

@@ -32,7 +32,14 @@ class MicrobatchRunner:
     """Runs `grad_accum_steps` microbatches of a batch [microbatches x micro_batch_size, seq_len + 1] through
     this rank's stages. Losses come back as device tensors on ranks with the last stage, None elsewhere."""
 
-    def __init__(self, stages: list[tuple[int, nn.Module]], cfg: Config, ctx: ParallelContext):
+    def __init__(
+        self,
+        stages: list[tuple[int, nn.Module]],
+        cfg: Config,
+        ctx: ParallelContext,
+        on_phase: Callable[[str], None] = lambda phase: None,
+    ):
+        self.on_phase = on_phase  # told "forward" and "backward" (a pipeline's interleaved step counts as forward)
         self.modules = [module for _, module in stages]
         self.device = ctx.device
         self.n_micro = cfg.training.grad_accum_steps
@@ -50,11 +57,14 @@ class MicrobatchRunner:
         inputs, targets = self._split(batch)
         with self._loss_context():
             if self.schedule is not None:
+                self.on_phase("forward")
                 return self._pipelined(self.schedule.step, inputs, targets)
             model, total = self.modules[0], torch.zeros((), device=self.device)
             for index, (inp, tgt) in enumerate(zip(inputs.chunk(self.n_micro), targets.chunk(self.n_micro))):
                 self.sync.before_backward(model, last_microbatch=index == self.n_micro - 1)
+                self.on_phase("forward")
                 loss = microbatch_loss(model(inp), tgt) / self.n_micro
+                self.on_phase("backward")
                 loss.backward()
                 total += _plain(loss).detach()
             return total

@@ -23,6 +23,7 @@ __all__ = [
     "checkpoint_in_place",
     "enable_inductor_async_tp",
     "fake_process_group",
+    "flight_recorder_dump",
     "flatten_mesh",
     "in_backward_pass",
     "reduce_accumulated_gradients",
@@ -91,6 +92,11 @@ def stage_backward(stage_output, output_grads, input_values) -> list[torch.Tenso
     from torch.distributed.pipelining._backward import stage_backward as backward
 
     return backward(stage_output, output_grads, input_values)
+
+
+def flight_recorder_dump() -> bytes:
+    """torch's flight recorder (the last collectives of every process group, gloo included) as pickled bytes."""
+    return torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
 
 
 def fake_process_group(rank: int, world_size: int) -> None:

@@ -1,0 +1,81 @@
+"""A fault injector for tests and drills (never for production runs): `NANOTRON_FAULT=rank:R,step:S,kind:K`.
+
+Kinds, each acting on rank R when it enters the named phase of step S (and, for `slow`, every step from S on):
+  sleep            sleeps in `data` (a stuck data loader; the GIL is free)
+  gil_lock         spins in `forward` holding the GIL (a C extension that never releases it)
+  sigstop          stops itself with SIGSTOP in `data` (the process can run no code at all)
+  skip_collective  skips the step's stop/non-finite all-reduce in `optimizer` (ranks disagree on collectives)
+  slow:F           from step S on, sleeps (F - 1) x the step's compute time before the step's collective
+  crash            kills itself with SIGKILL in `data`
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from nanotron.errors import ConfigError
+
+FAULT_VARIABLE = "NANOTRON_FAULT"
+KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash")
+# Where each kind acts: a phase of the heartbeat, or "step_collective", just before the step's collective.
+_PHASE = {"sleep": "data", "gil_lock": "forward", "sigstop": "data", "crash": "data", "slow": "step_collective"}
+
+
+@dataclass
+class Fault:
+    rank: int
+    step: int
+    kind: str
+    factor: float = 1.0
+    _compute_started: float = 0.0
+
+    @classmethod
+    def from_env(cls, environ: dict | None = None) -> Fault | None:
+        spec = (os.environ if environ is None else environ).get(FAULT_VARIABLE, "")
+        return cls.parse(spec) if spec else None
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        hint = f"{FAULT_VARIABLE}={spec!r}: expected rank:R,step:S,kind:K with K one of {', '.join(KINDS)} (slow:F)"
+        fields: dict[str, str] = {}
+        for part in spec.split(","):
+            key, sep, value = part.partition(":")
+            if not sep or key not in ("rank", "step", "kind") or key in fields:
+                raise ConfigError(hint)
+            fields[key] = value if key != "kind" else part[len("kind:") :]
+        kind, _, factor = fields.get("kind", "").partition(":")
+        try:
+            fault = cls(int(fields["rank"]), int(fields["step"]), kind, float(factor) if factor else 1.0)
+        except (KeyError, ValueError):
+            raise ConfigError(hint) from None
+        if kind not in KINDS or (kind == "slow") != bool(factor) or fault.factor < 1 or fault.rank < 0:
+            raise ConfigError(hint)
+        return fault
+
+    def at(self, rank: int, phase: str, step: int) -> None:
+        """Called as rank `rank` enters `phase` of step `step`."""
+        if rank != self.rank or step < self.step or (step > self.step and self.kind != "slow"):
+            return
+        if self.kind == "slow" and phase == "forward":
+            self._compute_started = time.perf_counter()
+        if phase != _PHASE.get(self.kind):
+            return
+        if self.kind == "sleep":
+            time.sleep(10**6)
+        elif self.kind == "gil_lock":
+            sys.setswitchinterval(10**6)  # never hand the GIL to another thread
+            while True:
+                pass
+        elif self.kind == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.kind == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "slow":
+            time.sleep((self.factor - 1) * (time.perf_counter() - self._compute_started))
+
+    def skips_collective(self, rank: int, step: int) -> bool:
+        return self.kind == "skip_collective" and rank == self.rank and step == self.step
