@@ -141,25 +141,31 @@ def request_dump(slot: mmap.mmap) -> int:
     return request
 
 
-def last_collectives() -> dict:
-    """For each process group this rank used: its name, ranks, last enqueued collective's sequence number and
-    op, from torch's flight recorder (gloo entries stay `scheduled`: the sequence numbers are what compare)."""
+def last_collectives(recent: int = 16) -> dict:
+    """For each process group this rank used: its description, the sequence numbers of the last collective it
+    enqueued and the last one that completed (a rank blocked in a collective has enqueued > completed), and the
+    `recent` last collectives as [seq, op, input sizes], from torch's flight recorder. On gloo the entries' state
+    stays `scheduled` whether done or not: the sequence numbers are what tell."""
     from nanotron.parallel.torch_private import flight_recorder_dump
 
     trace = pickle.loads(flight_recorder_dump())
-    config = trace.get("pg_config", {})
+    status = trace.get("pg_status", {})
     groups: dict[str, dict] = {}
     for entry in trace.get("entries", []):
-        name, desc = entry["process_group"]
         if entry.get("is_p2p"):
             continue
-        groups[name] = {
-            "desc": desc,
-            "ranks": config.get(name, {}).get("ranks", ""),
+        name, desc = entry["process_group"]
+        group = groups.setdefault(name, {"desc": desc, "recent": []})
+        group["recent"] = [
+            *group["recent"][-(recent - 1) :],
+            [entry["collective_seq_id"], entry["profiling_name"].rpartition(":")[2], entry["input_sizes"]],
+        ]
+        group |= {
             "seq": entry["collective_seq_id"],
             "op": entry["profiling_name"].rpartition(":")[2],
-            "state": entry["state"],
             "created_ns": entry["time_created_ns"],
             "record": entry["record_id"],
+            "enqueued": status.get(name, {}).get("last_enqueued_collective", entry["collective_seq_id"]),
+            "completed": status.get(name, {}).get("last_completed_collective", -1),
         }
     return {"groups": groups}

@@ -48,8 +48,7 @@ class StragglerScores:
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)  # gloo has no all_gather_into_tensor
         waits, step_times = torch.stack(every).T.tolist()
-        step_time = statistics.median(step_times) / self.steps
-        scores = [(max(waits) - wait) / self.steps / step_time if step_time > 0 else 0.0 for wait in waits]
+        scores, step_time = lateness(waits, step_times, self.steps)
         self.waited = self.step_seconds = 0.0
         self.steps = 0
         self.late_intervals = [
@@ -71,3 +70,12 @@ class StragglerScores:
             f"({score * scores['straggler/step_time']:.3f}s) after the first rank at the step's collective, "
             f"{self.late_intervals[rank]} intervals of {self.cfg.straggler_interval} steps in a row"
         )
+
+
+def lateness(waits: list[float], step_times: list[float], steps: int) -> tuple[list[float], float]:
+    """(each rank's lateness as a fraction of the median step, the median step time) from the seconds each rank
+    waited in the step's collective and spent in its steps over `steps` steps: the first to arrive waits longest."""
+    step_time = statistics.median(step_times) / steps
+    if step_time <= 0:
+        return [0.0] * len(waits), 0.0
+    return [(max(waits) - wait) / steps / step_time for wait in waits], step_time

@@ -1,0 +1,231 @@
+"""Never blind: a hang is detected by the node's watcher process and attributed to the right rank and phase in one
+line, with every rank's stack in the incident dir and exit code 75; a slow rank is named by its straggler score.
+
+The fast tests hold the pieces to their rules (fault specs, learnt limits, attribution from gloo-like evidence,
+the slot and its dump thread, the lateness formula); the slow ones inject each fault into a 4-rank run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY_MODEL, read_metrics, train_env
+
+from nanotron.errors import ConfigError, NodeFaultError
+from nanotron.watch.attribution import RankEvidence, attribute
+from nanotron.watch.faults import Fault
+from nanotron.watch.heartbeat import Heartbeat, flight_path, read_slot, request_dump
+from nanotron.watch.straggler import lateness
+from nanotron.watch.watcher import Limits
+
+SETTINGS = {"factor": 4.0, "floor_seconds": 8.0, "unseen_phase_seconds": 600.0, "startup_seconds": 1800.0}
+
+
+@pytest.mark.parametrize(
+    "spec", ["rank:2", "rank:x,step:3,kind:sleep", "rank:1,step:3,kind:nap", "rank:1,step:3,kind:slow", "kind:sleep"]
+)
+def test_a_bad_fault_spec_is_one_line_naming_the_variable(spec):
+    with pytest.raises(ConfigError, match=r"NANOTRON_FAULT=.*expected rank:R,step:S,kind:K"):
+        Fault.parse(spec)
+
+
+def test_fault_specs_parse():
+    assert Fault.parse("rank:2,step:7,kind:slow:3") == Fault(2, 7, "slow", 3.0)
+    assert Fault.parse("rank:0,step:1,kind:gil_lock") == Fault(0, 1, "gil_lock")
+
+
+def test_limits_are_learnt_per_phase_with_a_floor_and_limits_for_unseen_phases_and_startup():
+    limits = Limits(SETTINGS)
+    assert limits.limit("startup") == 1800.0 and limits.limit("checkpoint") == 600.0
+    limits.learn({"forward": 0.5, "checkpoint": 30.0, "startup": 99.0, "data": 0.0})
+    limits.learn({"forward": 3.0})
+    assert limits.limit("forward") == 12.0  # 4 x the longest any rank showed
+    assert limits.limit("checkpoint") == 120.0  # a save 10x a step is not an alarm
+    assert limits.limit("data") == 600.0  # a phase of 0 s was never seen
+    limits.learn({"backward": 0.1})
+    assert limits.limit("backward") == 8.0  # the floor
+
+
+def gloo_evidence(rank: int, phase: str, groups: dict[str, list], blocked: bool = True, stalled: float = 9.0):
+    """A rank's evidence as gloo gives it: every entry `scheduled`, whether it finished or not; `groups` maps a
+    group name to (description, [(seq, op, sizes) ...]); the last one is pending when `blocked`."""
+    evidence = {}
+    for name, (desc, recent) in groups.items():
+        seq, op, _ = recent[-1]
+        evidence[name] = {
+            "desc": desc,
+            "recent": [list(entry) for entry in recent],
+            "seq": seq,
+            "op": op,
+            "state": "scheduled",
+            "created_ns": 100 * seq,
+            "record": 100 * seq,
+            "enqueued": seq,
+            "completed": seq - 1 if blocked and name == max(groups, key=lambda n: groups[n][1][-1][0]) else seq,
+        }
+    return RankEvidence(rank, "n1" if rank < 2 else "n2", phase, 812, stalled, groups=evidence)
+
+
+def test_a_rank_stalled_outside_collectives_is_named_by_sequence_numbers():
+    """Rank 2 sleeps in data: its peers are blocked in dp all-reduce #41; rank 2 completed #40 and enqueued nothing
+    since. Every rank waited as long (the stall time tells nothing); the sequence numbers do."""
+    history = [(40, "all_reduce", [[2]])]
+    ranks = [gloo_evidence(r, "backward", {"1": ("mesh_dp", [*history, (41, "all_reduce", [[2]])])}) for r in (0, 1, 3)]
+    ranks.insert(2, gloo_evidence(2, "data", {"1": ("mesh_dp", history)}, blocked=False))
+    verdict = attribute(ranks)
+    assert verdict.culprits == [2]
+    expected = "hang: rank 2 (node n2) stalled in data at step 812; 3 ranks wait in all_reduce #41 on the dp group"
+    assert verdict.line == expected
+
+
+def test_a_rank_that_skipped_a_collective_is_named_by_the_first_mismatched_sequence_number():
+    """Rank 2 skipped the step's all-reduce (2 floats), so its #7 is the next all-reduce (1 float): gloo paired
+    them, and the ranks ended up blocked at #7 and #8 in a mix. The first mismatch names rank 2."""
+    usual = [(6, "all_reduce", [[2]]), (7, "all_reduce", [[2]]), (8, "all_reduce", [[]])]
+    odd = [(6, "all_reduce", [[2]]), (7, "all_reduce", [[]]), (8, "all_reduce", [[1]])]
+    ranks = [
+        gloo_evidence(0, "optimizer", {"0": ("default_pg", usual)}),
+        gloo_evidence(1, "optimizer", {"0": ("default_pg", usual[:2])}),
+        gloo_evidence(2, "optimizer", {"0": ("default_pg", odd)}),
+        gloo_evidence(3, "optimizer", {"0": ("default_pg", usual[:2])}),
+    ]
+    verdict = attribute(ranks)
+    assert verdict.culprits == [2]
+    assert verdict.line.startswith(
+        "hang: rank 2 (node n2) took another code path (its all_reduce #7 on the world group differs from the "
+        "other ranks') in optimizer at step 812; 2 ranks wait in all_reduce #7 on the world group"
+    )
+
+
+def test_a_stopped_or_silent_rank_is_named_before_any_sequence_number():
+    recent = [(41, "all_reduce", [[2]])]
+    waiting = [gloo_evidence(r, "backward", {"1": ("mesh_dp", recent)}) for r in (0, 1, 3)]
+    stopped = RankEvidence(2, "n2", "data", 812, 9.0, stopped=True)
+    assert attribute([*waiting, stopped]).line.startswith("hang: rank 2 (node n2) is stopped (SIGSTOP")
+    silent = RankEvidence(2, "n2", "forward", 812, 9.0)
+    assert attribute([*waiting, silent]).line.startswith("hang: rank 2 (node n2) does not answer")
+
+
+def test_a_heartbeat_slot_carries_phase_step_longest_phase_and_answers_dump_requests(tmp_path):
+    heartbeat = Heartbeat(tmp_path, rank=3, info={"run_dir": "r", "watch": SETTINGS})
+    heartbeat.beat("data", 5)
+    time.sleep(0.05)
+    heartbeat.beat("forward")
+    state = read_slot(heartbeat.slot)
+    assert (state["phase"], state["step"]) == ("forward", 5)
+    assert state["longest"]["data"] >= 0.05 and state["longest"]["forward"] == 0.0
+    request = request_dump(heartbeat.slot)
+    deadline = time.time() + 5
+    while read_slot(heartbeat.slot)["dump_done"] < request and time.time() < deadline:
+        time.sleep(0.05)
+    assert read_slot(heartbeat.slot)["dump_done"] == request
+    assert "groups" in json.loads(flight_path(tmp_path, 3).read_text())
+    assert json.loads((tmp_path / "rank-3.json").read_text())["pid"] == os.getpid()
+    heartbeat.close()
+
+
+def test_lateness_is_how_much_later_than_the_first_a_rank_arrives_per_step():
+    # 10 steps of 1 s; ranks 0, 1, 3 waited 0.6 s a step for rank 2, which waited nothing
+    scores, step_time = lateness([6.0, 6.0, 0.0, 6.0], [10.0, 10.0, 10.0, 10.0], steps=10)
+    assert step_time == 1.0 and scores == pytest.approx([0.0, 0.0, 0.6, 0.0])
+
+
+# ---- 4-rank runs with an injected fault ------------------------------------------------------------------
+
+WATCH = ["--watch.floor_seconds=8", "--watch.factor=4"]
+
+
+def start(tiny_data, tmp_path: Path, name: str, fault: str | None, extra: list[str] = ()) -> subprocess.Popen:
+    args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", f"--job.name={name}", *WATCH, *extra]
+    args += ["--parallelism.dp=4", "--training.steps=30", "--checkpoint.save_final=false"]
+    env = train_env() | ({"NANOTRON_FAULT": fault} if fault else {})
+    command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", "4", *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def check_incident(run_dir: Path, stderr: str, expected: str, started: float) -> dict:
+    lines = [line for line in stderr.splitlines() if line.startswith(("hang:", "incident:", "error:", "Traceback"))]
+    assert lines and lines[0].startswith(expected), stderr[-3000:]
+    (incident,) = (run_dir / "incidents").iterdir()
+    record = json.loads((incident / "incident.json").read_text())
+    culprit = next(r for r in record["ranks"] if r["rank"] == record["culprits"][0])
+    limit = record["limits"].get(culprit["phase"], 600.0)
+    assert culprit["stalled_seconds"] <= 2 * limit and culprit["stalled_seconds"] < 60, (culprit, limit)
+    assert time.time() - started < 300
+    for rank in range(4):
+        stacks = (incident / f"rank-{rank}.stacks.txt").read_text()
+        assert "train_step" in stacks or "(most recent call first)" in stacks or "Thread" in stacks, stacks
+    assert (run_dir / "suspect_nodes.txt").read_text() == f"{os.uname().nodename}\n"
+    return record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("sleep", "hang: rank 2 (node {node}) stalled in data at step 3; 3 ranks wait in "),
+        (
+            "gil_lock",
+            "hang: rank 2 (node {node}) does not answer (it holds the GIL or is stuck in native code) in forward",
+        ),
+        ("sigstop", "hang: rank 2 (node {node}) is stopped (SIGSTOP: it runs no code) in data at step 3"),
+        ("skip_collective", "hang: rank 2 (node {node}) took another code path (its all_reduce #"),
+    ],
+    ids=["sleep", "gil_lock", "sigstop", "skip_collective"],
+)
+def test_an_injected_hang_is_detected_attributed_and_ends_the_job_with_the_node_fault_code(
+    tiny_data, tmp_path, kind, expected
+):
+    started = time.time()
+    proc = start(tiny_data, tmp_path, kind, f"rank:2,step:3,kind:{kind}")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == NodeFaultError.exit_code, stderr[-3000:]
+    check_incident(tmp_path / kind, stderr, expected.format(node=os.uname().nodename), started)
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            variables = environ.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"NANOTRON_LAUNCHER_PID={launcher}".encode() in variables and f"RANK={rank}".encode() in variables:
+            return int(environ.parent.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_from_outside_is_detected_and_its_stack_read(tiny_data, tmp_path):
+    started = time.time()
+    proc = start(tiny_data, tmp_path, "stopped", None, ["--training.steps=400"])
+    while not (tmp_path / "stopped" / "metrics.jsonl").exists() or len(read_metrics(tmp_path / "stopped")) < 3:
+        assert proc.poll() is None and time.time() - started < 240, proc.communicate()
+        time.sleep(0.5)
+    pid = rank_pid(proc.pid, 2)
+    os.kill(pid, signal.SIGSTOP)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == NodeFaultError.exit_code, stderr[-3000:]
+    node = os.uname().nodename
+    record = check_incident(tmp_path / "stopped", stderr, f"hang: rank 2 (node {node}) is stopped (SIGSTOP", started)
+    stacks = next((tmp_path / "stopped" / "incidents").iterdir()) / "rank-2.stacks.txt"
+    assert "py-spy is not installed" in stacks.read_text() or "MainThread" in stacks.read_text()
+    assert record["culprits"] == [2]
+
+
+@pytest.mark.slow
+def test_a_rank_three_times_slower_is_named_within_20_steps_and_the_others_score_zero(tiny_data, tmp_path):
+    straggling = ["--watch.straggler_interval=5", "--watch.straggler_patience=2", "--training.steps=20"]
+    proc = start(tiny_data, tmp_path, "slow", "rank:2,step:1,kind:slow:3", straggling)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    warnings = [line for line in stdout.splitlines() if line.startswith("warning: straggler:")]
+    assert warnings and warnings[0].startswith(f"warning: straggler: rank 2 (node {os.uname().nodename}) arrives")
+    records = [r for r in read_metrics(tmp_path / "slow") if "straggler/max" in r]
+    assert records[1]["step"] <= 20 and all(r["straggler/rank_2"] > 0.4 for r in records)
+    assert all(r[f"straggler/rank_{rank}"] < 0.1 for r in records for rank in (0, 1, 3))
