@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -91,7 +92,7 @@ class CheckpointManager:
         self.staging: Future | None = None
         self.device = torch.device(device)
         self.stager: DefaultStager | None = None
-        self.last_saved_step = -1
+        self.last_saved_step, self.save_started = -1, 0.0
         # Async saves run collectives from a background thread: give them their own process group.
         self.async_group = dist.new_group(backend="gloo") if options.async_save and dist.is_initialized() else None
         if self.rank == 0:
@@ -104,7 +105,7 @@ class CheckpointManager:
         self.wait()
         if step == self.last_saved_step:  # e.g. the final save right after an interval save of the same step
             return
-        self.last_saved_step = step
+        self.last_saved_step, self.save_started = step, time.perf_counter()
         target, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -166,7 +167,7 @@ class CheckpointManager:
             integrity.write(tmp, shard_sums)
             layout.commit(tmp, target, progress)
             layout.prune(self.folder, layout.step_of(target), self.options.keep_last)
-            self.log(f"checkpoint: saved {target}")
+            self.log(f"checkpoint: saved {target} in {time.perf_counter() - self.save_started:.2f}s")
         _barrier()
 
     def close(self) -> None:

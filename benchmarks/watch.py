@@ -1,0 +1,156 @@
+"""What watching costs and whether it cries wolf (issue 20's targets).
+
+    python -m benchmarks.watch [--steps 300] [--nproc 4] [--out DIR]
+
+1. Cost per step, in this process: the watch work a training step adds (six phase beats into the shared-memory
+   slot, the timed step collective, the straggler bookkeeping) against a tiny-model training step (forward,
+   backward, AdamW) measured in the same run; interleaved rounds, medians.
+2. False alarms: a clean `--nproc` rank run through the launcher (so the watcher process runs) of `--steps`
+   steps with a checkpoint and an evaluation every 50 steps and tight limits (floor 1 s, factor 4): the run
+   must end with exit 0 and no incident dir. The table gives the step time and the slowest checkpoint save
+   (from the run's console), so the save-to-step ratio the learnt limits absorbed is on record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import QUIET_RUN, REPO, RESULTS_DIR, bench_env, ensure_data, model_overrides, write_table
+
+
+def watch_cost_ratio(rounds: int = 7) -> dict:
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.models.llama import LlamaForCausalLM
+    from nanotron.parallel.init import init_weights
+    from nanotron.watch.heartbeat import Heartbeat
+    from nanotron.watch.straggler import StragglerScores
+
+    cfg = load_config(*parse_overrides(["--config", "configs/tiny.toml"]))
+    torch.set_num_threads(1)
+    model = LlamaForCausalLM(cfg.model)
+    init_weights(model, cfg.job.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.training.micro_batch_size, cfg.training.seq_len + 1))
+
+    def train_step() -> None:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with tempfile.TemporaryDirectory() as folder:
+        heartbeat = Heartbeat(Path(folder), 0, {"run_dir": folder, "watch": {}})
+        stragglers = StragglerScores(cfg.watch, 0, 1, torch.device("cpu"))
+        step = [0]
+
+        def watch_work() -> None:
+            step[0] += 1
+            heartbeat.beat("data", step[0])
+            heartbeat.beat("forward")
+            heartbeat.beat("backward")
+            heartbeat.beat("optimizer")
+            stragglers.timed(lambda: None)
+            stragglers.step_end()
+
+        steps, calls = [], []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for _ in range(5):
+                train_step()
+            steps.append((time.perf_counter() - started) / 5)
+            started = time.perf_counter()
+            for _ in range(10000):
+                watch_work()
+            calls.append((time.perf_counter() - started) / 10000)
+        heartbeat.close()
+    step_s, watch_s = statistics.median(steps), statistics.median(calls)
+    return {
+        "check": "watch work per step",
+        "step_ms": step_s * 1e3,
+        "watch_us": watch_s * 1e6,
+        "ratio": watch_s / step_s,
+    }
+
+
+def false_alarm_run(work_dir: Path, steps: int, nproc: int) -> dict:
+    name = f"watch-clean-{nproc}"
+    args = [
+        *QUIET_RUN,
+        *ensure_data(work_dir),
+        *model_overrides("tiny"),
+        f"--job.out_dir={work_dir / 'runs'}",
+        f"--job.name={name}",
+        f"--parallelism.dp={nproc}",
+        f"--training.steps={steps}",
+        "--training.eval_interval=50",
+        "--checkpoint.interval=50",
+        "--checkpoint.keep_last=2",
+        "--logging.log_interval=10",
+        "--watch.floor_seconds=1",
+        "--watch.factor=4",
+        "--watch.straggler_interval=50",
+        "--checkpoint.resume_from=none",
+    ]
+    command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", str(nproc), *args]
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, env=bench_env(), capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    run_dir = work_dir / "runs" / name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_times = [r["step_time"] for r in records if "step_time" in r]
+    saves = [float(s) for s in re.findall(r"checkpoint: saved \S+ in ([0-9.]+)s", proc.stdout)]
+    incidents = list((run_dir / "incidents").glob("*")) if (run_dir / "incidents").exists() else []
+    return {
+        "check": f"clean run, {nproc} ranks, {steps} steps",
+        "exit_code": proc.returncode,
+        "incidents": len(incidents),
+        "step_s": statistics.median(step_times) if step_times else float("nan"),
+        "slowest_save_s": max(saves) if saves else float("nan"),
+        "save_vs_step": (max(saves) / statistics.median(step_times)) if saves and step_times else float("nan"),
+        "wall_s": wall,
+        "stderr_tail": proc.stderr.strip().splitlines()[-1:] if proc.returncode else [],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.watch", description=__doc__)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "nanotron-bench-watch")
+    args = parser.parse_args(argv)
+    cost = watch_cost_ratio()
+    print(json.dumps(cost), flush=True)
+    clean = false_alarm_run(args.work_dir, args.steps, args.nproc)
+    print(json.dumps(clean), flush=True)
+    rows = [
+        {
+            "what": cost["check"],
+            "measured": f"{cost['watch_us']:.1f} us vs a {cost['step_ms']:.1f} ms tiny step",
+            "ratio_or_count": f"{cost['ratio']:.5f}",
+            "target": "<= 0.01",
+        },
+        {
+            "what": clean["check"],
+            "measured": f"exit {clean['exit_code']}, step {clean['step_s']:.3f} s, slowest save "
+            f"{clean['slowest_save_s']:.2f} s ({clean['save_vs_step']:.1f}x a step), {clean['wall_s']:.0f} s wall",
+            "ratio_or_count": f"{clean['incidents']} incidents",
+            "target": "0",
+        },
+    ]
+    print(write_table(rows, ["what", "measured", "ratio_or_count", "target"], args.out / "watch"))
+    return 0 if clean["exit_code"] == 0 and not clean["incidents"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
