@@ -124,6 +124,21 @@ if [ "$status" != 0 ] && [ -n "$first_failure" ] && [ "$first_failure" != 0 ]; t
   status=$first_failure
 fi
 
+if [ "$status" = 75 ]; then   # a node fault: the watcher (or the straggler scores) named the nodes to leave out
+  if suspects=$("$PYTHON" -m nanotron.watch.suspects --job "$SLURM_JOB_ID" --config "$CONFIG" "$@") && [ -n "$suspects" ]; then
+    excluded=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.*ExcNodeList=\([^ ]*\).*/\1/p')
+    [ -z "$excluded" ] || [ "$excluded" = "(null)" ] || suspects="$excluded,$suspects"
+    echo "node fault: requeueing job $SLURM_JOB_ID without $suspects; it resumes from the latest checkpoint"
+    # Requeue first: a running job's ExcNodeList can't be changed. The requeue's SIGTERM is trapped above.
+    if scontrol requeue "$SLURM_JOB_ID"; then
+      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$suspects" ||
+        echo "could not exclude $suspects: the requeued job may land on them again"
+    else
+      echo "could not requeue (submitted with --no-requeue?): resubmit with --exclude=$suspects to resume"
+    fi
+  fi
+fi
+
 if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then
   echo "preempted: requeueing job $SLURM_JOB_ID; it resumes from the latest checkpoint"
   scontrol requeue "$SLURM_JOB_ID" || echo "could not requeue (submitted with --no-requeue?): resubmit to resume"

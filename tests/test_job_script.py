@@ -45,7 +45,9 @@ exit $status
 SCONTROL = """
 case "$1 $2" in
   "show hostnames") echo 127.0.0.1 ;;
+  "show job") echo "   ReqNodeList=(null) ExcNodeList=${EXCLUDED:-(null)}" ;;
   requeue*) echo "$@" >> "$RECORD/requeued" ;;
+  update*) echo "$@" >> "$RECORD/updated" ;;
 esac
 """
 
@@ -208,3 +210,31 @@ def test_preemption_signal_reaches_trainers_tracked_by_process_group_and_pp_save
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stopped}"
     assert f"checkpoint: saved {run / 'checkpoints' / f'step-{stopped}'}" in out
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
+
+
+@pytest.mark.slow
+def test_a_node_fault_requeues_the_job_without_the_suspect_nodes_until_restarts_stop_helping(tmp_path):
+    """Exit code 75 (the watcher named a node): the job is requeued, then told to leave out the suspects (a running
+    job's ExcNodeList can't change), keeping what the user excluded; after 3 node faults in a row without a new
+    checkpoint it is not requeued again, in one error line."""
+    run_dir = tmp_path / "runs" / "faulty"
+    faulty_srun = (
+        f"mkdir -p {run_dir} && echo node2 > {run_dir}/suspect_nodes.txt\n"
+        'echo "hang: rank 2 (node node2) stalled in data at step 7" >&2\n'
+        'echo "srun: error: node2: task 1: Exited with exit code 75" >&2\n'
+        "exit 75"
+    )
+    args = [f"--job.out_dir={tmp_path / 'runs'}", "--job.name=faulty"]
+    env = job_env(tmp_path, srun=faulty_srun, EXCLUDED="node9")
+    for attempt in range(3):
+        proc = run_script(tmp_path, *args, env=env)
+        assert proc.returncode == 75, proc.stderr
+        if attempt < 2:
+            assert "node fault: requeueing job 4242 without node9,node2" in proc.stdout, proc.stdout
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"] * 2
+    assert (tmp_path / "updated").read_text().split() == ["update", "JobId=4242", "ExcNodeList=node9,node2"] * 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "3 node faults in a row without a new checkpoint (latest: none" in errors[0], (
+        proc.stderr
+    )
+    assert "node fault: requeueing" not in proc.stdout

@@ -308,6 +308,9 @@ class WatchConfig:
     straggler_action: str = _opt(
         "warn", "on a persistent straggler: warn, or exclude (stop with the node-fault exit code)", ("warn", "exclude")
     )
+    max_node_faults_without_progress: int = _opt(
+        3, "launch/slurm.sh stops requeueing after this many node faults in a row without a new checkpoint", min=1
+    )
 
 
 @dataclass

@@ -12,6 +12,7 @@ the launch.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -59,10 +60,11 @@ def run_torchrun(args: list[str]) -> int:
         signal.signal(sig, _forward_to_workers)
     os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # workers stop when this process dies
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
-    with _watcher() as watch_dir:
+    config = parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *args])
+    with _watcher(config) as watch_dir:
         try:
             # torchrun's own handlers would replace ours when it starts the workers: leave it the other signals only.
-            run(parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *args]))
+            run(config)
         except ChildFailedError as error:
             if (verdict := watch_dir / VERDICT).exists():  # the watcher ended the ranks and printed why
                 return json.loads(verdict.read_text())["exit_code"]
@@ -75,11 +77,15 @@ def run_torchrun(args: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def _watcher() -> Iterator[Path]:
-    """The node's watcher process (nanotron.watch.watcher) and the node-local folder of the ranks' slots."""
+def _watcher(config: argparse.Namespace) -> Iterator[Path]:
+    """The node's watcher process (nanotron.watch.watcher) and the node-local folder of the ranks' slots; with
+    several nodes, the watchers meet in the rendezvous endpoint's key-value store."""
     with tempfile.TemporaryDirectory(prefix="nanotron-watch-") as folder:
         os.environ[WATCH_DIR_VARIABLE] = folder
         command = [sys.executable, "-m", "nanotron.watch.watcher", "--dir", folder, "--launcher", str(os.getpid())]
+        nnodes = int(str(config.nnodes).rpartition(":")[2])
+        if nnodes > 1 and config.rdzv_endpoint and not config.standalone:
+            command += ["--nnodes", str(nnodes), "--store", config.rdzv_endpoint]
         watcher = subprocess.Popen(command, start_new_session=True)  # signals to the launch's group pass it by
         try:
             yield Path(folder)

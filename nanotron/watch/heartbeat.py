@@ -37,6 +37,11 @@ _LONGEST_OFFSET = _REQUEST_OFFSET + 16
 _VERSION = 1
 
 
+def node_name() -> str:
+    """This node's name as the scheduler knows it (what `sbatch --exclude` takes), else its host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def slot_path(folder: Path, rank: int) -> Path:
     return Path(folder) / f"rank-{rank}.slot"
 
@@ -69,7 +74,7 @@ class Heartbeat:
             self.slot = mmap.mmap(f.fileno(), SLOT.size)
         self._counter = 0
         self.beat("startup")
-        write_atomic(info_path(folder, rank), json.dumps({**info, "pid": os.getpid(), "node": socket.gethostname()}))
+        write_atomic(info_path(folder, rank), json.dumps({**info, "pid": os.getpid(), "node": node_name()}))
         self._stacks = open(stacks_path(folder, rank), "w")  # noqa: SIM115 - faulthandler writes it until exit
         faulthandler.register(STACK_SIGNAL, file=self._stacks, all_threads=True, chain=False)
         threading.Thread(target=self._serve_dumps, name="nanotron-heartbeat", daemon=True).start()

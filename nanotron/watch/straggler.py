@@ -10,7 +10,6 @@ scores ~2/3, the others ~0. Cost: O(1) a step, and 8 bytes per rank every interv
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import WatchConfig
+from nanotron.watch.heartbeat import node_name
 
 
 class StragglerScores:
@@ -26,9 +26,9 @@ class StragglerScores:
         self.waited = self.step_seconds = 0.0
         self.steps, self.late_intervals = 0, [0] * world_size
         self.step_started = time.perf_counter()
-        self.nodes = [socket.gethostname()] * world_size
+        self.nodes = [node_name()] * world_size
         if world_size > 1 and cfg.straggler_interval:
-            dist.all_gather_object(self.nodes, socket.gethostname())  # once, at start-up
+            dist.all_gather_object(self.nodes, node_name())  # once, at start-up
 
     def timed(self, collective):
         """Runs the step's collective, adding the time this rank waited in it."""

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,11 +35,13 @@ from nanotron.watch.heartbeat import (
     STACK_SIGNAL,
     flight_path,
     info_path,
+    node_name,
     read_slot,
     request_dump,
     slot_path,
     stacks_path,
 )
+from nanotron.watch.nodes import Coordinator
 
 POLL_SECONDS = 0.5
 DUMP_WAIT_SECONDS = 5.0
@@ -139,34 +142,36 @@ def _py_spy(pid: int) -> str:
 
 
 def write_incident(
-    run_dir: Path, verdict: Verdict, evidence: list[RankEvidence], stacks: dict[int, str], limits: Limits
+    incident: Path,
+    verdict: Verdict,
+    evidence: list[RankEvidence],
+    stacks: dict[int, str],
+    limits: Limits,
+    summary: bool,
 ) -> Path:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    incident = run_dir / "incidents" / f"{stamp}-{os.uname().nodename}"
+    """This node's ranks' stacks; with `summary` (the leading node) the verdict and every node's evidence too."""
     incident.mkdir(parents=True, exist_ok=True)
     for rank, text in stacks.items():
         (incident / f"rank-{rank}.stacks.txt").write_text(text + "\n")
-    rows = [e.__dict__ for e in sorted(evidence, key=lambda e: e.rank)]
+    if not summary:
+        return incident
+    rows = [asdict(e) for e in sorted(evidence, key=lambda e: e.rank)]
     record = {"line": verdict.line, "culprits": verdict.culprits, "waiting": verdict.waiting, "ranks": rows}
     record["limits"] = {phase: limits.limit(phase) for phase in ("startup", *limits.longest)}
     (incident / "incident.json").write_text(json.dumps(record, indent=1))
-    summary = [verdict.line, "", "rank  node  phase  step  stalled_s  state"]
-    summary += [
+    lines = [verdict.line, "", "rank  node  phase  step  stalled_s  state"]
+    lines += [
         f"{e.rank}  {e.node}  {e.phase}  {e.step}  {e.stalled_seconds:.1f}  "
         + ("stopped" if e.stopped else "silent" if e.groups is None else "answered")
         for e in sorted(evidence, key=lambda e: e.rank)
     ]
-    (incident / "summary.txt").write_text("\n".join(summary) + "\n")
+    (incident / "summary.txt").write_text("\n".join(lines) + "\n")
     return incident
 
 
-def act(run_dir: Path, folder: Path, ranks: dict[int, Rank], verdict: Verdict, incident: Path) -> None:
-    """Names the suspects, ends the node's ranks and tells the launcher why."""
-    nodes = sorted({ranks[r].info["node"] for r in verdict.culprits if r in ranks})
-    write_atomic(run_dir / "suspect_nodes.txt", "".join(f"{node}\n" for node in nodes))
+def act(folder: Path, ranks: dict[int, Rank], verdict: Verdict) -> None:
+    """Leaves the verdict for the launcher and ends the node's ranks (the launch then exits with code 75)."""
     write_atomic(folder / VERDICT, json.dumps({"exit_code": NodeFaultError.exit_code, "line": verdict.line}))
-    print(verdict.line, file=sys.stderr, flush=True)
-    print(f"incident: {incident} (stacks and flight recorders of every rank of this node)", file=sys.stderr, flush=True)
     for rank in ranks.values():
         try:
             os.kill(rank.info["pid"], signal.SIGKILL)
@@ -174,7 +179,35 @@ def act(run_dir: Path, folder: Path, ranks: dict[int, Rank], verdict: Verdict, i
             pass
 
 
-def watch(folder: Path, launcher: int) -> int:
+def handle(
+    folder: Path, ranks: dict[int, Rank], limits: Limits, coordinator: Coordinator | None, announced: str | None
+):
+    """One incident: this node's evidence, one verdict for the job (the leading node's), and the action."""
+    now = time.time()
+    evidence, stacks = gather(folder, ranks, now)
+    run_dir = Path(next(iter(ranks.values())).info["run_dir"])
+    incident = announced or f"{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{node_name()}"
+    lead, everyone = True, evidence
+    if coordinator is not None:
+        incident, lead = coordinator.announce(incident)
+        coordinator.publish(incident, evidence)
+        everyone = coordinator.collect(incident) if lead else evidence
+    verdict = attribute(everyone)
+    nodes = sorted({e.node for e in everyone if e.rank in verdict.culprits})
+    if coordinator is not None:
+        if lead:
+            coordinator.decide(incident, verdict, nodes)
+        elif (decided := coordinator.verdict(incident)) is not None:
+            verdict, nodes = Verdict(decided["line"], decided["culprits"]), decided["nodes"]
+    directory = write_incident(run_dir / "incidents" / incident, verdict, everyone, stacks, limits, summary=lead)
+    if lead:
+        write_atomic(run_dir / "suspect_nodes.txt", "".join(f"{node}\n" for node in nodes))
+        print(verdict.line, file=sys.stderr, flush=True)
+        print(f"incident: {directory} (stacks and flight recorders of every rank)", file=sys.stderr, flush=True)
+    act(folder, ranks, verdict)
+
+
+def watch(folder: Path, launcher: int, coordinator: Coordinator | None = None) -> int:
     ranks: dict[int, Rank] = {}
     limits: Limits | None = None
     while _alive(launcher):
@@ -191,11 +224,9 @@ def watch(folder: Path, launcher: int) -> int:
             for r in ranks.values()
             if r.state["phase"] != "done" and now - r.state["since"] > limits.limit(r.state["phase"])
         ]
-        if stalled:
-            evidence, stacks = gather(folder, ranks, now)
-            verdict = attribute(evidence)
-            run_dir = Path(next(iter(ranks.values())).info["run_dir"])
-            act(run_dir, folder, ranks, verdict, write_incident(run_dir, verdict, evidence, stacks, limits))
+        announced = coordinator.announced() if coordinator is not None else None
+        if stalled or announced:
+            handle(folder, ranks, limits, coordinator, announced)
             return 0
     return 0
 
@@ -212,10 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanotron.watch.watcher", description=__doc__)
     parser.add_argument("--dir", type=Path, required=True, help="the node-local folder of the ranks' slots")
     parser.add_argument("--launcher", type=int, required=True, help="pid of the launcher: stop when it is gone")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the job (each runs a watcher)")
+    parser.add_argument("--store", default="", help="host:port of the launcher's key-value store (several nodes)")
     args = parser.parse_args(argv)
     for sig in STOP_SIGNALS:  # a stop is the ranks' to act on (the launcher hands it to its children, us included)
         signal.signal(sig, signal.SIG_IGN)
-    return watch(args.dir, args.launcher)
+    coordinator = Coordinator(args.store, args.nnodes, node_name()) if args.nnodes > 1 and args.store else None
+    return watch(args.dir, args.launcher, coordinator)
 
 
 if __name__ == "__main__":
