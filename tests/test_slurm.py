@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, TinyData, read_metrics, train_env
+from conftest import REPO, TINY_MODEL, TinyData, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     if os.geteuid() != 0:
         unavailable("no Slurm cluster answers `scontrol ping` and starting the local one needs root")
     cluster = tmp_path_factory.mktemp("slurm-cluster")
-    setup = {**os.environ, "SLURM_LOCAL_NODES": "2", "SLURM_LOCAL_FAKE_GPUS": "2"}
+    setup = {**os.environ, "SLURM_LOCAL_NODES": "3", "SLURM_LOCAL_FAKE_GPUS": "2"}
     up_script = ["bash", str(CLUSTER_SCRIPTS / "cluster-up.sh"), str(cluster)]
     down = ["bash", str(CLUSTER_SCRIPTS / "cluster-down.sh"), str(cluster)]
     up = subprocess.run(up_script, env=setup, capture_output=True, text=True, timeout=600)
@@ -234,3 +234,34 @@ def test_bad_input_in_a_two_node_job_is_one_error_line_and_exit_code_2(slurm_env
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"data.tokenizer: no tokenizer.json at '{missing}'" in errors[0], text[-4000:]
     assert errors[0].startswith("error: [rank ") and "Traceback" not in text
+
+
+def test_a_hang_on_one_node_requeues_the_job_without_it_and_resumes_to_the_undisturbed_loss(
+    slurm_env, tiny_data, tmp_path
+):
+    """A 2-node job on a 3-node cluster; every rank on node2 stalls in data at step 7 (a bad node). The watchers
+    name it in one line, the job exits 75, the script requeues it without node2, and the requeued job resumes from
+    step 6's checkpoint and ends with the loss of a run that was never disturbed."""
+    nodes = subprocess.run(["sinfo", "-h", "-o", "%D"], env=slurm_env, capture_output=True, text=True).stdout.split()
+    if sum(map(int, nodes)) < 3:
+        unavailable("the cluster has fewer than 3 nodes (start it with SLURM_LOCAL_NODES=3)")
+    steps, run = 12, tmp_path / "bad-node"
+    common = ["--parallelism.dp=2", f"--training.steps={steps}", "--watch.floor_seconds=8"]
+    env = {**slurm_env, "NPROC_PER_NODE": "1", "NANOTRON_FAULT": "node:node2,step:7,kind:sleep"}
+    args = job_args(tiny_data, tmp_path, "bad-node", *common, "--checkpoint.interval=2")
+    job = sbatch(["--nodes=2", f"--output={tmp_path}/%x-%j.out", "launch/slurm.sh", *args], env)
+    log = tmp_path / f"nanotron-{job}.out"  # an idle cluster gives the lowest nodes: node1 and node2
+
+    release_requeued(job, 1, env, log)
+    assert job_field(job, "ExcNodeList", env) == "node2"
+    assert wait_until_done(job, env, log) == "COMPLETED", log.read_text()[-4000:]
+
+    text = log.read_text()
+    hang = [line for line in text.splitlines() if line.startswith("hang:")]
+    assert len(hang) == 1 and hang[0].startswith("hang: rank ") and "(node node2) stalled in data at step 7" in hang[0]
+    assert f"node fault: requeueing job {job} without node2" in text
+    assert (run / "suspect_nodes.txt").read_text() == "node2\n"
+    assert train_steps(run) == [*range(1, 7), *range(7, steps + 1)]
+    reference = tmp_path / "reference"
+    run_train([*job_args(tiny_data, tmp_path, "reference", *common)[1:], "--config", "configs/tiny.toml"], nproc=2)
+    assert read_metrics(run)[-1]["loss"] == pytest.approx(read_metrics(reference)[-1]["loss"], rel=1e-6, abs=0)

@@ -38,6 +38,7 @@ def test_a_bad_fault_spec_is_one_line_naming_the_variable(spec):
 def test_fault_specs_parse():
     assert Fault.parse("rank:2,step:7,kind:slow:3") == Fault(2, 7, "slow", 3.0)
     assert Fault.parse("rank:0,step:1,kind:gil_lock") == Fault(0, 1, "gil_lock")
+    assert Fault.parse("node:node2,step:7,kind:sleep") == Fault(None, 7, "sleep", node="node2")
 
 
 def test_limits_are_learnt_per_phase_with_a_floor_and_limits_for_unseen_phases_and_startup():
@@ -229,3 +230,30 @@ def test_a_rank_three_times_slower_is_named_within_20_steps_and_the_others_score
     records = [r for r in read_metrics(tmp_path / "slow") if "straggler/max" in r]
     assert records[1]["step"] <= 20 and all(r["straggler/rank_2"] > 0.4 for r in records)
     assert all(r[f"straggler/rank_{rank}"] < 0.1 for r in records for rank in (0, 1, 3))
+
+
+def test_the_watchers_of_several_nodes_agree_on_one_incident_one_leader_and_one_verdict():
+    """Node b announces first and leads; node a learns the incident from the store, publishes its evidence and
+    takes b's verdict (a node that only learnt the id must not lead too: that printed the line twice)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from nanotron.watch.nodes import Coordinator
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    address = f"127.0.0.1:{server.port}"
+    a, b = Coordinator(address, 2, "a"), Coordinator(address, 2, "b")
+    assert a.announced() is None
+    incident, b_leads = b.announce("t0-b")
+    assert (incident, b_leads) == ("t0-b", True)
+    assert a.announced() == "t0-b" and a.announce(a.announced()) == ("t0-b", False)
+    stuck = gloo_evidence(1, "data", {"0": ("default_pg", [(5, "all_reduce", [[2]])])}, blocked=False)
+    waiting = gloo_evidence(0, "backward", {"0": ("default_pg", [(5, "all_reduce", [[2]]), (6, "all_reduce", [[2]])])})
+    a.publish(incident, [stuck])
+    b.publish(incident, [waiting])
+    everyone = b.collect(incident)
+    assert sorted(e.rank for e in everyone) == [0, 1]
+    verdict = attribute(everyone)
+    b.decide(incident, verdict, ["n2"])
+    assert a.verdict(incident) == {"line": verdict.line, "culprits": [1], "nodes": ["n2"]}

@@ -1,6 +1,8 @@
-"""A fault injector for tests and drills (never for production runs): `NANOTRON_FAULT=rank:R,step:S,kind:K`.
+"""A fault injector for tests and drills (never for production runs): `NANOTRON_FAULT=rank:R,step:S,kind:K`, or
+`node:N,step:S,kind:K` for every rank on node N (what a bad node looks like: requeued elsewhere, the job is well),
+or both (rank R, only while it runs on node N).
 
-Kinds, each acting on rank R when it enters the named phase of step S (and, for `slow`, every step from S on):
+Kinds, each acting when the rank enters the named phase of step S (and, for `slow`, every step from S on):
   sleep            sleeps in `data` (a stuck data loader; the GIL is free)
   gil_lock         spins in `forward` holding the GIL (a C extension that never releases it)
   sigstop          stops itself with SIGSTOP in `data` (the process can run no code at all)
@@ -27,10 +29,11 @@ _PHASE = {"sleep": "data", "gil_lock": "forward", "sigstop": "data", "crash": "d
 
 @dataclass
 class Fault:
-    rank: int
+    rank: int | None  # None: every rank (of `node`)
     step: int
     kind: str
     factor: float = 1.0
+    node: str | None = None
     _compute_started: float = 0.0
 
     @classmethod
@@ -40,25 +43,33 @@ class Fault:
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
-        hint = f"{FAULT_VARIABLE}={spec!r}: expected rank:R,step:S,kind:K with K one of {', '.join(KINDS)} (slow:F)"
+        hint = (
+            f"{FAULT_VARIABLE}={spec!r}: expected rank:R,step:S,kind:K (or node:N instead of or beside rank:R) with K "
+            f"one of {', '.join(KINDS)} (slow:F)"
+        )
         fields: dict[str, str] = {}
         for part in spec.split(","):
             key, sep, value = part.partition(":")
-            if not sep or key not in ("rank", "step", "kind") or key in fields:
+            if not sep or key not in ("rank", "node", "step", "kind") or key in fields:
                 raise ConfigError(hint)
             fields[key] = value if key != "kind" else part[len("kind:") :]
         kind, _, factor = fields.get("kind", "").partition(":")
         try:
-            fault = cls(int(fields["rank"]), int(fields["step"]), kind, float(factor) if factor else 1.0)
+            rank = int(fields["rank"]) if "rank" in fields else None
+            fault = cls(rank, int(fields["step"]), kind, float(factor) if factor else 1.0, fields.get("node"))
         except (KeyError, ValueError):
             raise ConfigError(hint) from None
-        if kind not in KINDS or (kind == "slow") != bool(factor) or fault.factor < 1 or fault.rank < 0:
+        bad_rank = rank is None and fault.node is None or rank is not None and rank < 0
+        if kind not in KINDS or (kind == "slow") != bool(factor) or fault.factor < 1 or bad_rank:
             raise ConfigError(hint)
         return fault
 
+    def applies_to(self, rank: int, node: str) -> bool:
+        return (self.rank is None or rank == self.rank) and (self.node is None or node == self.node)
+
     def at(self, rank: int, phase: str, step: int) -> None:
         """Called as rank `rank` enters `phase` of step `step`."""
-        if rank != self.rank or step < self.step or (step > self.step and self.kind != "slow"):
+        if not self.applies_to(rank, self.here) or step < self.step or (step > self.step and self.kind != "slow"):
             return
         if self.kind == "slow" and phase == "forward":
             self._compute_started = time.perf_counter()
@@ -78,4 +89,10 @@ class Fault:
             time.sleep((self.factor - 1) * (time.perf_counter() - self._compute_started))
 
     def skips_collective(self, rank: int, step: int) -> bool:
-        return self.kind == "skip_collective" and rank == self.rank and step == self.step
+        return self.kind == "skip_collective" and self.applies_to(rank, self.here) and step == self.step
+
+    @property
+    def here(self) -> str:
+        from nanotron.watch.heartbeat import node_name
+
+        return node_name()

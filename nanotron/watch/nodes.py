@@ -22,6 +22,7 @@ GATHER_SECONDS = 20.0  # how long the leader waits for the other nodes' evidence
 class Coordinator:
     def __init__(self, address: str, nnodes: int, node: str):
         self.address, self.nnodes, self.node, self._store = address, nnodes, node, None
+        self._unreachable_since = 0.0
 
     @property
     def store(self):
@@ -29,22 +30,25 @@ class Coordinator:
             from torch.distributed import TCPStore
 
             host, _, port = self.address.rpartition(":")
-            self._store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+            self._store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
         return self._store
 
     def announced(self) -> str | None:
-        """The incident another node announced, if any (a cheap check, made every poll)."""
+        """The incident another node announced, if any (a cheap check, made every poll; an unreachable store is
+        tried again after 30 s, so a missing one never holds up the watch)."""
+        if time.time() - self._unreachable_since < 30:
+            return None
         try:
             if self.store.check([PREFIX + "incident"]):
                 return self.store.get(PREFIX + "incident").decode()
-        except Exception:  # noqa: BLE001 - no store yet (the rendezvous has not started) or gone: nothing announced
-            return None
+        except Exception:  # noqa: BLE001 - the store is not up yet, or gone: nothing was announced through it
+            self._store, self._unreachable_since = None, time.time()
         return None
 
     def announce(self, incident: str) -> tuple[str, bool]:
-        """(the incident id every node uses, whether this node leads)."""
-        winner = self.store.compare_set(PREFIX + "incident", "", incident).decode()
-        return winner, winner == incident
+        """(the incident id every node uses, whether this node leads: the first to ask does)."""
+        incident = self.store.compare_set(PREFIX + "incident", "", incident).decode()
+        return incident, self.store.add(f"{PREFIX}{incident}/leader", 1) == 1
 
     def publish(self, incident: str, evidence: list[RankEvidence]) -> None:
         index = self.store.add(f"{PREFIX}{incident}/nodes", 1)
