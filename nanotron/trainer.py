@@ -68,7 +68,8 @@ class Trainer:
         self.cfg = cfg
         # Trapped from the start, so a stop signal during set-up still stops cleanly at the first step boundary.
         self.stop = StopRequest()
-        info = {"run_dir": str(cfg.run_dir.absolute()), "watch": asdict(cfg.watch)}
+        info = {"run_dir": str(cfg.run_dir.absolute()), "checkpoint_dir": str(cfg.checkpoint_dir.absolute())}
+        info["watch"] = asdict(cfg.watch)
         self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), info, cfg.watch.enabled)
         self.ctx: ParallelContext = init_distributed(cfg)
         set_matmul_precision(cfg, self.ctx.device)

@@ -257,3 +257,39 @@ def test_the_watchers_of_several_nodes_agree_on_one_incident_one_leader_and_one_
     verdict = attribute(everyone)
     b.decide(incident, verdict, ["n2"])
     assert a.verdict(incident) == {"line": verdict.line, "culprits": [1], "nodes": ["n2"]}
+
+
+@pytest.mark.slow
+def test_a_transient_hang_restarts_the_ranks_in_place_and_a_permanent_one_stops_after_restarts_without_progress(
+    tiny_data, tmp_path
+):
+    """watch.on_hang=restart: a hang in the first launch attempt only (a transient fault) is followed by a restart
+    in place that resumes from the last checkpoint and finishes with the undisturbed run's loss; a hang in every
+    attempt stops after watch.max_restarts_without_progress restarts without a new checkpoint, in one line."""
+    common = ["--watch.on_hang=restart", "--checkpoint.interval=2", "--training.steps=8"]
+    common += ["--parallelism.dp=2", "--watch.max_restarts_without_progress=2"]
+    args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", *WATCH, *common]
+    command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", "2", *args]
+    transient = train_env() | {"NANOTRON_FAULT": "rank:1,step:5,kind:sleep,restart:0"}
+    done = subprocess.run([*command, "--job.name=transient"], cwd=REPO, env=transient, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if line.startswith("hang:")] == [
+        f"hang: rank 1 (node {os.uname().nodename}) stalled in data at step 5; 1 rank waits in all_reduce "
+        + done.stderr.split("1 rank waits in all_reduce ")[1].splitlines()[0]
+    ]
+    assert "restarting the ranks in place (attempt 1) after: hang: rank 1" in done.stdout
+    steps = [r["step"] for r in read_metrics(tmp_path / "transient") if "loss" in r]
+    assert steps == [1, 2, 3, 4, *range(5, 9)]  # the second attempt resumed from step 4's checkpoint
+    reference = subprocess.run([*command, "--job.name=reference"], cwd=REPO, env=train_env(), capture_output=True)
+    assert reference.returncode == 0
+    final = [r["loss"] for r in read_metrics(tmp_path / "transient") if "loss" in r][-1]
+    assert final == pytest.approx(
+        [r["loss"] for r in read_metrics(tmp_path / "reference") if "loss" in r][-1], rel=1e-6
+    )
+
+    permanent = train_env() | {"NANOTRON_FAULT": "rank:1,step:5,kind:sleep"}
+    stuck = subprocess.run([*command, "--job.name=permanent"], cwd=REPO, env=permanent, capture_output=True, text=True)
+    assert stuck.returncode == 2, stuck.stderr[-3000:]
+    errors = [line for line in stuck.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "2 node faults in a row without a new checkpoint (latest: step-4" in errors[0]
+    assert stuck.stdout.count("restarting the ranks in place") == 1

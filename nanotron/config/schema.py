@@ -308,8 +308,14 @@ class WatchConfig:
     straggler_action: str = _opt(
         "warn", "on a persistent straggler: warn, or exclude (stop with the node-fault exit code)", ("warn", "exclude")
     )
-    max_node_faults_without_progress: int = _opt(
-        3, "launch/slurm.sh stops requeueing after this many node faults in a row without a new checkpoint", min=1
+    on_hang: str = _opt(
+        "requeue",
+        "after a hang: requeue (exit code 75; launch/slurm.sh requeues without the suspect nodes) or restart (the "
+        "launcher restarts the ranks in place, on the same nodes: for transient faults)",
+        ("requeue", "restart"),
+    )
+    max_restarts_without_progress: int = _opt(
+        3, "stop requeueing or restarting after this many node faults in a row without a new checkpoint", min=1
     )
 
 

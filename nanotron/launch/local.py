@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -26,7 +27,9 @@ from pathlib import Path
 
 from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, UserError
 from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
+from nanotron.watch.faults import ATTEMPT_VARIABLE
 from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE
+from nanotron.watch.suspects import record_fault
 from nanotron.watch.watcher import VERDICT
 
 QUIET_EXIT_CODES = {UserError.exit_code, DivergenceError.exit_code, NodeFaultError.exit_code, ABORT_EXIT_CODE}
@@ -52,28 +55,47 @@ def spawn_local(nproc: int, command: list[str]) -> int:
 
 def run_torchrun(args: list[str]) -> int:
     """torchrun's main with the exit code of the first failed worker, the stop signals forwarded to workers, and
-    the node's watcher process beside them (its verdict on a hang decides the exit code)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    the node's watcher process beside them: its verdict on a hang decides the exit code, or (watch.on_hang =
+    "restart") restarts the ranks in place until restarts stop bringing new checkpoints."""
+    from torch.distributed.run import parse_args
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, _forward_to_workers)
     os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # workers stop when this process dies
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
+    # torchrun's own handlers would replace ours when it starts the workers: leave it the other signals only.
     config = parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *args])
+    for attempt in itertools.count():
+        os.environ[ATTEMPT_VARIABLE] = str(attempt)
+        code, verdict = _run_once(config)
+        if verdict is None or verdict["action"] != "restart":
+            return code
+        try:
+            record_fault(Path(verdict["run_dir"]), Path(verdict["checkpoint_dir"]), verdict["limit"], action="restart")
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            return error.exit_code
+        print(f"restarting the ranks in place (attempt {attempt + 1}) after: {verdict['line']}", flush=True)
+
+
+def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
+    """One torchrun launch: (exit code, the watcher's verdict if it ended the ranks)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
     with _watcher(config) as watch_dir:
         try:
-            # torchrun's own handlers would replace ours when it starts the workers: leave it the other signals only.
             run(config)
         except ChildFailedError as error:
             if (verdict := watch_dir / VERDICT).exists():  # the watcher ended the ranks and printed why
-                return json.loads(verdict.read_text())["exit_code"]
+                verdict = json.loads(verdict.read_text())
+                return verdict["exit_code"], verdict
             _, failure = error.get_first_failure()
             if failure.exitcode in QUIET_EXIT_CODES:  # the worker has printed its one-line error
-                return failure.exitcode
+                return failure.exitcode, None
             print(error.format_msg(), file=sys.stderr, flush=True)
-            return 1
-    return 0
+            return 1, None
+    return 0, None
 
 
 @contextlib.contextmanager

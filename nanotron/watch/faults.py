@@ -1,14 +1,17 @@
 """A fault injector for tests and drills (never for production runs): `NANOTRON_FAULT=rank:R,step:S,kind:K`, or
 `node:N,step:S,kind:K` for every rank on node N (what a bad node looks like: requeued elsewhere, the job is well),
-or both (rank R, only while it runs on node N).
+or both (rank R, only while it runs on node N). `restart:A` limits it to launch attempt A (0: the first; an
+in-place restart or a requeue is the next attempt), so a drill can stage a transient fault.
 
-Kinds, each acting when the rank enters the named phase of step S (and, for `slow`, every step from S on):
+Kinds, each acting when the rank enters the named phase of step S (and, for `slow` and `slow_disk`, every step
+from S on):
   sleep            sleeps in `data` (a stuck data loader; the GIL is free)
   gil_lock         spins in `forward` holding the GIL (a C extension that never releases it)
   sigstop          stops itself with SIGSTOP in `data` (the process can run no code at all)
   skip_collective  skips the step's stop/non-finite all-reduce in `optimizer` (ranks disagree on collectives)
   slow:F           from step S on, sleeps (F - 1) x the step's compute time before the step's collective
   crash            kills itself with SIGKILL in `data`
+  slow_disk:T      every checkpoint save takes T seconds longer (a slow or overloaded filesystem)
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from dataclasses import dataclass
 from nanotron.errors import ConfigError
 
 FAULT_VARIABLE = "NANOTRON_FAULT"
-KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash")
+ATTEMPT_VARIABLE = "NANOTRON_LAUNCH_ATTEMPT"  # set by nanotron.launch.local (0, 1, ... across in-place restarts)
+KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash", "slow_disk")
+_ONGOING = ("slow", "slow_disk")  # take a value, and act at every step from S on
 # Where each kind acts: a phase of the heartbeat, or "step_collective", just before the step's collective.
 _PHASE = {"sleep": "data", "gil_lock": "forward", "sigstop": "data", "crash": "data", "slow": "step_collective"}
+_PHASE["slow_disk"] = "checkpoint"
 
 
 @dataclass
@@ -34,6 +40,7 @@ class Fault:
     kind: str
     factor: float = 1.0
     node: str | None = None
+    attempt: int | None = None
     _compute_started: float = 0.0
 
     @classmethod
@@ -50,26 +57,30 @@ class Fault:
         fields: dict[str, str] = {}
         for part in spec.split(","):
             key, sep, value = part.partition(":")
-            if not sep or key not in ("rank", "node", "step", "kind") or key in fields:
+            if not sep or key not in ("rank", "node", "step", "kind", "restart") or key in fields:
                 raise ConfigError(hint)
             fields[key] = value if key != "kind" else part[len("kind:") :]
         kind, _, factor = fields.get("kind", "").partition(":")
         try:
             rank = int(fields["rank"]) if "rank" in fields else None
-            fault = cls(rank, int(fields["step"]), kind, float(factor) if factor else 1.0, fields.get("node"))
+            attempt = int(fields["restart"]) if "restart" in fields else None
+            fault = cls(rank, int(fields["step"]), kind, float(factor) if factor else 1.0, fields.get("node"), attempt)
         except (KeyError, ValueError):
             raise ConfigError(hint) from None
         bad_rank = rank is None and fault.node is None or rank is not None and rank < 0
-        if kind not in KINDS or (kind == "slow") != bool(factor) or fault.factor < 1 or bad_rank:
+        if kind not in KINDS or (kind in _ONGOING) != bool(factor) or fault.factor < (1 if kind == "slow" else 0):
+            raise ConfigError(hint)
+        if bad_rank:
             raise ConfigError(hint)
         return fault
 
     def applies_to(self, rank: int, node: str) -> bool:
-        return (self.rank is None or rank == self.rank) and (self.node is None or node == self.node)
+        here = self.attempt is None or str(self.attempt) == os.environ.get(ATTEMPT_VARIABLE, "0")
+        return here and (self.rank is None or rank == self.rank) and (self.node is None or node == self.node)
 
     def at(self, rank: int, phase: str, step: int) -> None:
         """Called as rank `rank` enters `phase` of step `step`."""
-        if not self.applies_to(rank, self.here) or step < self.step or (step > self.step and self.kind != "slow"):
+        if not self.applies_to(rank, self.here) or step < self.step or (step > self.step and self.kind not in _ONGOING):
             return
         if self.kind == "slow" and phase == "forward":
             self._compute_started = time.perf_counter()
@@ -87,6 +98,8 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "slow":
             time.sleep((self.factor - 1) * (time.perf_counter() - self._compute_started))
+        elif self.kind == "slow_disk":
+            time.sleep(self.factor)
 
     def skips_collective(self, rank: int, step: int) -> bool:
         return self.kind == "skip_collective" and self.applies_to(rank, self.here) and step == self.step

@@ -170,8 +170,13 @@ def write_incident(
 
 
 def act(folder: Path, ranks: dict[int, Rank], verdict: Verdict) -> None:
-    """Leaves the verdict for the launcher and ends the node's ranks (the launch then exits with code 75)."""
-    write_atomic(folder / VERDICT, json.dumps({"exit_code": NodeFaultError.exit_code, "line": verdict.line}))
+    """Leaves the verdict for the launcher and ends the node's ranks: the launch then exits with code 75, or
+    restarts them in place (watch.on_hang)."""
+    info = next(iter(ranks.values())).info
+    decision = {"exit_code": NodeFaultError.exit_code, "line": verdict.line, "action": info["watch"]["on_hang"]}
+    decision |= {"run_dir": info["run_dir"], "checkpoint_dir": info["checkpoint_dir"]}
+    decision["limit"] = info["watch"]["max_restarts_without_progress"]
+    write_atomic(folder / VERDICT, json.dumps(decision))
     for rank in ranks.values():
         try:
             os.kill(rank.info["pid"], signal.SIGKILL)
