@@ -1,4 +1,4 @@
-"""The `nanotron` console script: `nanotron {train,launch,tokenize,convert,generate,prepare,plan} ...`."""
+"""The `nanotron` console script: `nanotron {train,launch,tokenize,convert,generate,prepare,plan,doctor} ...`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "generate": "nanotron.generate",
     "prepare": "nanotron.prepare",
     "plan": "nanotron.plan.cli",
+    "doctor": "nanotron.doctor",
 }
 
 

@@ -38,6 +38,7 @@ from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
 from nanotron.tokenizer import copy_tokenizer
+from nanotron.watch.doctor import preflight
 from nanotron.watch.heartbeat import Heartbeat
 from nanotron.watch.straggler import StragglerScores
 
@@ -73,6 +74,8 @@ class Trainer:
         self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), info, cfg.watch.enabled)
         self.ctx: ParallelContext = init_distributed(cfg)
         set_matmul_precision(cfg, self.ctx.device)
+        if cfg.training.preflight:  # bad nodes stop the job before anything is built
+            preflight(cfg, self.ctx)
         p = cfg.parallelism
         self.corpus = prepare_data(cfg)
         # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).

@@ -289,3 +289,53 @@ def test_a_transient_hang_restarts_the_ranks_in_place_and_a_permanent_one_stops_
     errors = [line for line in stuck.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "2 node faults in a row without a new checkpoint (latest: step-4" in errors[0]
     assert stuck.stdout.count("restarting the ranks in place") == 1
+
+
+# ---- nanotron doctor ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault, code, expected",
+    [
+        ("rank:2,step:0,kind:slow:4", 75, "doctor: rank 2 (node {node}): "),
+        ("rank:3,step:0,kind:bad_matmul", 75, "doctor: rank 3 (node {node}): matmul result differs"),
+        ("rank:0,step:0,kind:slow_disk:3", 2, "doctor: rank 0 (node {node}): checkpoint.dir writes at "),
+    ],
+    ids=["slow_rank", "bad_matmul", "slow_disk"],
+)
+def test_the_doctor_names_a_slow_rank_a_wrong_matmul_and_a_slow_disk(tiny_data, tmp_path, fault, code, expected):
+    args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--parallelism.dp=2"]
+    args += ["--parallelism.tp=2", "--config", "configs/tiny.toml"]
+    command = [sys.executable, "-m", "nanotron.doctor", "--nproc_per_node", "4", *args]
+    env = train_env() | {"NANOTRON_FAULT": fault}
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected.format(node=os.uname().nodename) in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    if code == 75:
+        assert (tmp_path / "tiny" / "suspect_nodes.txt").read_text() == f"{os.uname().nodename}\n"
+
+
+@pytest.mark.slow
+def test_the_doctor_passes_a_healthy_8_rank_layout_in_under_a_minute_and_runs_before_step_1(tiny_data, tmp_path):
+    layout = ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.pp=2", "--config", "configs/tiny.toml"]
+    args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", *layout]
+    started = time.perf_counter()
+    command = [sys.executable, "-m", "nanotron.doctor", "--nproc_per_node", "8", *args]
+    proc = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "doctor: 8 ranks healthy" in proc.stdout, proc.stderr[-3000:]
+    assert time.perf_counter() - started < 60
+    preflight = [
+        "--training.preflight=true",
+        "--training.steps=2",
+        "--parallelism.dp=4",
+        "--config",
+        "configs/tiny.toml",
+    ]
+    env = train_env() | {"NANOTRON_FAULT": "rank:1,step:0,kind:bad_matmul"}
+    command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", "4", *args[: -len(layout)], *preflight]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 75 and "doctor: rank 1 " in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "tiny" / "metrics.jsonl").exists()  # stopped before step 1

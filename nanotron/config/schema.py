@@ -194,6 +194,11 @@ class TrainingConfig:
     compile: bool = _opt(False, "torch.compile each decoder layer")
     tf32: bool = _opt(True, "on CUDA, float32 matmuls on TF32 tensor cores (MFU vs the TF32 peak); false = full fp32")
     device: str = _opt("auto", "auto (cuda if available), cuda or cpu", ("auto", "cuda", "cpu"))
+    preflight: bool = _opt(
+        False,
+        "run nanotron doctor's checks (compute, links, checkpoint disk, clocks) before step 1; bad nodes stop "
+        "the job with exit code 75",
+    )
 
 
 @dataclass

@@ -42,6 +42,7 @@ CONFIG_FLAGS: dict[str, tuple[str, ...]] = {
     "save_initial_state": ("checkpoint.save_initial_state",),
     "resume_from_checkpoint": ("checkpoint.resume_from",),
     "profiler_export_path": ("profiler.export_path",),
+    "preflight": ("training.preflight",),
 }
 
 # The original nanotron launcher's flags that are named differently here: a hint instead of "unrecognized".

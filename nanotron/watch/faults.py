@@ -12,6 +12,8 @@ from S on):
   slow:F           from step S on, sleeps (F - 1) x the step's compute time before the step's collective
   crash            kills itself with SIGKILL in `data`
   slow_disk:T      every checkpoint save takes T seconds longer (a slow or overloaded filesystem)
+  bad_matmul       the doctor's matmul gives a wrong result on this rank (silent data corruption)
+`nanotron doctor` (and training.preflight) also honour `slow:F` (every timed check F x slower) and `slow_disk:T`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from nanotron.errors import ConfigError
 
 FAULT_VARIABLE = "NANOTRON_FAULT"
 ATTEMPT_VARIABLE = "NANOTRON_LAUNCH_ATTEMPT"  # set by nanotron.launch.local (0, 1, ... across in-place restarts)
-KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash", "slow_disk")
+KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash", "slow_disk", "bad_matmul")
 _ONGOING = ("slow", "slow_disk")  # take a value, and act at every step from S on
 # Where each kind acts: a phase of the heartbeat, or "step_collective", just before the step's collective.
 _PHASE = {"sleep": "data", "gil_lock": "forward", "sigstop": "data", "crash": "data", "slow": "step_collective"}

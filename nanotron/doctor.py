@@ -1,0 +1,50 @@
+"""`nanotron doctor --config CFG [--section.key=value ...] [--nproc_per_node N]`: the preflight checks of
+`nanotron.watch.doctor` (compute, links, checkpoint disk, clocks) at the config's layout, without training.
+
+Under `torchrun`/`srun` it runs in every rank; with `--nproc_per_node N` it starts N local ranks itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+
+from nanotron.config import load_config, parse_overrides
+from nanotron.distributed import destroy_distributed, init_distributed, launched_world_size
+from nanotron.errors import exit_process, run_command
+from nanotron.launch.local import pop_nproc, spawn_local
+from nanotron.watch.doctor import preflight
+
+
+def _main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__ + "\n" + sys.modules["nanotron.watch.doctor"].__doc__)
+        return 0
+    nproc = pop_nproc(argv)
+    cfg = load_config(*parse_overrides(argv), world_size=nproc or launched_world_size())
+    if nproc:
+        return spawn_local(nproc, ["-m", "nanotron.doctor", *argv])
+    ctx = init_distributed(cfg)
+    preflight(cfg, ctx)
+    if ctx.rank == 0:
+        print(f"doctor: {ctx.world_size} ranks healthy", flush=True)
+    destroy_distributed()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(_main, argv)
+
+
+if __name__ == "__main__":
+    code = 1
+    try:
+        code = main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        exit_process(code)  # no interpreter teardown after gloo (see errors.exit_process)

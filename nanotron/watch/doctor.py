@@ -1,0 +1,237 @@
+"""`nanotron doctor`: find bad nodes before step 1.
+
+    nanotron doctor --config CFG [--section.key=value ...] [--nproc_per_node N]
+
+or `training.preflight = true` to run the same checks inside the job, after the process group is up and before the
+model is built. Every rank (at the config's layout, so the mesh dimensions are the job's):
+  compute   a seeded matmul, timed, and its checksum: a device whose result differs from the others' is named;
+            one slower than half the median is named
+  links     all-reduce bus bandwidth over each mesh dimension's groups, then a pairwise pass (each rank with its
+            ring neighbours): a rank or link slower than half the median is named
+  disk      each node's first rank writes (fsync) and reads back a file in checkpoint.dir: the speed, the time one
+            checkpoint would take, and the free space against the planned checkpoint size
+  clocks    host clock skew against rank 0, from the time each rank leaves one barrier
+One line per finding, naming rank and node, and a table of the figures. Exit code 75 (the node-fault code,
+suspect nodes in <run dir>/suspect_nodes.txt) when a node is bad; 2 when only the disk or clocks need a fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanotron.config import Config
+from nanotron.distributed import ParallelContext
+from nanotron.errors import ConfigError, NodeFaultError
+from nanotron.io import write_atomic
+from nanotron.models.shapes import num_params
+from nanotron.watch.faults import Fault
+from nanotron.watch.heartbeat import node_name
+
+MATMUL_SIZE, MATMUL_REPEATS = 512, 4
+ROUNDS = 3  # every timing is the best of this many
+COMM_BYTES = 1 << 22
+DISK_BYTES = 32 << 20
+SLOW = 0.5  # a rank or link below half the median is named
+CLOCK_SKEW_SECONDS = 1.0
+MIN_DISK_MBPS = 50.0
+
+
+def compute(ctx: ParallelContext, fault: Fault | None) -> dict:
+    """TFLOP/s of a seeded matmul and a checksum of its result (the same inputs on every rank)."""
+    generator = torch.Generator(device=ctx.device).manual_seed(1234)
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=generator, device=ctx.device)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=generator, device=ctx.device)
+
+    def matmuls() -> torch.Tensor:
+        for _ in range(MATMUL_REPEATS):
+            c = a @ b
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        return c
+
+    c, elapsed = best_of(matmuls, fault, ctx.rank)
+    if fault is not None and fault.kind == "bad_matmul" and fault.applies_to(ctx.rank, node_name()):
+        c[0, 0] += 1.0  # what silent data corruption looks like
+    checksum = hashlib.sha256(c.cpu().numpy().tobytes()).hexdigest()[:16]
+    return {"tflops": 2 * MATMUL_SIZE**3 * MATMUL_REPEATS / elapsed / 1e12, "checksum": checksum}
+
+
+def best_of(action, fault: Fault | None, rank: int):
+    """(the last result, the shortest of ROUNDS timings) of `action`: ranks that share cores, or a busy link,
+    time-slice, and the best round is the one that shows the device. An injected `slow:F` fault makes this rank
+    F x slower at everything timed here."""
+    best = float("inf")
+    for _ in range(ROUNDS):
+        started = time.perf_counter()
+        result = action()
+        elapsed = time.perf_counter() - started
+        if fault is not None and fault.kind == "slow" and fault.applies_to(rank, node_name()):
+            time.sleep((fault.factor - 1) * elapsed)
+            elapsed *= fault.factor
+        best = min(best, elapsed)
+    return result, best
+
+
+def bus_bandwidth(ctx: ParallelContext, fault: Fault | None) -> dict[str, float]:
+    """GB/s of an all-reduce of COMM_BYTES over this rank's group of each mesh dimension (ring bus bandwidth)."""
+    figures = {}
+    for name in ctx.mesh.mesh_dim_names:
+        group = ctx.mesh[name].get_group()
+        size = dist.get_world_size(group)
+        if size == 1:
+            continue
+        tensor = torch.ones(COMM_BYTES // 4, device=ctx.device)
+        dist.all_reduce(tensor, group=group)  # warm-up
+        _, elapsed = best_of(lambda group=group, tensor=tensor: dist.all_reduce(tensor, group=group), fault, ctx.rank)
+        figures[name] = 2 * (size - 1) / size * COMM_BYTES / elapsed / 1e9
+    return figures
+
+
+def pairwise(ctx: ParallelContext, fault: Fault | None) -> dict[int, float]:
+    """GB/s of an exchange with each ring neighbour (two rounds: even pairs, then odd), keyed by the neighbour."""
+    world, rank = ctx.world_size, ctx.rank
+    figures = {}
+    send, receive = torch.ones(COMM_BYTES // 4, device=ctx.device), torch.empty(COMM_BYTES // 4, device=ctx.device)
+    for offset in (0, 1):
+        if world < 2 or (world % 2 and offset):
+            continue
+        peer = (rank + 1) % world if (rank - offset) % 2 == 0 else (rank - 1) % world
+        if peer != rank:
+
+            def exchange(peer: int = peer) -> None:
+                operations = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)]
+                for request in dist.batch_isend_irecv(operations):
+                    request.wait()
+
+            _, elapsed = best_of(exchange, fault, rank)
+            figures[peer] = 2 * COMM_BYTES / elapsed / 1e9
+        dist.barrier()
+    return figures
+
+
+def disk(cfg: Config, local_rank: int, fault: Fault | None, rank: int) -> dict:
+    """Write (fsync) and read-back speed of checkpoint.dir, free space, and what one checkpoint would take."""
+    if local_rank != 0:
+        return {}
+    folder = cfg.checkpoint_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".doctor-{node_name()}-{os.getpid()}"
+    data = os.urandom(DISK_BYTES)
+    try:
+        started = time.perf_counter()
+        with open(probe, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if fault is not None and fault.kind == "slow_disk" and fault.applies_to(rank, node_name()):
+            time.sleep(fault.factor)
+        written = time.perf_counter() - started
+        started = time.perf_counter()
+        assert probe.read_bytes() == data, f"{probe} read back other bytes than were written"
+        read = time.perf_counter() - started
+    finally:
+        probe.unlink(missing_ok=True)
+    checkpoint_bytes = 12 * num_params(cfg.model)  # fp32 weights and AdamW's two moments
+    return {
+        "write_mbps": DISK_BYTES / written / 1e6,
+        "read_mbps": DISK_BYTES / read / 1e6,
+        "free_gb": shutil.disk_usage(folder).free / 1e9,
+        "checkpoint_gb": checkpoint_bytes / 1e9,
+        "save_seconds": checkpoint_bytes / (DISK_BYTES / written),
+    }
+
+
+def examine(cfg: Config, ctx: ParallelContext) -> list[dict]:
+    """Every rank's figures, gathered on every rank."""
+    fault, local_rank = Fault.from_env(), int(os.environ.get("LOCAL_RANK", "0"))
+    dist.barrier()
+    left_barrier = time.time()
+    mine = {"rank": ctx.rank, "node": node_name(), "clock": left_barrier, **compute(ctx, fault)}
+    mine |= {"bus_gbps": bus_bandwidth(ctx, fault), "pair_gbps": pairwise(ctx, fault)}
+    mine |= {"disk": disk(cfg, local_rank, fault, ctx.rank)}
+    everyone: list[dict] = [{} for _ in range(ctx.world_size)]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def findings(everyone: list[dict]) -> tuple[list[str], set[str], bool]:
+    """(one line per finding, the nodes to exclude, whether anything besides bad nodes needs a fix)."""
+    lines, bad_nodes, other = [], set(), False
+    by_rank = {r["rank"]: r for r in everyone}
+
+    def bad(r: dict, what: str) -> None:
+        lines.append(f"doctor: rank {r['rank']} (node {r['node']}): {what}")
+        bad_nodes.add(r["node"])
+
+    usual = statistics.mode(r["checksum"] for r in everyone)
+    for r in everyone:
+        if r["checksum"] != usual:
+            bad(r, f"matmul result differs from the other ranks' ({r['checksum']} vs {usual}): a faulty device")
+    median = statistics.median(r["tflops"] for r in everyone)
+    for r in everyone:
+        if r["tflops"] < SLOW * median:
+            bad(r, f"matmul at {r['tflops']:.4f} TFLOP/s, the median is {median:.4f}: a slow device")
+    pairs = {(r["rank"], peer): gbps for r in everyone for peer, gbps in r["pair_gbps"].items()}
+    if pairs:
+        median = statistics.median(pairs.values())
+        for rank, r in by_rank.items():
+            mine = [pairs[(rank, peer)] for peer in r["pair_gbps"]]
+            if mine and max(mine) < SLOW * median:  # slow with every neighbour: the rank (or its node's link)
+                bad(r, f"exchanges at {max(mine):.3f} GB/s at best, the median link does {median:.3f}: a slow link")
+    for r in everyone:
+        if abs(offset := r["clock"] - everyone[0]["clock"]) > CLOCK_SKEW_SECONDS:
+            lines.append(f"doctor: rank {r['rank']} (node {r['node']}): clock {offset:+.2f}s off rank 0's: sync it")
+            other = True
+    for r in (r for r in everyone if r["disk"]):
+        d, where = r["disk"], f"doctor: rank {r['rank']} (node {r['node']}): checkpoint.dir"
+        if d["write_mbps"] < MIN_DISK_MBPS:
+            lines.append(
+                f"{where} writes at {d['write_mbps']:.1f} MB/s: one checkpoint ({d['checkpoint_gb']:.2f} GB) takes "
+                f"~{d['save_seconds']:.0f}s: a slow disk"
+            )
+            other = True
+        if d["free_gb"] < 2 * d["checkpoint_gb"]:
+            need = f"two checkpoints need {2 * d['checkpoint_gb']:.2f} GB"
+            lines.append(f"{where} has {d['free_gb']:.2f} GB free, {need}: free space or set checkpoint.keep_last")
+            other = True
+    return lines, bad_nodes, other
+
+
+def table(everyone: list[dict]) -> str:
+    rows = ["rank  node  matmul_tflops  checksum  bus_gbps  pair_gbps  disk_write_mbps  clock_offset_s"]
+    start = everyone[0]["clock"]
+    for r in everyone:
+        bus = " ".join(f"{k}:{v:.3f}" for k, v in r["bus_gbps"].items()) or "-"
+        pair = " ".join(f"{k}:{v:.3f}" for k, v in r["pair_gbps"].items()) or "-"
+        written = f"{r['disk']['write_mbps']:.0f}" if r["disk"] else "-"
+        rows.append(
+            f"{r['rank']}  {r['node']}  {r['tflops']:.3f}  {r['checksum']}  {bus}  {pair}  {written}  "
+            f"{r['clock'] - start:+.3f}"
+        )
+    return "\n".join(rows)
+
+
+def preflight(cfg: Config, ctx: ParallelContext) -> None:
+    """The checks, inside a job: findings stop it before step 1 (exit code 75 with the suspect nodes, or 2).
+    Every rank holds every rank's figures, so every rank reaches the same findings and stops alike."""
+    everyone = examine(cfg, ctx)
+    lines, bad_nodes, other = findings(everyone)
+    if ctx.rank == 0:
+        print(table(everyone), flush=True)
+        for line in lines[1:]:
+            print(line, file=sys.stderr, flush=True)
+        if bad_nodes:
+            write_atomic(cfg.run_dir / "suspect_nodes.txt", "".join(f"{node}\n" for node in sorted(bad_nodes)))
+    if lines:
+        more = f" ({len(lines) - 1} more findings above)" if len(lines) > 1 else ""
+        if bad_nodes:
+            raise NodeFaultError(f"{lines[0]}{more}; requeue without node(s) {', '.join(sorted(bad_nodes))}")
+        raise ConfigError(f"{lines[0]}{more}")
