@@ -6,9 +6,11 @@
    slot, the timed step collective, the straggler bookkeeping) against a tiny-model training step (forward,
    backward, AdamW) measured in the same run; interleaved rounds, medians.
 2. False alarms: a clean `--nproc` rank run through the launcher (so the watcher process runs) of `--steps`
-   steps with a checkpoint and an evaluation every 50 steps and tight limits (floor 1 s, factor 4): the run
-   must end with exit 0 and no incident dir. The table gives the step time and the slowest checkpoint save
-   (from the run's console), so the save-to-step ratio the learnt limits absorbed is on record.
+   steps with a checkpoint and an evaluation every 50 steps and tight limits (floor 1 s, factor 4), every save
+   made `--save-seconds` slower on rank 0 (`slow_disk`), so saves take well over 10 steps: the run must end with
+   exit 0 and no incident dir. The table gives the step time and the slowest save (from the run's console).
+3. Detection: each injected hang at `--nproc` ranks (floor 8 s): the culprit's stall when it was named, the
+   learnt limit of its phase, the first line, the exit code.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,7 +85,7 @@ def watch_cost_ratio(rounds: int = 7) -> dict:
     }
 
 
-def false_alarm_run(work_dir: Path, steps: int, nproc: int) -> dict:
+def false_alarm_run(work_dir: Path, steps: int, nproc: int, save_seconds: float) -> dict:
     name = f"watch-clean-{nproc}"
     args = [
         *QUIET_RUN,
@@ -103,11 +106,12 @@ def false_alarm_run(work_dir: Path, steps: int, nproc: int) -> dict:
     ]
     command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", str(nproc), *args]
     started = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, env=bench_env(), capture_output=True, text=True)
+    env = bench_env() | {"NANOTRON_FAULT": f"rank:0,step:1,kind:slow_disk:{save_seconds}"}
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     run_dir = work_dir / "runs" / name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    step_times = [r["step_time"] for r in records if "step_time" in r]
+    step_times = [r["step_time_sec"] for r in records if "step_time_sec" in r]
     saves = [float(s) for s in re.findall(r"checkpoint: saved \S+ in ([0-9.]+)s", proc.stdout)]
     incidents = list((run_dir / "incidents").glob("*")) if (run_dir / "incidents").exists() else []
     return {
@@ -122,17 +126,50 @@ def false_alarm_run(work_dir: Path, steps: int, nproc: int) -> dict:
     }
 
 
+KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective")
+
+
+def detection_runs(work_dir: Path, nproc: int) -> list[dict]:
+    rows = []
+    for kind in KINDS:
+        name = f"watch-{kind}"
+        args = [*QUIET_RUN, *ensure_data(work_dir), *model_overrides("tiny"), f"--job.out_dir={work_dir / 'runs'}"]
+        args += [f"--job.name={name}", f"--parallelism.dp={nproc}", "--training.steps=50", "--watch.floor_seconds=8"]
+        command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", str(nproc), *args]
+        env = bench_env() | {"NANOTRON_FAULT": f"rank:2,step:3,kind:{kind}"}
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        (incident,) = sorted((work_dir / "runs" / name / "incidents").iterdir())[-1:]
+        record = json.loads((incident / "incident.json").read_text())
+        culprit = next(r for r in record["ranks"] if r["rank"] == record["culprits"][0])
+        limit = record["limits"].get(culprit["phase"], float("nan"))
+        rows.append(
+            {
+                "kind": kind,
+                "exit_code": proc.returncode,
+                "named_after_s": culprit["stalled_seconds"],
+                "limit_s": limit,
+                "within_2x_limit_and_60s": culprit["stalled_seconds"] <= min(2 * limit, 60),
+                "first_line": record["line"],
+            }
+        )
+        shutil.rmtree(work_dir / "runs" / name)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.watch", description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--save-seconds", type=float, default=3.0, help="slow_disk on rank 0 in the clean run")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "nanotron-bench-watch")
     args = parser.parse_args(argv)
     cost = watch_cost_ratio()
     print(json.dumps(cost), flush=True)
-    clean = false_alarm_run(args.work_dir, args.steps, args.nproc)
+    clean = false_alarm_run(args.work_dir, args.steps, args.nproc, args.save_seconds)
     print(json.dumps(clean), flush=True)
+    detections = detection_runs(args.work_dir, args.nproc)
+    print(write_table(detections, list(detections[0]), args.out / "watch_detection"))
     rows = [
         {
             "what": cost["check"],
@@ -149,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     ]
     print(write_table(rows, ["what", "measured", "ratio_or_count", "target"], args.out / "watch"))
-    return 0 if clean["exit_code"] == 0 and not clean["incidents"] else 1
+    detected = all(row["within_2x_limit_and_60s"] and row["exit_code"] == 75 for row in detections)
+    return 0 if clean["exit_code"] == 0 and not clean["incidents"] and detected else 1
 
 
 if __name__ == "__main__":
