@@ -127,6 +127,7 @@ LAYERS = [
         "nanotron.generate",
         "nanotron.prepare",
         "nanotron.cli",
+        "nanotron.doctor",
     ],
 ]
 # Commands a training process never runs, so never loads (the launcher's local part, `launch.local`, it does).

@@ -33,7 +33,7 @@ from nanotron.errors import ConfigError, NodeFaultError
 from nanotron.io import write_atomic
 from nanotron.models.shapes import num_params
 from nanotron.watch.faults import Fault
-from nanotron.watch.heartbeat import node_name
+from nanotron.watch.nodes import node_name
 
 MATMUL_SIZE, MATMUL_REPEATS = 512, 4
 ROUNDS = 3  # every timing is the best of this many

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from nanotron.errors import ConfigError
+from nanotron.watch.nodes import node_name
 
 FAULT_VARIABLE = "NANOTRON_FAULT"
 ATTEMPT_VARIABLE = "NANOTRON_LAUNCH_ATTEMPT"  # set by nanotron.launch.local (0, 1, ... across in-place restarts)
@@ -108,6 +109,4 @@ class Fault:
 
     @property
     def here(self) -> str:
-        from nanotron.watch.heartbeat import node_name
-
         return node_name()

@@ -16,7 +16,6 @@ import mmap
 import os
 import pickle
 import signal
-import socket
 import struct
 import threading
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from nanotron.io import write_atomic
 from nanotron.watch.faults import Fault
+from nanotron.watch.nodes import node_name
 
 WATCH_DIR_VARIABLE = "NANOTRON_WATCH_DIR"  # set by nanotron.launch.local for its workers: a node-local folder
 PHASES = ("startup", "data", "forward", "backward", "optimizer", "checkpoint", "eval", "done")
@@ -35,11 +35,6 @@ _COUNTER_OFFSET = struct.calcsize("<iiqd")
 _REQUEST_OFFSET = _COUNTER_OFFSET + 8
 _LONGEST_OFFSET = _REQUEST_OFFSET + 16
 _VERSION = 1
-
-
-def node_name() -> str:
-    """This node's name as the scheduler knows it (what `sbatch --exclude` takes), else its host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def slot_path(folder: Path, rank: int) -> Path:

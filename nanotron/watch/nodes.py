@@ -9,6 +9,8 @@ prints the one line and publishes the verdict, which each watcher acts on for it
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import asdict
 from datetime import timedelta
@@ -17,6 +19,11 @@ from nanotron.watch.attribution import RankEvidence, Verdict
 
 PREFIX = "nanotron/watch/"
 GATHER_SECONDS = 20.0  # how long the leader waits for the other nodes' evidence
+
+
+def node_name() -> str:
+    """This node's name as the scheduler knows it (what `sbatch --exclude` takes), else its host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class Coordinator:

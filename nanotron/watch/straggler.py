@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import WatchConfig
-from nanotron.watch.heartbeat import node_name
+from nanotron.watch.nodes import node_name
 
 
 class StragglerScores:

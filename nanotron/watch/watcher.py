@@ -35,13 +35,12 @@ from nanotron.watch.heartbeat import (
     STACK_SIGNAL,
     flight_path,
     info_path,
-    node_name,
     read_slot,
     request_dump,
     slot_path,
     stacks_path,
 )
-from nanotron.watch.nodes import Coordinator
+from nanotron.watch.nodes import Coordinator, node_name
 
 POLL_SECONDS = 0.5
 DUMP_WAIT_SECONDS = 5.0
