@@ -25,6 +25,7 @@ import json
 import math
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from benchmarks.common import (
     REPO,
+    bench_env,
     ensure_data,
     launch_nanotron,
     median_after_warmup,
@@ -138,6 +140,33 @@ def verify(check: Check, row: dict, done: dict[str, dict]) -> None:
             check.problems.append(f"resumed losses {gap:.2e} from the uninterrupted run")
 
 
+def doctor_checks(common: list[str], n_devices: int, settings: argparse.Namespace) -> bool:
+    """`nanotron doctor` on the visible devices: a healthy run passes (exit 0, its table printed) and an injected
+    wrong matmul on rank 0 is caught (exit 75): the checksum and fp64-reference checks on the device's own math."""
+    command = [
+        sys.executable,
+        "-m",
+        "nanotron.doctor",
+        "--nproc_per_node",
+        str(n_devices),
+        "--config",
+        "configs/tiny.toml",
+    ]
+    command += [arg for arg in common if arg.startswith(("--training.device", "--data."))]
+    command += [f"--job.out_dir={settings.work_dir / 'runs'}", "--job.name=doctor", f"--parallelism.dp={n_devices}"]
+    ok = True
+    for fault, expected in (("", 0), ("rank:0,step:0,kind:bad_matmul", 75)):
+        env = bench_env() | ({"NANOTRON_FAULT": fault} if fault else {})
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=settings.timeout)
+        verdict = "ok" if proc.returncode == expected else f"exit {proc.returncode}, expected {expected}"
+        print(
+            f"doctor {fault or 'healthy':32s} {verdict}\n{proc.stdout.strip()}\n{proc.stderr.strip()[-2000:]}",
+            flush=True,
+        )
+        ok &= proc.returncode == expected
+    return ok
+
+
 def _rel(a: float | None, b: float | None) -> float:
     return math.inf if a is None or b is None else abs(a - b) / abs(b)
 
@@ -214,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
+    failed |= not doctor_checks(common, n_devices, settings)
     for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
         shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each
     return 1 if failed else 0

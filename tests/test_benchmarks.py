@@ -90,6 +90,8 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
+    assert "doctor healthy                          ok" in stdout
+    assert "doctor rank:0,step:0,kind:bad_matmul    ok" in stdout
 
 
 @pytest.mark.slow

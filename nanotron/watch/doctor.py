@@ -37,6 +37,7 @@ from nanotron.watch.nodes import node_name
 
 MATMUL_SIZE, MATMUL_REPEATS = 512, 4
 ROUNDS = 3  # every timing is the best of this many
+MATMUL_TOLERANCE = 1e-2  # largest error relative to the largest element: TF32's 10-bit mantissa stays well below
 COMM_BYTES = 1 << 22
 DISK_BYTES = 32 << 20
 SLOW = 0.5  # a rank or link below half the median is named
@@ -59,9 +60,11 @@ def compute(ctx: ParallelContext, fault: Fault | None) -> dict:
 
     c, elapsed = best_of(matmuls, fault, ctx.rank)
     if fault is not None and fault.kind == "bad_matmul" and fault.applies_to(ctx.rank, node_name()):
-        c[0, 0] += 1.0  # what silent data corruption looks like
+        c[0, 0] += 100.0  # what silent data corruption looks like
     checksum = hashlib.sha256(c.cpu().numpy().tobytes()).hexdigest()[:16]
-    return {"tflops": 2 * MATMUL_SIZE**3 * MATMUL_REPEATS / elapsed / 1e12, "checksum": checksum}
+    exact = a.cpu().double() @ b.cpu().double()  # also catches a device that is wrong alone (one rank, one GPU)
+    error = ((c.cpu().double() - exact).abs().max() / exact.abs().max()).item()
+    return {"tflops": 2 * MATMUL_SIZE**3 * MATMUL_REPEATS / elapsed / 1e12, "checksum": checksum, "error": error}
 
 
 def best_of(action, fault: Fault | None, rank: int):
@@ -175,6 +178,8 @@ def findings(everyone: list[dict]) -> tuple[list[str], set[str], bool]:
     for r in everyone:
         if r["checksum"] != usual:
             bad(r, f"matmul result differs from the other ranks' ({r['checksum']} vs {usual}): a faulty device")
+        elif r["error"] > MATMUL_TOLERANCE:
+            bad(r, f"matmul result is {r['error']:.1e} off an fp64 reference (TF32 stays below 1e-2): a faulty device")
     median = statistics.median(r["tflops"] for r in everyone)
     for r in everyone:
         if r["tflops"] < SLOW * median:
