@@ -6,13 +6,11 @@ Under `torchrun`/`srun` it runs in every rank; with `--nproc_per_node N` it star
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import traceback
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.distributed import destroy_distributed, init_distributed, launched_world_size
-from nanotron.errors import exit_process, run_command
+from nanotron.errors import run_as_main, run_command
 from nanotron.launch.local import pop_nproc, spawn_local
 from nanotron.watch.doctor import preflight
 
@@ -38,13 +36,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = 1
-    try:
-        code = main()
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:
-        with contextlib.suppress(Exception):
-            traceback.print_exc()
-    finally:
-        exit_process(code)  # no interpreter teardown after gloo (see errors.exit_process)
+    run_as_main(main)

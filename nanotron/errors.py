@@ -9,11 +9,13 @@ because a peer went away stay quiet and exit with the first failure's code.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import socket
 import sys
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -143,3 +145,18 @@ def exit_process(code: int) -> None:
         except Exception:  # noqa: BLE001 - nothing is left to report to
             pass
     os._exit(code)
+
+
+def run_as_main(main: Callable[[], int]) -> None:
+    """A gloo process's `if __name__ == "__main__":` body: `main()`, a traceback for a crash, then `exit_process`
+    with its code whatever happened (never the interpreter's teardown)."""
+    code = 1
+    try:
+        code = main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        with contextlib.suppress(Exception):  # e.g. stderr is a broken pipe
+            traceback.print_exc()
+    finally:
+        exit_process(code)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
 
 from nanotron.checkpoint import check_writable
 from nanotron.config import help_text, load_config, parse_overrides
 from nanotron.data import prepare_data
 from nanotron.distributed import destroy_distributed, launched_world_size
-from nanotron.errors import exit_process, run_command
+from nanotron.errors import run_as_main, run_command
 from nanotron.gpu import apply_env_defaults
 from nanotron.launch.local import pop_nproc, spawn_local
 from nanotron.lock import lock_run
@@ -57,13 +56,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = 1
-    try:
-        code = main()
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:
-        with contextlib.suppress(Exception):  # e.g. stderr is a broken pipe
-            traceback.print_exc()
-    finally:
-        exit_process(code)  # whatever happened: skip interpreter teardown (see errors.exit_process)
+    run_as_main(main)
