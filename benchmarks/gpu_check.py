@@ -140,30 +140,27 @@ def verify(check: Check, row: dict, done: dict[str, dict]) -> None:
             check.problems.append(f"resumed losses {gap:.2e} from the uninterrupted run")
 
 
-def doctor_checks(common: list[str], n_devices: int, settings: argparse.Namespace) -> bool:
+def watch_checks(common: list[str], n_devices: int, settings: argparse.Namespace) -> bool:
     """`nanotron doctor` on the visible devices: a healthy run passes (exit 0, its table printed) and an injected
-    wrong matmul on rank 0 is caught (exit 75): the checksum and fp64-reference checks on the device's own math."""
-    command = [
-        sys.executable,
-        "-m",
-        "nanotron.doctor",
-        "--nproc_per_node",
-        str(n_devices),
-        "--config",
-        "configs/tiny.toml",
-    ]
-    command += [arg for arg in common if arg.startswith(("--training.device", "--data."))]
-    command += [f"--job.out_dir={settings.work_dir / 'runs'}", "--job.name=doctor", f"--parallelism.dp={n_devices}"]
+    wrong matmul on rank 0 is caught (exit 75): the checksum and fp64-reference checks on the device's own math.
+    With two devices or more, also a hang on NCCL (rank 1 sleeps in data at step 3): the watcher must name it."""
+    base = [sys.executable, "-m", "nanotron.{}", "--nproc_per_node", str(n_devices), "--config", "configs/tiny.toml"]
+    base += [arg for arg in common if arg.startswith(("--training.device", "--data."))]
+    base += [f"--job.out_dir={settings.work_dir / 'runs'}", f"--parallelism.dp={n_devices}"]
+    runs = [("doctor", "", 0, "doctor: "), ("doctor", "rank:0,step:0,kind:bad_matmul", 75, "doctor: rank 0 ")]
+    if n_devices > 1:
+        runs.append(("train", "rank:1,step:3,kind:sleep", 75, "hang: rank 1 "))
     ok = True
-    for fault, expected in (("", 0), ("rank:0,step:0,kind:bad_matmul", 75)):
+    for command, fault, expected, line in runs:
+        argv = [base[0], base[1], base[2].format(command), *base[3:], f"--job.name=watch-{command}"]
+        argv += ["--training.steps=10", "--watch.floor_seconds=20"] if command == "train" else []
         env = bench_env() | ({"NANOTRON_FAULT": fault} if fault else {})
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=settings.timeout)
-        verdict = "ok" if proc.returncode == expected else f"exit {proc.returncode}, expected {expected}"
-        print(
-            f"doctor {fault or 'healthy':32s} {verdict}\n{proc.stdout.strip()}\n{proc.stderr.strip()[-2000:]}",
-            flush=True,
-        )
-        ok &= proc.returncode == expected
+        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=settings.timeout)
+        good = proc.returncode == expected and line in proc.stdout + proc.stderr
+        verdict = "ok" if good else f"exit {proc.returncode} (expected {expected}, and a line with {line!r})"
+        print(f"{command} {fault or 'healthy':32s} {verdict}", flush=True)
+        print(f"{proc.stdout.strip()[-3000:]}\n{proc.stderr.strip()[-2000:]}", flush=True)
+        ok &= good
     return ok
 
 
@@ -243,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
-    failed |= not doctor_checks(common, n_devices, settings)
+    failed |= not watch_checks(common, n_devices, settings)
     for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
         shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each
     return 1 if failed else 0

@@ -3,7 +3,8 @@
 # speed (tokens/s, TFLOP/s and MFU against the detected peak, with the device name) of the ~1.1B model in
 # bf16. One GPU: compile off and on (about 3-5 minutes on an H100/H200, well under 8). Two or more GPUs
 # visible: also dp2 (NCCL, FSDP2) with async checkpoints and a resume, and tp2 with compile and async TP. Then
-# `nanotron doctor` on every visible GPU: healthy, and with an injected wrong matmul that it must name.
+# `nanotron doctor` on every visible GPU: healthy, and with an injected wrong matmul that it must name; with two
+# GPUs or more, an injected hang on NCCL that the watcher must name.
 #
 #   bash benchmarks/gpu_check.sh [--micro-batch 8] [--steps 20] [other benchmarks.gpu_check flags]
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_check.sh     # the single-GPU part only

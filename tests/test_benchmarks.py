@@ -21,10 +21,10 @@ def work_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bench_work")
 
 
-def run_benchmark(module: str, out: Path, work_dir: Path) -> str:
+def run_benchmark(module: str, out: Path, work_dir: Path, timeout: float = 180) -> str:
     cmd = [sys.executable, "-m", module, "--quick", "--out", str(out), "--work-dir", str(work_dir)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -84,7 +84,7 @@ def test_startup_quick_times_fresh_and_resumed_first_steps(tmp_path, work_dir):
 def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     """The GPU check's own smoke test on CPU: one device eager, dp2 with async saves, and a resume, each
     checked (finite falling losses, dp2 equal to one device, the resume equal to the uninterrupted run)."""
-    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir)
+    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=420)  # + the doctor and a hang
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
     assert list(rows) == ["bf16 eager", "dp2 fsdp2", "dp2 resumed"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
@@ -92,6 +92,7 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert "device: cpu x 2" in stdout
     assert "doctor healthy                          ok" in stdout
     assert "doctor rank:0,step:0,kind:bad_matmul    ok" in stdout
+    assert "train rank:1,step:3,kind:sleep         ok" in stdout  # the watcher on the 2-device path
 
 
 @pytest.mark.slow
