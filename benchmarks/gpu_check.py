@@ -161,7 +161,23 @@ def watch_checks(common: list[str], n_devices: int, settings: argparse.Namespace
         print(f"{command} {fault or 'healthy':32s} {verdict}", flush=True)
         print(f"{proc.stdout.strip()[-3000:]}\n{proc.stderr.strip()[-2000:]}", flush=True)
         ok &= good
+    if n_devices > 1 and "--training.device=cuda" in common:
+        ok &= nccl_dump_on_timeout(base, settings)
     return ok
+
+
+def nccl_dump_on_timeout(base: list[str], settings: argparse.Namespace) -> bool:
+    """NCCL's own flight recorder (TORCH_NCCL_DUMP_ON_TIMEOUT, set by default): with the watcher off, a hang must
+    end in NCCL's watchdog timeout and leave <run dir>/nccl_trace_rank_<r> files."""
+    name = "watch-nccl-timeout"
+    argv = [base[0], base[1], base[2].format("train"), *base[3:], f"--job.name={name}", "--training.steps=10"]
+    argv += ["--watch.enabled=false", "--distributed.timeout_minutes=0.2", "--distributed.startup_timeout_minutes=0.5"]
+    env = bench_env() | {"NANOTRON_FAULT": "rank:1,step:3,kind:sleep"}
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=settings.timeout)
+    dumps = sorted((settings.work_dir / "runs" / name).glob("nccl_trace_rank_*"))
+    good = proc.returncode != 0 and bool(dumps)
+    print(f"nccl dump on timeout {'ok' if good else f'exit {proc.returncode}, dumps {dumps}'}", flush=True)
+    return good
 
 
 def _rel(a: float | None, b: float | None) -> float:
