@@ -129,9 +129,10 @@ if [ "$status" = 75 ]; then   # a node fault: the watcher (or the straggler scor
     excluded=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.*ExcNodeList=\([^ ]*\).*/\1/p')
     [ -z "$excluded" ] || [ "$excluded" = "(null)" ] || suspects="$excluded,$suspects"
     echo "node fault: requeueing job $SLURM_JOB_ID without $suspects; it resumes from the latest checkpoint"
-    # Requeue first: a running job's ExcNodeList can't be changed. The requeue's SIGTERM is trapped above.
+    # Requeue first: a running job's ExcNodeList can't be changed. The requeue's SIGTERM (to the script, trapped
+    # above, and to its children) must not kill the update: it runs with SIGTERM ignored.
     if scontrol requeue "$SLURM_JOB_ID"; then
-      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$suspects" ||
+      (trap '' TERM; scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$suspects") ||
         echo "could not exclude $suspects: the requeued job may land on them again"
     else
       echo "could not requeue (submitted with --no-requeue?): resubmit with --exclude=$suspects to resume"

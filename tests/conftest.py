@@ -157,6 +157,18 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def worker_pids(launcher: int) -> list[int]:
+    """The training processes a launcher started (its children, less the node's watcher process)."""
+    return [pid for pid in child_pids(launcher) if b"nanotron.watch.watcher" not in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def shapes_of(step_dir: Path) -> dict:
     """The parameter shapes a checkpoint's config.toml implies (what its weights are read against)."""
     from nanotron.config import read_model_config

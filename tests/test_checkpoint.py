@@ -19,13 +19,13 @@ import pytest
 import torch
 from conftest import (
     TINY_MODEL,
-    child_pids,
     popen_train,
     read_metrics,
     run_train,
     shapes_of,
     train_losses,
     wait_for_training,
+    worker_pids,
 )
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager
@@ -203,7 +203,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tiny_
     ]
     proc = popen_train(args)
     wait_for_training(proc)
-    workers = child_pids(proc.pid)
+    workers = worker_pids(proc.pid)
     assert len(workers) == 2, workers
     os.kill(max(workers), signal.SIGUSR1)
     output = proc.communicate(timeout=120)[0]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, child_pids, train_env, wait_for_training
+from conftest import REPO, TINY_MODEL, child_pids, train_env, wait_for_training, worker_pids
 
 from nanotron.checkpoint import latest_checkpoint
 
@@ -94,7 +94,7 @@ def test_a_sigkilled_launcher_leaves_no_worker_behind(tiny_data, tmp_path, conso
     checkpoint; without one (its pipe closed too, as when a terminal or `tee` goes) they end all the same."""
     proc = start(tiny_data, tmp_path, "orphans", "--parallelism.dp=2", "--nproc_per_node=2", "--data.num_workers=1")
     wait_for_training(proc)
-    assert len(child_pids(proc.pid)) == 2
+    assert len(worker_pids(proc.pid)) == 2
     proc.kill()
     if console == "gone":
         proc.stdout.close()

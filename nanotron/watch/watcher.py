@@ -232,15 +232,14 @@ def watch(folder: Path, launcher: int, coordinator: Coordinator | None = None) -
         if stalled or announced:
             handle(folder, ranks, limits, coordinator, announced)
             return 0
+    shutil.rmtree(folder, ignore_errors=True)  # the launcher is gone (a SIGKILL): nobody else removes it
     return 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+def _alive(launcher: int) -> bool:
+    """Whether the launcher still runs: a killed one is a zombie until its parent reaps it (os.kill(pid, 0) still
+    succeeds), but this watcher, its child, has been handed to another parent by then."""
+    return os.getppid() == launcher
 
 
 def main(argv: list[str] | None = None) -> int:
