@@ -1,5 +1,5 @@
-"""Process group and the DeviceMesh, ("pp", "dp", "tp") or with HSDP ("pp", "dp_replicate", "dp_shard", "tp");
-nccl on CUDA, gloo on CPU.
+"""Process group and the DeviceMesh, ("pp", "dp", "tp") or with HSDP ("pp", "dp_replicate", "dp_shard", "tp"),
+and "cp" before "tp" when context parallelism is on; nccl on CUDA, gloo on CPU.
 
 A process group exists even for one plain process (`python -m nanotron.train`, no launcher): a world of
 one over an in-memory store, so every layout, dp=1 included, runs the same parallel code.
@@ -49,6 +49,7 @@ class ParallelContext:
     dp_rank: int
     tp_rank: int
     pp_rank: int
+    cp_rank: int = 0
     timeout: timedelta = timedelta(minutes=30)  # distributed.timeout_minutes, applied by end_startup()
     in_startup: bool = True
 
@@ -58,6 +59,7 @@ class ParallelContext:
             dist.group.WORLD,
             *(self.mesh.get_group(n) for n in self.mesh.mesh_dim_names),
             self.mesh["dp"].get_group(),
+            *([self.mesh["dp_cp"].get_group()] if "cp" in (self.mesh.mesh_dim_names or ()) else []),
         ]
         return list({id(group): group for group in groups}.values())
 
@@ -97,6 +99,7 @@ def init_distributed(cfg: Config) -> ParallelContext:
         mesh["dp"].get_local_rank(),
         mesh["tp"].get_local_rank(),
         mesh["pp"].get_local_rank(),
+        mesh["cp"].get_local_rank() if cfg.parallelism.cp > 1 else 0,
         timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
     )
     set_timeout(context.groups(), startup)
@@ -110,24 +113,43 @@ def set_timeout(groups: list[dist.ProcessGroup], timeout: timedelta) -> None:
 
 
 def build_mesh(cfg: Config, device_type: str) -> DeviceMesh:
-    """tp innermost (fastest links), then the FSDP group, so both stay inside a node when they fit.
+    """tp innermost (fastest links), then cp, then the FSDP group, so they stay inside a node when they fit.
 
     With HSDP (dp_shard < dp, zero_stage >= 1) dp splits into ("dp_replicate", "dp_shard"), and "dp" is
-    their flattening: `mesh["dp"]` always spans every data-parallel rank (data loading, loss averaging).
+    their flattening: `mesh["dp"]` always spans every data-parallel rank (data loading). With cp > 1,
+    "dp_cp" spans dp x cp: the ranks whose losses make the global batch's mean and that share gradients
+    (FSDP shards over "dp_shard_cp" under HSDP).
     """
     p, shard = cfg.parallelism, cfg.dp_shard_size
+    cp_dim = {"cp": p.cp} if p.cp > 1 else {}
     if p.zero_stage == 0 or shard == p.dp:
-        return init_device_mesh(device_type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
-    names = ("pp", "dp_replicate", "dp_shard", "tp")
-    mesh = init_device_mesh(device_type, (p.pp, p.dp // shard, shard, p.tp), mesh_dim_names=names)
+        dims = {"pp": p.pp, "dp": p.dp, **cp_dim, "tp": p.tp}
+        mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+        if cp_dim:
+            flatten_mesh(mesh["dp", "cp"], "dp_cp")
+        return mesh
+    dims = {"pp": p.pp, "dp_replicate": p.dp // shard, "dp_shard": shard, **cp_dim, "tp": p.tp}
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+    if cp_dim:
+        flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
+        flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
     return mesh
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP/replicate works on: 2-D (replicate, shard) for HSDP, else "dp"."""
+    """The mesh FSDP/replicate works on: 2-D (replicate, shard) for HSDP, else 1-D; cp ranks hold the same
+    parameters, so they shard (or replicate) them together with dp."""
     names = mesh.mesh_dim_names or ()
-    return mesh["dp_replicate", "dp_shard"] if "dp_shard" in names else mesh["dp"]
+    cp = "cp" in names
+    if "dp_shard" in names:
+        return mesh["dp_replicate", "dp_shard_cp" if cp else "dp_shard"]
+    return mesh["dp_cp" if cp else "dp"]
+
+
+def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks (of one pp stage and tp rank) whose losses together cover the global batch: dp x cp."""
+    return mesh["dp_cp" if "cp" in (mesh.mesh_dim_names or ()) else "dp"]
 
 
 def destroy_distributed() -> None:

@@ -19,7 +19,7 @@ from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, r
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, prepare_data
-from nanotron.distributed import ParallelContext, init_distributed
+from nanotron.distributed import ParallelContext, init_distributed, loss_mesh
 from nanotron.errors import DivergenceError, NodeFaultError
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
@@ -89,15 +89,18 @@ class Trainer:
         self.build_seconds = time.perf_counter() - started
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
-        self.runner = MicrobatchRunner(self.stages, cfg, self.ctx, on_phase=self.heartbeat.beat)
+        self.runner = MicrobatchRunner(
+            self.stages, cfg, self.ctx, on_phase=self.heartbeat.beat, eos_id=self.corpus.eos_id
+        )
         self.stragglers = StragglerScores(cfg.watch, self.ctx.rank, self.ctx.world_size, self.ctx.device)
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [
             build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
         ]
         self.state = TrainState()
-        # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/tp rank logs.
-        self.is_logging_rank = self.runner.has_last and self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
+        # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
+        first = self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 and self.ctx.tp_rank == 0
+        self.is_logging_rank = self.runner.has_last and first
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
         self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
         self.checkpoints = CheckpointManager(
@@ -109,7 +112,7 @@ class Trainer:
             meta={
                 "global_batch_size": cfg.training.global_batch_size,
                 "world_size": self.ctx.world_size,
-                "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
+                "layout": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
             },
             log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
             device=self.ctx.device,
@@ -122,11 +125,11 @@ class Trainer:
         return torch.cat([next(self.loader_iter) for _ in range(self.cfg.training.grad_accum_steps)])
 
     def dp_mean(self, value: torch.Tensor | None) -> float | None:
-        """The dp-average of a per-rank loss, on the host (a collective and a sync: logging steps only)."""
+        """The dp x cp average of a per-rank loss, on the host (a collective and a sync: logging steps only)."""
         if value is None:
             return None
-        if self.cfg.parallelism.dp > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.ctx.mesh["dp"].get_group())
+        if self.cfg.parallelism.dp * self.cfg.parallelism.cp > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=loss_mesh(self.ctx.mesh).get_group())
         return value.item()
 
     def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool]:

@@ -55,6 +55,27 @@ def tiny_data(tmp_path_factory) -> TinyData:
     return TinyData(corpus, root / "tokenizer", root / "cache")
 
 
+@pytest.fixture(scope="session")
+def short_docs_data(tmp_path_factory) -> TinyData:
+    """Documents of 1-3 short sentences (5-40 tokens): several EOS tokens in most 16-token samples, so
+    document masking has documents that cross sequence chunks and tokens without a loss."""
+    from nanotron.prepare import train_tokenizer
+
+    root = tmp_path_factory.mktemp("short_docs")
+    rng = random.Random(1)
+    docs = [
+        " ".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))).capitalize() + "." for _ in range(3))
+        if i % 4 == 0
+        else " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))).capitalize() + "."
+        for i in range(3000)
+    ]
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    train_tokenizer(synthetic_documents(60), root / "tokenizer", vocab_size=512)
+    return TinyData(corpus, root / "tokenizer", root / "cache")
+
+
 # A model small enough for 8 ranks on 2 cores, with GQA, 4 layers and a vocab divisible by tp.
 TINY_MODEL = [
     "--model.hidden_size=32",

@@ -49,7 +49,13 @@ LAYOUTS = [
     (1, 1, 2, ["--parallelism.pp_engine=zbv"]),
     (2, 2, 2, ["--parallelism.zero_stage=3"]),
     (1, 1, 4, ["--parallelism.pp_engine=1f1b"]),
+    (2, 2, 1, ["--parallelism.cp=2", "--parallelism.dp_shard=1", "--parallelism.zero_stage=2"]),  # causal CP, HSDP
 ]
+
+
+def world(dp: int, tp: int, pp: int, extra: list[str]) -> int:
+    cp = next((int(e.split("=")[1]) for e in extra if e.startswith("--parallelism.cp=")), 1)
+    return dp * cp * tp * pp
 
 
 def layout_id(layout) -> str:
@@ -101,7 +107,7 @@ def test_layout_matches_one_process(layout, reference, tiny_data, tmp_path):
         tiny_data,
         tmp_path,
         "run",
-        dp * tp * pp,
+        world(dp, tp, pp, extra),
         [f"--parallelism.dp={dp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}", *extra],
     )
     ref_losses, ref_evals, ref_weights, ref_stats = reference

@@ -121,3 +121,17 @@ def test_set_element_writes_into_a_nested_state_dict():
     state: dict = {"optimizer": {"param_groups": [{"lr": 0.0}]}}
     checkpoint_door.set_element(state, ("optimizer", "param_groups", 0, "lr"), 0.25)
     assert state["optimizer"]["param_groups"][0]["lr"] == 0.25
+
+
+def test_attention_with_lse_returns_the_rows_log_sum_exp_and_its_backward_the_gradients():
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 6, 8, dtype=torch.float64, generator=g) for _ in range(4))
+    mask = torch.zeros(2, 1, 6, 6, dtype=torch.float64)
+    mask[0, 0, 2, 4:] = float("-inf")
+    out, lse = door.attention_with_lse(q, k, v, False, mask, 0.4)
+    scores = q @ k.transpose(-1, -2) * 0.4 + mask
+    assert torch.allclose(lse, scores.logsumexp(-1)) and torch.allclose(out, scores.softmax(-1) @ v)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ((leaves[0] @ leaves[1].transpose(-1, -2) * 0.4 + mask).softmax(-1) @ leaves[2]).backward(dout)
+    grads = door.attention_with_lse_backward(dout, q, k, v, out, lse, False, mask, 0.4)
+    assert all(torch.allclose(a, b.grad) for a, b in zip(grads, leaves))

@@ -17,7 +17,8 @@ from nanotron.config.parse import tomllib
 from nanotron.errors import CheckpointError, ConfigError
 from nanotron.tokenizer import load_tokenizer
 
-MODEL_KEYS_A_RESUME_MAY_CHANGE = {"model.size", "model.init_std", "model.max_seq_len"}
+# model.attention: document masking changes which tokens attend to which, not the weights' meaning
+MODEL_KEYS_A_RESUME_MAY_CHANGE = {"model.size", "model.init_std", "model.max_seq_len", "model.attention"}
 LAYOUT_SECTIONS = ("parallelism.",)
 LAYOUT_KEYS = {"training.micro_batch_size", "training.grad_accum_steps"}
 

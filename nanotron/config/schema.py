@@ -36,6 +36,12 @@ class ModelConfig:
     rope_theta: float | None = _opt(None, "RoPE base", min=1.0)
     rms_norm_eps: float | None = _opt(None, "RMSNorm epsilon", min=0.0)
     tie_word_embeddings: bool | None = _opt(None, "share embedding and lm_head weights")
+    attention: str = _opt(
+        "causal",
+        "causal, or document: packed sequences attend only within their own document (documents end at the "
+        "tokenizer's EOS) and the token after an EOS carries no loss",
+        ("causal", "document"),
+    )
     init_std: float = _opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
     parametrization: str = _opt(
         "standard",
@@ -151,6 +157,12 @@ class ParallelismConfig:
         min=0,
     )
     tp: int = _opt(1, "tensor-parallel degree (innermost mesh dim)", min=1)
+    cp: int = _opt(
+        1,
+        "context-parallel degree: each sequence split over cp ranks (zigzag chunks, ring attention; the mesh "
+        "dim next to tp); FSDP shards over dp x cp; training.seq_len must be divisible by 2*cp",
+        min=1,
+    )
     pp: int = _opt(1, "pipeline-parallel degree", min=1)
     pp_engine: str = _opt("1f1b", "pipeline schedule", tuple(PP_ENGINES))
     pp_stages_per_rank: int = _opt(2, "virtual stages per rank for interleaved_1f1b/zero_bubble", min=1)
@@ -355,7 +367,8 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.parallelism.dp * self.parallelism.tp * self.parallelism.pp
+        p = self.parallelism
+        return p.dp * p.cp * p.tp * p.pp
 
     @property
     def dp_shard_size(self) -> int:

@@ -117,8 +117,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_parallelism(cfg)
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
-            f"parallelism dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {cfg.world_size} but {world_size} "
-            f"processes were launched; set dp, tp, pp so their product is {world_size}"
+            f"parallelism dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} but {world_size} "
+            f"processes were launched; set dp, cp, tp, pp so their product is {world_size}"
         )
     _resolve_batch(cfg)
     if p.pp > 1 and t.grad_accum_steps < PP_ENGINES[p.pp_engine].min_microbatches(p.pp):
@@ -138,6 +138,22 @@ def _validate_parallelism(cfg: Config) -> None:
         )
     if m.vocab_size % p.tp:
         raise ConfigError(f"parallelism.tp={p.tp} must divide model.vocab_size={m.vocab_size} (vocab-parallel head)")
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} must be divisible by 2*parallelism.cp = {2 * p.cp} (each cp rank holds "
+            "two equal chunks of every sequence); pick a seq_len that is a multiple of it, or a smaller cp"
+        )
+    if p.cp > 1 and p.tp_linear_async_communication:
+        raise ConfigError(
+            "parallelism.tp_linear_async_communication with parallelism.cp > 1 is not supported (async TP is "
+            "compiled around the attention, which context parallelism runs eagerly); set one of them off"
+        )
+    if p.tp_mode == "reduce_scatter" and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"training.seq_len/cp = {t.seq_len}/{p.cp} must be divisible by parallelism.tp={p.tp} "
+            "with tp_mode='reduce_scatter' (sequence parallel shards each cp rank's tokens); or use "
+            "tp_mode='all_reduce'"
+        )
     if p.tp_mode == "reduce_scatter" and t.seq_len % p.tp:
         raise ConfigError(
             f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={p.tp} "

@@ -38,6 +38,7 @@ class Corpus:
     weights: list[float]
     seq_len: int
     num_workers: int = 0  # data.num_workers, the default of build_train_loader
+    eos_id: int | None = None  # the tokenizer's end-of-document token (document masking splits at it)
     blend: Blend = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,7 +70,9 @@ def prepare_data(cfg: Config) -> Corpus:
     # One rank per node stats every shard (a node may see another filesystem); the others check each as they open it.
     checks_all = os.environ.get("LOCAL_RANK", "0") == "0"
     datasets = [open_tokenized(dir_, what, tokenizer, checks_all, auto=bool(src)) for what, dir_, src in plans]
-    corpus = Corpus(datasets, [weight for *_, weight in entries], cfg.training.seq_len, data.num_workers)
+    corpus = Corpus(
+        datasets, [weight for *_, weight in entries], cfg.training.seq_len, data.num_workers, tokenizer.eos_id
+    )
     check_corpus_size(corpus, cfg.training)
     return corpus
 

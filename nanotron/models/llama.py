@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotron.config import ModelConfig
+from nanotron.models.attention import DotProductAttention
 from nanotron.models.parametrization import multipliers
 
 
@@ -49,20 +50,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.scale = multipliers(cfg).attention_scale
+        # softmax(q k^T scale) v over the sequence; context parallelism swaps in ring attention (no parameters)
+        self.core = DotProductAttention(multipliers(cfg).attention_scale)
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        out = self.core(q, k, v, doc)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -86,8 +87,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.residual_multiplier = multipliers(cfg).residual
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + _scaled(self.self_attn(self.input_layernorm(x), rope), self.residual_multiplier)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + _scaled(self.self_attn(self.input_layernorm(x), rope, doc), self.residual_multiplier)
         return x + _scaled(self.mlp(self.post_attention_layernorm(x)), self.residual_multiplier)
 
 
@@ -100,11 +101,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("rope", rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+        # The sequence positions of this module's tokens when they are not 0..seq-1 (a context-parallel rank's
+        # chunks): the RoPE table keeps only their rows, in order.
+        self.positions: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """`doc`: a document id per token of the whole sequence, for attention within documents only."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, self.rope, doc)
         return self.norm(h) if self.norm is not None else h
 
 
@@ -120,14 +125,16 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model(x)
+    def forward(self, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.model(x, doc)
         return _scaled(self.lm_head(h), self.logit_multiplier) if self.lm_head is not None else h
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recomputes the RoPE table (a non-persistent buffer: a model built on the meta device has none)."""
         cfg = self.config
-        self.model.rope = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        rope = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        positions = self.model.positions
+        self.model.rope = rope if positions is None else rope[:, positions.to(rope.device)].contiguous()
 
 
 def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:

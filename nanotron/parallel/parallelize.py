@@ -1,6 +1,6 @@
 """Turns the plain model into this rank's parallel pieces, in a fixed order: pipeline split -> TP/SP plan ->
-activation checkpointing -> compile -> FSDP/replicate -> per-shard init. Parameter names (FQNs) never change, so
-checkpoints and HF names don't depend on the layout."""
+context parallelism (ring attention, global positions) -> activation checkpointing -> compile -> FSDP/replicate
+-> per-shard init. Parameter names (FQNs) never change, so checkpoints and HF names don't depend on the layout."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from nanotron.config import Config
 from nanotron.distributed import ParallelContext, data_parallel_mesh
 from nanotron.gpu import async_tp_unavailable
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.context import apply_context_parallel
 from nanotron.parallel.fsdp import apply_fsdp
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import split_model
@@ -29,6 +30,8 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
     for _, module in stages:
         if p.tp > 1:
             apply_tensor_parallel(module, ctx.mesh["tp"], sequence_parallel=p.tp_mode == "reduce_scatter")
+        if p.cp > 1:
+            apply_context_parallel(module, ctx.mesh["cp"].get_group(), p.cp, ctx.cp_rank, cfg.training.seq_len)
         if p.recompute_layer:
             apply_recompute(module)
         if cfg.training.compile:

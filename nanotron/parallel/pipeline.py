@@ -123,7 +123,8 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
     """
     m, t, p = cfg.model, cfg.training, cfg.parallelism
     dtype = getattr(torch, t.dtype)
-    seq = t.seq_len // p.tp if p.tp > 1 and p.tp_mode == "reduce_scatter" else t.seq_len
+    tokens = t.seq_len // p.cp  # this cp rank's part of every sequence
+    seq = tokens // p.tp if p.tp > 1 and p.tp_mode == "reduce_scatter" else tokens
 
     def hidden(requires_grad: bool) -> torch.Tensor:
         return torch.empty(t.micro_batch_size, seq, m.hidden_size, dtype=dtype, device="meta").requires_grad_(
@@ -131,17 +132,17 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
         )
 
     if index == 0:
-        inputs = torch.empty(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")
+        inputs = torch.empty(t.micro_batch_size, tokens, dtype=torch.long, device="meta")
     else:
         inputs = hidden(True)
     if index < cfg.num_stages - 1:
         return {"input_args": (inputs,), "output_args": (hidden(True),)}
     if p.tp == 1:
-        logits = torch.empty(t.micro_batch_size, t.seq_len, m.vocab_size, dtype=dtype, device="meta")
+        logits = torch.empty(t.micro_batch_size, tokens, m.vocab_size, dtype=dtype, device="meta")
         return {"input_args": (inputs,), "output_args": (logits.requires_grad_(),)}
 
     def logits(requires_grad: bool) -> DTensor:
-        local = torch.empty(t.micro_batch_size, t.seq_len, m.vocab_size // p.tp, dtype=dtype, device="meta")
+        local = torch.empty(t.micro_batch_size, tokens, m.vocab_size // p.tp, dtype=dtype, device="meta")
         sharded = DTensor.from_local(local, mesh["tp"], [Shard(-1)], run_check=False)
         return sharded.requires_grad_(requires_grad)
 

@@ -2,8 +2,16 @@
 
 Everything a layout changes about running a microbatch is here: the pipeline schedule or the plain loop, the
 ZeRO stage's gradient-sync rule (one `GradientSync`, shared with the pipeline stages), `loss_parallel` for
-vocab-sharded logits, and plain losses out of DTensors. A new parallel dimension changes this file and
-`parallelize.py`, not the training loop.
+vocab-sharded logits, this cp rank's part of each sequence, and plain losses out of DTensors. A new parallel
+dimension changes this file and `parallelize.py`, not the training loop.
+
+The loss is the mean over every token of the global batch that carries a loss, at every layout. Under causal
+attention every token does, and each rank holds as many, so the mean of each microbatch (this rank's tokens)
+averaged over microbatches and dp x cp ranks (as gradients are) is that mean. Under document masking the
+token after an EOS carries none and ranks hold different counts: each microbatch's loss is then its sum
+times microbatches x dp x cp / (the global batch's count), which one all-reduce of one number over dp gives
+per step (the cp ranks of a dp rank hold the same samples). Cost at 512 GPUs: 8 bytes, latency-bound, no
+host sync.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -19,13 +28,19 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from nanotron.config import Config
 from nanotron.distributed import ParallelContext
+from nanotron.models.attention import document_ids
+from nanotron.parallel.context import IGNORE_INDEX, shard_sequence
 from nanotron.parallel.fsdp import GradientSync
 from nanotron.parallel.pipeline import build_schedule, forward_only
 
 
-def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss of one microbatch; microbatches and dp ranks average to the global-batch mean."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean token loss of one microbatch; microbatches and dp x cp ranks average to the global-batch mean.
+    With `scale`, the sum over the tokens that carry a loss times `scale` instead (see the module's doc)."""
+    logits, targets = logits.flatten(0, 1).float(), targets.flatten()
+    if scale is None:
+        return F.cross_entropy(logits, targets)
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") * scale
 
 
 class MicrobatchRunner:
@@ -38,6 +53,7 @@ class MicrobatchRunner:
         cfg: Config,
         ctx: ParallelContext,
         on_phase: Callable[[str], None] = lambda phase: None,
+        eos_id: int | None = None,
     ):
         self.on_phase = on_phase  # told "forward" and "backward" (a pipeline's interleaved step counts as forward)
         self.modules = [module for _, module in stages]
@@ -45,25 +61,33 @@ class MicrobatchRunner:
         self.n_micro = cfg.training.grad_accum_steps
         self.sync = GradientSync(cfg.parallelism.zero_stage)
         self.loss_parallel = cfg.parallelism.tp > 1  # the logits are vocab-sharded DTensors
+        p = cfg.parallelism
+        self.cp, self.cp_rank, self.dp = p.cp, ctx.cp_rank, p.dp
+        self.dp_group = ctx.mesh["dp"].get_group() if p.dp > 1 else None
+        self.document = cfg.model.attention == "document"
+        if self.document and eos_id is None:
+            raise ValueError("model.attention='document' needs the tokenizer's EOS id")
+        self.eos_id = eos_id
+        self.scale: torch.Tensor | None = None  # this batch's loss scale under document masking
         indices = [index for index, _ in stages]
         self.has_first, self.has_last = 0 in indices, cfg.num_stages - 1 in indices
         self.schedule = None
         if cfg.parallelism.pp > 1:
-            self.schedule = build_schedule(stages, cfg, ctx.mesh, ctx.device, microbatch_loss, self.sync)
+            self.schedule = build_schedule(stages, cfg, ctx.mesh, ctx.device, self.loss, self.sync)
 
     def forward_backward(self, batch: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every microbatch, gradients accumulated as the mean over them and reduced as
         the ZeRO stage says; returns the mean loss, detached."""
-        inputs, targets = self._split(batch)
+        inputs, targets, doc = self._split(batch)
         with self._loss_context():
             if self.schedule is not None:
                 self.on_phase("forward")
-                return self._pipelined(self.schedule.step, inputs, targets)
+                return self._pipelined(self.schedule.step, inputs, targets, doc)
             model, total = self.modules[0], torch.zeros((), device=self.device)
-            for index, (inp, tgt) in enumerate(zip(inputs.chunk(self.n_micro), targets.chunk(self.n_micro))):
+            for index, (inp, tgt, d) in enumerate(self._microbatches(inputs, targets, doc)):
                 self.sync.before_backward(model, last_microbatch=index == self.n_micro - 1)
                 self.on_phase("forward")
-                loss = microbatch_loss(model(inp), tgt) / self.n_micro
+                loss = self.loss(model(inp, d), tgt) / self.n_micro
                 self.on_phase("backward")
                 loss.backward()
                 total += _plain(loss).detach()
@@ -80,29 +104,48 @@ class MicrobatchRunner:
         return torch.stack(losses).mean() if self.has_last else None
 
     def _forward(self, batch: torch.Tensor) -> torch.Tensor | None:
-        inputs, targets = self._split(batch)
+        inputs, targets, doc = self._split(batch)
         with self._loss_context():
             if self.schedule is not None:
                 with forward_only(self.schedule):
-                    return self._pipelined(self.schedule.eval, inputs, targets)
-            chunks = zip(inputs.chunk(self.n_micro), targets.chunk(self.n_micro))
-            return torch.stack([_plain(microbatch_loss(self.modules[0](i), t)) for i, t in chunks]).mean()
+                    return self._pipelined(self.schedule.eval, inputs, targets, doc)
+            chunks = self._microbatches(inputs, targets, doc)
+            return torch.stack([_plain(self.loss(self.modules[0](i, d), t)) for i, t, d in chunks]).mean()
 
-    def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return microbatch_loss(logits, targets, self.scale)
+
+    def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Inputs and targets of this cp rank's part of each sequence, and (document masking) the document
+        ids of the whole sequences; sets the batch's loss scale."""
         batch = batch.to(self.device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
+        inputs, targets, doc = batch[:, :-1], batch[:, 1:], None
+        if self.document:
+            doc = document_ids(inputs, self.eos_id)
+            targets = targets.masked_fill(inputs == self.eos_id, IGNORE_INDEX)
+            count = (targets != IGNORE_INDEX).sum().to(torch.float64)
+            if self.dp_group is not None:
+                dist.all_reduce(count, group=self.dp_group)
+            self.scale = (self.n_micro * self.dp * self.cp / count.clamp(min=1)).float()
+        return shard_sequence(inputs, self.cp, self.cp_rank), shard_sequence(targets, self.cp, self.cp_rank), doc
+
+    def _microbatches(self, inputs, targets, doc) -> zip:
+        docs = doc.chunk(self.n_micro) if doc is not None else [None] * self.n_micro
+        return zip(inputs.chunk(self.n_micro), targets.chunk(self.n_micro), docs)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def _pipelined(self, run: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """One schedule call (`step` or `eval`): stage 0 feeds the inputs, the last stage takes the targets."""
+    def _pipelined(self, run: Callable, inputs, targets, doc) -> torch.Tensor | None:
+        """One schedule call (`step` or `eval`): stage 0 feeds the inputs, the last stage takes the targets,
+        every stage the document ids."""
         losses: list[torch.Tensor] = []
         run(
             *([inputs] if self.has_first else []),
             target=targets if self.has_last else None,
             losses=losses if self.has_last else None,
             return_outputs=False,
+            **({"doc": doc} if doc is not None else {}),
         )
         return torch.stack([_plain(loss).detach().float() for loss in losses]).mean() if self.has_last else None
 

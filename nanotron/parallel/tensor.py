@@ -43,7 +43,10 @@ def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence
     residual = Shard(1) if sequence_parallel else Replicate()
     norm_plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
     gather_plan = {
-        "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        # (hidden states, RoPE table, document ids): only the hidden states are gathered
+        "self_attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     }
     layer_plan = {

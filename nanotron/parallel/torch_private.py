@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncCollectiveTensor",
+    "attention_with_lse",
+    "attention_with_lse_backward",
     "checkpoint_in_place",
     "enable_inductor_async_tp",
     "fake_process_group",
@@ -105,3 +107,18 @@ def fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def attention_with_lse(q, k, v, causal: bool, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention on CPU that also returns the log-sum-exp of each query row (context parallelism merges
+    blocks with it); public SDPA returns only the output. `mask` is additive in q's dtype (or None). Rows
+    with every key masked come back as zeros with a log-sum-exp of 0, not -inf: callers must fix those."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def attention_with_lse_backward(dout, q, k, v, out, lse, causal: bool, mask, scale: float):
+    """The gradients (dq, dk, dv) of `attention_with_lse` given the *final* output and log-sum-exp of each row
+    (a block's share of the full attention's gradient when those come from the merged result)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+    )

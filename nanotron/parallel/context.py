@@ -1,0 +1,240 @@
+"""Context parallelism: every sequence split over the `cp` ranks, attention computed as a ring.
+
+Load balance. The sequence is cut into 2·cp chunks and cp rank r holds chunks r and 2·cp-1-r (zigzag), so
+under the causal mask every rank does the same attention work; RoPE uses the tokens' global positions (the
+model's table is re-indexed once, at build time).
+
+Ring attention. Each rank keeps its queries and passes its keys/values around the cp ring (peer to peer,
+the next block's transfer overlapping this block's compute). Each block's output is merged into the running
+result with its log-sum-exp (online softmax), so no rank ever holds the whole sequence's keys, values or
+scores. With zigzag chunks the blocks are: the own block (causal), then from a lower rank all queries against
+the first key chunk, from a higher rank the second query chunk against all keys — equal work per step.
+Backward walks the ring again: each block's gradients come from the final output and log-sum-exp, and the
+key/value gradients travel with their keys back to their owner.
+
+Why a ring and not an all-gather of K/V: the all-gather holds the full sequence's K/V on every rank (at 128k
+tokens and 8 KV heads of 128, 512 MB per layer in bf16 for K and V, kept for backward unless recomputed) and
+cannot start computing before the gather ends; the ring holds two blocks and overlaps its transfers. Both
+move the same bytes per rank ((cp-1)/cp of the sequence's K/V forward, twice that backward).
+
+Document masking (`doc`: a document id per token of the whole sequence, from the EOS tokens) adds a
+same-document mask to each block; the ids are tiny (one int per token) and every cp rank has them all, so a
+block's mask needs no communication.
+
+Cost at scale, per layer and step: cp-1 transfers of this rank's K/V forward and 2·(cp-1) backward (K/V plus
+their gradients), each overlapped with a block's compute; nothing grows with the world size beyond cp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanotron.models.attention import document_mask
+from nanotron.parallel.torch_private import attention_with_lse, attention_with_lse_backward
+
+IGNORE_INDEX = -100  # targets that carry no loss (the token after an EOS under document masking)
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions of cp rank `rank`'s tokens: chunks rank and 2·cp-1-rank of 2·cp."""
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's zigzag part of `x` along `dim` (the whole sequence there)."""
+    if cp == 1:
+        return x
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
+
+
+class RingAttention(nn.Module):
+    """Attention over a sequence held in zigzag parts by the ranks of `group` (this rank is `rank` of `cp`)."""
+
+    def __init__(self, scale: float, group: dist.ProcessGroup, cp: int, rank: int):
+        super().__init__()
+        self.scale, self.group, self.cp, self.rank = scale, group, cp, rank
+
+    @torch.compiler.disable  # peer-to-peer transfers inside an autograd function: eager, also under compile
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None):
+        return _RingAttention.apply(q, k, v, doc, self)
+
+
+def block_plan(cp: int, rank: int, source: int, local: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of the block of `rank`'s queries against `source`'s keys that the
+    causal mask leaves visible; `local` is the tokens per rank (two chunks)."""
+    half = local // 2
+    if source == rank:
+        return slice(None), slice(None), True
+    if source < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+class _Ring:
+    """The cp ring's send-to-next / receive-from-previous of one tensor, started now, finished by wait()."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int):
+        self.received = torch.empty_like(tensor)
+        nxt, prev = dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp)
+        ops = [dist.P2POp(dist.isend, tensor, nxt, group), dist.P2POp(dist.irecv, self.received, prev, group)]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, doc, module: RingAttention):
+        cp, rank, scale = module.cp, module.rank, module.scale
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.empty(q.shape, dtype=acc, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            source = (rank - step) % cp
+            ring = _Ring(kv, module.group, cp, rank) if step < cp - 1 else None
+            rows, cols, causal = block_plan(cp, rank, source, q.shape[2])
+            mask = _block_mask(doc, cp, rank, source, rows, cols, causal)
+            block_out, block_lse = _block_forward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, mask, scale
+            )
+            if step == 0:  # the own block: every query sees itself, so the running log-sum-exp is finite from here
+                out.copy_(block_out)
+                lse.copy_(block_lse)
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if ring is not None:
+                kv = ring.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *([] if doc is None else [doc]))
+        ctx.module = module
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        doc = rest[0] if rest else None
+        module = ctx.module
+        cp, rank, scale = module.cp, module.rank, module.scale
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        for step in range(cp):
+            source = (rank - step) % cp
+            ring = _Ring(kv, module.group, cp, rank) if step < cp - 1 else None
+            rows, cols, causal = block_plan(cp, rank, source, q.shape[2])
+            mask = _block_mask(doc, cp, rank, source, rows, cols, causal)
+            grads = _block_backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                out[:, :, rows], lse[:, :, rows], causal, mask, scale,
+            )  # fmt: skip
+            dq[:, :, rows] += grads[0]
+            dkv[0][:, :, cols] += grads[1]
+            dkv[1][:, :, cols] += grads[2]
+            # The gradient of `source`'s keys moves on with them; after the last step one more hop takes
+            # every rank's accumulated gradient home.
+            dkv = _Ring(dkv, module.group, cp, rank).wait()
+            if ring is not None:
+                kv = ring.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _block_mask(doc, cp, rank, source, rows, cols, causal) -> torch.Tensor | None:
+    if doc is None:
+        return None
+    doc_q = shard_sequence(doc, cp, rank)[:, rows]
+    doc_k = shard_sequence(doc, cp, source)[:, cols]
+    return document_mask(doc_q, doc_k, causal)
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V heads repeated for grouped-query attention (the kernels want equal head counts)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `_expand`: the query heads of each group summed into their K/V head."""
+    b, heads, s, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, s, d).sum(dim=2)
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu"
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _block_forward(q, k, v, causal, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp per query row) of q against one block of keys; -inf for rows that see no key."""
+    heads = q.shape[1]
+    k, v = _expand(k, heads), _expand(v, heads)
+    if _fused(q):
+        if mask is None:
+            return attention_with_lse(q, k, v, causal, None, scale)
+        out, lse = attention_with_lse(q, k, v, False, _additive(mask, q.dtype), scale)
+        return out, lse.masked_fill(~mask.any(dim=-1), float("-inf"))
+    scores = _scores(q, k, causal, mask, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return (probs @ v.to(probs.dtype)).to(q.dtype), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, causal, mask, scale):
+    """(dq, dk, dv) of one block, from the final output and log-sum-exp of the block's query rows."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = _expand(k, heads), _expand(v, heads)
+    if _fused(q):
+        additive = None if mask is None else _additive(mask, q.dtype)
+        dq, dk, dv = attention_with_lse_backward(
+            dout, q, k, v, out, lse.to(torch.promote_types(q.dtype, torch.float32)), causal and mask is None,
+            additive, scale,
+        )  # fmt: skip
+    else:
+        scores = _scores(q, k, causal, mask, scale)
+        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        d_out = dout.to(probs.dtype)
+        dv = probs.transpose(-1, -2) @ d_out
+        dp = d_out @ v.to(probs.dtype).transpose(-1, -2)
+        ds = probs * (dp - (d_out * out.to(probs.dtype)).sum(-1, keepdim=True)) * scale
+        dq, dk = ds @ k.to(probs.dtype), ds.transpose(-1, -2) @ q.to(probs.dtype)
+    return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
+
+
+def _scores(q, k, causal, mask, scale) -> torch.Tensor:
+    """The block's masked scores in at least fp32 (the reference path for devices without the fused kernel)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        mask = _tril(scores) if mask is None else mask & _tril(scores)
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
+def _tril(scores: torch.Tensor) -> torch.Tensor:
+    return torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+
+
+def _merge(out, lse, block_out, block_lse) -> None:
+    """Online softmax: the running (out, lse) of some query rows, in place, with one more block's."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int) -> None:
+    """Swaps every layer's attention for ring attention over `group` and gives the model its global positions."""
+    for layer in model.model.layers.values():
+        attention = layer.self_attn
+        attention.core = RingAttention(attention.core.scale, group, cp, rank)
+    model.model.positions = zigzag_positions(seq_len, cp, rank)

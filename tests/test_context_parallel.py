@@ -1,0 +1,186 @@
+"""Context parallelism's pieces against plain math: the zigzag split, document ids, and ring attention (forward
+and backward, float64) over real gloo process groups of 2 and 4 ranks against a naive full attention."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import TINY_MODEL, activation_stats, run_train, train_losses
+from test_parallel import RTOL, STATS, STEPS, eval_losses, weights
+
+from nanotron.models.attention import DotProductAttention, document_ids
+from nanotron.parallel import context
+from nanotron.parallel.context import RingAttention, shard_sequence, zigzag_positions
+
+BATCH, HEADS, KV_HEADS, SEQ, DIM, SCALE = 2, 4, 2, 48, 8, 0.3
+
+
+def test_zigzag_gives_every_rank_two_chunks_and_equal_causal_work():
+    for cp in (1, 2, 3, 4):
+        parts = [zigzag_positions(SEQ, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(parts).tolist()) == list(range(SEQ))
+        work = [int(p.sum()) + len(p) for p in parts]  # keys visible to a rank's queries under the causal mask
+        assert len(set(work)) == 1
+        x = torch.arange(SEQ).expand(3, SEQ)
+        assert all(torch.equal(shard_sequence(x, cp, r), parts[r].expand(3, -1)) for r in range(cp))
+
+
+def test_document_ids_count_the_eos_tokens_before_each_token():
+    eos = 7
+    ids = document_ids(torch.tensor([[1, 2, 7, 3, 7, 7, 4]]), eos)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 3]]
+
+
+def naive_attention(q, k, v, doc):
+    """The full masked softmax in float64, GQA by repetition: the reference."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * SCALE
+    seq = q.shape[2]
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if doc is not None:
+        mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(BATCH, HEADS, SEQ, DIM, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(BATCH, KV_HEADS, SEQ, DIM, dtype=torch.float64, generator=g) for _ in range(2))
+    dout = torch.randn(BATCH, HEADS, SEQ, DIM, dtype=torch.float64, generator=g)
+    # Documents of odd lengths that cross chunk boundaries at cp 2 and 4 (chunks of 12 and 6 tokens), a
+    # one-token document, and one that spans almost a whole chunk pair.
+    tokens = torch.ones(BATCH, SEQ, dtype=torch.long)
+    for b, ends in enumerate(([4, 5, 17, 30, 31, 40], [0, 13, 22, 23, 45])):
+        tokens[b, ends] = 0
+    return q, k, v, dout, document_ids(tokens, eos_id=0)
+
+
+def reference_grads(doc):
+    q, k, v, dout, _ = inputs()
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = naive_attention(q, k, v, doc)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _ring_worker(rank: int, cp: int, port: int, fused: bool, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    if not fused:
+        context._fused = lambda q: False  # the reference path other devices take
+    results = {}
+    for masking in ("causal", "document"):
+        q, k, v, dout, doc = inputs()
+        q, k, v = (shard_sequence(x, cp, rank, dim=2).clone().requires_grad_() for x in (q, k, v))
+        ring = RingAttention(SCALE, dist.group.WORLD, cp, rank)
+        out = ring(q, k, v, doc if masking == "document" else None)
+        out.backward(shard_sequence(dout, cp, rank, dim=2))
+        results[masking] = [t.detach() for t in (out, q.grad, k.grad, v.grad)]
+    queue.put((rank, results))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu_kernel", "reference_path"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_equals_full_attention_in_float64(cp, fused):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_ring_worker, args=(r, cp, port, fused, queue)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    doc = inputs()[4]
+    for masking in ("causal", "document"):
+        expected = reference_grads(doc if masking == "document" else None)
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            for rank in range(cp):
+                got, want = results[rank][masking][i], shard_sequence(expected[i], cp, rank, dim=2)
+                err = (got - want).abs().max().item()
+                assert err <= 1e-10, f"{masking} {name} rank {rank}: max error {err:.2e}"
+
+
+def test_one_rank_attention_with_documents_equals_the_naive_reference():
+    q, k, v, _, doc = inputs()
+    out = DotProductAttention(SCALE)(q, k, v, doc)
+    assert (out - naive_attention(q, k, v, doc)).abs().max() <= 1e-12
+    assert (DotProductAttention(SCALE)(q, k, v) - naive_attention(q, k, v, None)).abs().max() <= 1e-12
+
+
+# ---- the layout matrix: document masking on, every cp layout held to one process ---------------------------
+
+CP_LAYOUTS = [  # (dp, cp, tp, pp, extra)
+    (1, 2, 1, 1, []),
+    (2, 2, 1, 1, ["--parallelism.zero_stage=3"]),
+    (1, 2, 2, 1, ["--parallelism.tp_mode=reduce_scatter"]),
+    (1, 2, 1, 2, ["--parallelism.pp_engine=1f1b"]),
+    (1, 2, 2, 2, ["--parallelism.recompute_layer=true"]),
+]
+
+
+def cp_layout_id(layout) -> str:
+    dp, cp, tp, pp, extra = layout
+    return f"dp{dp}-cp{cp}-tp{tp}-pp{pp}" + "".join("-" + e.split(".")[-1] for e in extra)
+
+
+def train_documents(data, out: Path, name: str, nproc: int, extra: list[str]) -> Path:
+    run_train(
+        [
+            *TINY_MODEL,
+            *data.overrides(),
+            f"--job.out_dir={out}",
+            f"--job.name={name}",
+            f"--training.steps={STEPS}",
+            f"--training.eval_interval={STEPS}",
+            "--training.eval_steps=1",
+            "--checkpoint.save_final=true",
+            "--model.attention=document",
+            STATS,
+            *extra,
+        ],
+        nproc=nproc,
+    )
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def document_reference(short_docs_data, tmp_path_factory):
+    run_dir = train_documents(short_docs_data, tmp_path_factory.mktemp("docref"), "ref", 1, [])
+    return train_losses(run_dir), eval_losses(run_dir), weights(run_dir), activation_stats(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", CP_LAYOUTS, ids=cp_layout_id)
+def test_cp_layout_matches_one_process(layout, document_reference, short_docs_data, tmp_path):
+    dp, cp, tp, pp, extra = layout
+    sizes = [f"--parallelism.dp={dp}", f"--parallelism.cp={cp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}"]
+    run_dir = train_documents(short_docs_data, tmp_path, "run", dp * cp * tp * pp, [*sizes, *extra])
+    ref_losses, ref_evals, ref_weights, ref_stats = document_reference
+    losses, evals = train_losses(run_dir), eval_losses(run_dir)
+    assert len(losses) == STEPS and len(evals) == 2
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=0)
+    assert evals == pytest.approx(ref_evals, rel=RTOL, abs=0)
+    stats = activation_stats(run_dir)
+    assert sorted(stats) == sorted(ref_stats) == [2, 4]
+    for step, ref in ref_stats.items():
+        assert stats[step] == pytest.approx(ref, rel=RTOL, abs=0), step
+    final = weights(run_dir)
+    diff = torch.cat([(final[n] - ref).flatten() for n, ref in ref_weights.items()])
+    total = torch.cat([ref.flatten() for ref in ref_weights.values()])
+    print(f"{cp_layout_id(layout)}: weights rel diff {(diff.norm() / total.norm()).item():.2e}")
+    assert (diff.norm() / total.norm()).item() <= RTOL
