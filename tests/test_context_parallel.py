@@ -4,6 +4,7 @@ and backward, float64) over real gloo process groups of 2 and 4 ranks against a 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -184,3 +185,53 @@ def test_cp_layout_matches_one_process(layout, document_reference, short_docs_da
     total = torch.cat([ref.flatten() for ref in ref_weights.values()])
     print(f"{cp_layout_id(layout)}: weights rel diff {(diff.norm() / total.norm()).item():.2e}")
     assert (diff.norm() / total.norm()).item() <= RTOL
+
+
+@pytest.mark.slow
+def test_cp2_checkpoint_resumes_at_cp1_dp2_like_an_uninterrupted_run(short_docs_data, tmp_path):
+    """Saved at cp2, resumed at cp1 x dp2 (weights, optimizer state and data position resharded): steps 3-4
+    are the uninterrupted cp2 run's."""
+    common = [
+        *TINY_MODEL,
+        *short_docs_data.overrides(),
+        f"--job.out_dir={tmp_path}",
+        "--checkpoint.save_final=true",
+        "--model.attention=document",
+        "--optimizer.decay_steps=4",
+    ]
+    cp2 = ["--parallelism.cp=2"]
+    run_train([*common, "--job.name=reference", "--training.steps=4", *cp2], nproc=2)
+    run_train([*common, "--job.name=first", "--training.steps=2", *cp2], nproc=2)
+    resume = f"--checkpoint.resume_from={tmp_path / 'first' / 'checkpoints' / 'step-2'}"
+    run_train([*common, "--job.name=second", "--training.steps=4", "--parallelism.dp=2", resume], nproc=2)
+    reference, resumed = train_losses(tmp_path / "reference"), train_losses(tmp_path / "second")
+    assert len(reference) == 4 and len(resumed) == 2
+    print("resumed vs uninterrupted:", [abs(a - b) / b for a, b in zip(resumed, reference[2:])])
+    assert resumed == pytest.approx(reference[2:], rel=1e-7, abs=0)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            {"parallelism.cp": "4", "training.seq_len": "36"},
+            "training.seq_len=36 must be divisible by 2*parallelism.cp = 8",
+        ),
+        (
+            {"parallelism.cp": "2", "parallelism.tp": "4", "model.num_kv_heads": "4", "training.seq_len": "12"},
+            "training.seq_len/cp = 12/2 must be divisible by parallelism.tp=4",
+        ),
+        (
+            {"parallelism.cp": "2", "parallelism.tp": "2", "parallelism.tp_linear_async_communication": "true"},
+            "parallelism.tp_linear_async_communication with parallelism.cp > 1 is not supported",
+        ),
+        ({"parallelism.cp": "0"}, "parallelism.cp: expected a value >= 1, got 0"),
+        ({"model.attention": "sliding"}, "model.attention: expected one of 'causal', 'document', got 'sliding'"),
+    ],
+)
+def test_bad_cp_configs_name_the_key(overrides, expected):
+    from nanotron.config import load_config
+    from nanotron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config("configs/tiny.toml", list(overrides.items()))

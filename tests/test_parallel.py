@@ -263,7 +263,12 @@ def test_stage_split_balances_cost_and_gives_every_stage_a_layer():
 @pytest.mark.parametrize(
     "overrides, nproc, expected",
     [
-        (["--parallelism.dp=3"], 8, "dp*tp*pp = 3*1*1 = 3 but 8 processes"),
+        (["--parallelism.dp=3"], 8, "dp*cp*tp*pp = 3*1*1*1 = 3 but 8 processes"),
+        (
+            ["--parallelism.cp=2", "--training.seq_len=102"],
+            2,
+            "training.seq_len=102 must be divisible by 2*parallelism.cp = 4",
+        ),
         (["--parallelism.tp=3", "--model.num_kv_heads=4", "--model.num_heads=4"], 3, "parallelism.tp=3 must divide"),
         (["--parallelism.pp=4", "--model.num_layers=2"], 4, "model.num_layers=2 is too few for 4 pipeline stages"),
     ],
