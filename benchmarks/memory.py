@@ -94,7 +94,7 @@ def world_of(overrides: list[str]) -> int:
     world = 1
     for arg in overrides:
         key, _, value = arg.partition("=")
-        if key in ("--parallelism.dp", "--parallelism.tp", "--parallelism.pp"):
+        if key in ("--parallelism.dp", "--parallelism.cp", "--parallelism.tp", "--parallelism.pp"):
             world *= int(value)
     return world
 

@@ -194,8 +194,8 @@ def test_more_processes_than_gpus_is_one_error_line_with_exit_code_2(tmp_path):
     proc = run_launcher(*argv, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr == (
-        "error: dp*tp*pp = 8*2*1 = 16 processes but --nodes 1 x --gpus_per_node 8 = 8 GPUs (16 > 8 GPUs); "
-        "lower --dp/--tp/--pp or raise --nodes\n"
+        "error: dp*cp*tp*pp = 8*1*2*1 = 16 processes but --nodes 1 x --gpus_per_node 8 = 8 GPUs (16 > 8 GPUs); "
+        "lower --dp/--cp/--tp/--pp or raise --nodes\n"
     )
     assert proc.stdout == "" and not (tmp_path / "runs").exists()
 
@@ -215,7 +215,7 @@ def test_only_the_nodes_and_gpus_that_dp_tp_pp_needs_are_requested(
     out, err = capsys.readouterr()
     command = out.split("sbatch command")[1].splitlines()[1].split()
     assert f"--nodes={nodes}" in command and per_node in command
-    assert err.startswith("note: dp*tp*pp = ") and "requesting only that" in err
+    assert err.startswith("note: dp*cp*tp*pp = ") and "requesting only that" in err
 
 
 def test_cpu_nodes_get_nproc_per_node_processes_and_no_gpu_request(in_tmp, checked_data, capsys):

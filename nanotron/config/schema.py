@@ -377,6 +377,12 @@ class Config:
         return 1 if p.zero_stage == 0 else p.dp_shard or p.dp
 
     @property
+    def fsdp_shard_size(self) -> int:
+        """Ranks one FSDP group shards parameters over: the dp_shard group times cp (cp ranks hold the same
+        parameters and shard them together); 1 under zero_stage 0 (replicas)."""
+        return 1 if self.parallelism.zero_stage == 0 else self.dp_shard_size * self.parallelism.cp
+
+    @property
     def num_stages(self) -> int:
         """Pipeline stages in all: pp, times pp_stages_per_rank for multi-stage engines."""
         p = self.parallelism

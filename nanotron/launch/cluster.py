@@ -148,7 +148,7 @@ def time_limit_seconds(text: str) -> int:
 
 
 def plan_nodes(cfg: Config, args: argparse.Namespace) -> tuple[int, int, list[str]]:
-    """(nodes, processes per node, notes) for dp*tp*pp processes, requesting no more nodes than needed."""
+    """(nodes, processes per node, notes) for dp*cp*tp*pp processes, requesting no more nodes than needed."""
     p, world = cfg.parallelism, cfg.world_size
     if args.gpus_per_node:
         per_node, unit, flag = args.gpus_per_node, "GPUs", "--gpus_per_node"
@@ -157,21 +157,21 @@ def plan_nodes(cfg: Config, args: argparse.Namespace) -> tuple[int, int, list[st
     capacity = args.nodes * per_node
     if world > capacity:
         raise ConfigError(
-            f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world} processes but --nodes {args.nodes} x {flag} "
-            f"{per_node} = {capacity} {unit} ({world} > {capacity} {unit}); lower --dp/--tp/--pp or "
+            f"dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {world} processes but --nodes {args.nodes} x {flag} "
+            f"{per_node} = {capacity} {unit} ({world} > {capacity} {unit}); lower --dp/--cp/--tp/--pp or "
             "raise --nodes"
         )
     nodes = math.ceil(world / per_node)
     if world % nodes:
         raise ConfigError(
-            f"dp*tp*pp = {world} processes can't be spread evenly over {nodes} nodes of {per_node} "
-            f"{unit}; make dp*tp*pp a multiple of {nodes}"
+            f"dp*cp*tp*pp = {world} processes can't be spread evenly over {nodes} nodes of {per_node} "
+            f"{unit}; make dp*cp*tp*pp a multiple of {nodes}"
         )
     procs = world // nodes
     notes = []
     if (nodes, procs) != (args.nodes, per_node):
         notes.append(
-            f"note: dp*tp*pp = {world} needs {nodes} node(s) x {procs} {unit}, not {args.nodes} x "
+            f"note: dp*cp*tp*pp = {world} needs {nodes} node(s) x {procs} {unit}, not {args.nodes} x "
             f"{per_node}: requesting only that"
         )
     if procs % p.tp:

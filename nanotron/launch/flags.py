@@ -35,6 +35,7 @@ CONFIG_FLAGS: dict[str, tuple[str, ...]] = {
     "dataset": ("data.path",),
     "dp": ("parallelism.dp",),
     "tp": ("parallelism.tp",),
+    "cp": ("parallelism.cp",),
     "pp": ("parallelism.pp",),
     "pp_engine": ("parallelism.pp_engine",),
     "tp_mode": ("parallelism.tp_mode",),

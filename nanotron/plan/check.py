@@ -25,6 +25,7 @@ class RankCheck:
     pp_rank: int
     tp_rank: int
     dp_rank: int
+    cp_rank: int
     built_bytes: int  # fp32 bytes of the local parameter shards of the model really built
     formula_bytes: int  # what `nanotron.plan.memory.param_bytes` says for the same coordinates
 
@@ -35,22 +36,23 @@ class _Coordinates:
 
     mesh: object
     pp_rank: int
+    cp_rank: int
 
 
-def rank_of(cfg: Config, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-    """Global rank of mesh coordinates (row-major over pp, dp, tp; HSDP's flattened dp is the same order)."""
+def rank_of(cfg: Config, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+    """Global rank of mesh coordinates (row-major over pp, dp, cp, tp; HSDP's flattened dp is the same order)."""
     p = cfg.parallelism
-    return (pp_rank * p.dp + dp_rank) * p.tp + tp_rank
+    return ((pp_rank * p.dp + dp_rank) * p.cp + cp_rank) * p.tp + tp_rank
 
 
-def distinct_ranks(cfg: Config) -> list[tuple[int, int, int]]:
-    """(pp, dp, tp) coordinates to build: for every pipeline rank, the first and the last dp/tp coordinates,
-    which hold the largest and the smallest chunks when a dimension does not divide evenly."""
+def distinct_ranks(cfg: Config) -> list[tuple[int, int, int, int]]:
+    """(pp, dp, tp, cp) coordinates to build: for every pipeline rank, the first and the last dp/cp/tp
+    coordinates, which hold the largest and the smallest chunks when a dimension does not divide evenly."""
     p = cfg.parallelism
     coords = []
     for pp_rank in range(p.pp):
-        for dp_rank, tp_rank in {(0, 0), (p.dp - 1, p.tp - 1)}:
-            coords.append((pp_rank, dp_rank, tp_rank))
+        for dp_rank, tp_rank, cp_rank in {(0, 0, 0), (p.dp - 1, p.tp - 1, p.cp - 1)}:
+            coords.append((pp_rank, dp_rank, tp_rank, cp_rank))
     return sorted(coords)
 
 
@@ -62,12 +64,13 @@ def check_ranks(cfg: Config) -> list[RankCheck]:
     if dist.is_initialized():
         raise RuntimeError("nanotron plan --check needs a process without a process group")
     results = []
-    for pp_rank, dp_rank, tp_rank in distinct_ranks(cfg):
-        rank = rank_of(cfg, pp_rank, dp_rank, tp_rank)
+    for pp_rank, dp_rank, tp_rank, cp_rank in distinct_ranks(cfg):
+        rank = rank_of(cfg, pp_rank, dp_rank, tp_rank, cp_rank)
         fake_process_group(rank, cfg.world_size)
         try:
             mesh = build_mesh(cfg, "cpu")
-            built = parallelize(cfg, _Coordinates(mesh, mesh["pp"].get_local_rank()))
+            cp = mesh["cp"].get_local_rank() if cfg.parallelism.cp > 1 else 0
+            built = parallelize(cfg, _Coordinates(mesh, mesh["pp"].get_local_rank(), cp))
             total = 0
             for _, module in built:
                 for param in module.parameters():
@@ -75,7 +78,7 @@ def check_ranks(cfg: Config) -> list[RankCheck]:
                     total += local.numel() * local.element_size()
         finally:
             dist.destroy_process_group()
-        shard_rank = dp_rank % cfg.dp_shard_size
+        shard_rank = (dp_rank % cfg.dp_shard_size) * cfg.parallelism.cp + cp_rank
         formula = param_bytes(cfg, pp_rank, tp_rank, shard_rank)
-        results.append(RankCheck(rank, pp_rank, tp_rank, dp_rank, total, formula))
+        results.append(RankCheck(rank, pp_rank, tp_rank, dp_rank, cp_rank, total, formula))
     return results

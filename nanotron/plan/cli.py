@@ -54,6 +54,7 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     """The plan of cfg's layout: memory per part for each pipeline rank, the verdict, step time and MFU."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     dp = f"dp={p.dp}" + (f" (HSDP {p.dp // cfg.dp_shard_size}x{cfg.dp_shard_size})" if cfg.dp_shard_size < p.dp else "")
+    dp += f" cp={p.cp}" if p.cp > 1 else ""
     lines = [
         f"model {num_params(m) / 1e9:.2f}B params | {dp} tp={p.tp} pp={p.pp} ({p.pp_engine}) zero_stage={p.zero_stage}"
         f" recompute={str(p.recompute_layer).lower()} {t.dtype} | {cfg.world_size} of {nodes}x{gpus_per_node} GPUs "
@@ -136,13 +137,13 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
     lines = [
         f"{len(found)} of {considered} valid layouts fit {world} x {gpu.name} at global batch "
         f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first:",
-        "| # | dp | dp_shard | tp | pp | zero | recompute | micro batch | memory GiB | step s | tokens/s | MFU |",
-        "|" + "---|" * 12,
+        "| # | dp | dp_shard | cp | tp | pp | zero | recompute | micro batch | memory GiB | step s | tokens/s | MFU |",
+        "|" + "---|" * 13,
     ]
     for index, c in enumerate(found[:top], 1):
         p, t = c.cfg.parallelism, c.cfg.training
         lines.append(
-            f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.tp} | {p.pp} | {p.zero_stage} | "
+            f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.cp} | {p.tp} | {p.pp} | {p.zero_stage} | "
             f"{str(p.recompute_layer).lower()} | {t.micro_batch_size} | {c.memory['total'] / GIB:.1f} | "
             f"{c.step.step_s:.2f} | {c.step.tokens_per_s:,.0f} | {c.step.mfu:.1%} |"
         )
@@ -155,13 +156,14 @@ def check_table(cfg: Config) -> list[str]:
     results = check_ranks(cfg)
     lines = [
         f"--check: built {len(results)} distinct ranks of {cfg.world_size} on a fake process group:",
-        "| rank | pp | dp | tp | parameter bytes built | formula | equal |",
-        "|---|---|---|---|---|---|---|",
+        "| rank | pp | dp | cp | tp | parameter bytes built | formula | equal |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         same = "yes" if r.built_bytes == r.formula_bytes else "NO"
         lines.append(
-            f"| {r.rank} | {r.pp_rank} | {r.dp_rank} | {r.tp_rank} | {r.built_bytes} | {r.formula_bytes} | {same} |"
+            f"| {r.rank} | {r.pp_rank} | {r.dp_rank} | {r.cp_rank} | {r.tp_rank} | {r.built_bytes} | "
+            f"{r.formula_bytes} | {same} |"
         )
     if any(r.built_bytes != r.formula_bytes for r in results):
         raise ConfigError("plan --check: the built parameter shards differ from the formula:\n" + "\n".join(lines))
@@ -183,8 +185,8 @@ def _plan(argv: list[str]) -> int:
     if cfg.world_size > capacity:
         p = cfg.parallelism
         raise ConfigError(
-            f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {cfg.world_size} GPUs but --nodes {args.nodes} x --gpus_per_node "
-            f"{args.gpus_per_node} = {capacity}; lower dp/tp/pp or raise --nodes"
+            f"dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} GPUs but --nodes {args.nodes} x "
+            f"--gpus_per_node {args.gpus_per_node} = {capacity}; lower dp/cp/tp/pp or raise --nodes"
         )
     out = describe(cfg, gpu, args.nodes, args.gpus_per_node, args.efficiency)
     if args.search:

@@ -93,13 +93,14 @@ def rank_stages(cfg: Config, pp_rank: int) -> list[StageShape]:
     return out
 
 
-def param_bytes(cfg: Config, pp_rank: int, tp_rank: int = 0, dp_rank: int = 0) -> int:
-    """fp32 bytes of this rank's parameter shards (what `to_local()` holds): the number `--check` confirms."""
-    p, shard = cfg.parallelism, cfg.dp_shard_size
+def param_bytes(cfg: Config, pp_rank: int, tp_rank: int = 0, shard_rank: int = 0) -> int:
+    """fp32 bytes of this rank's parameter shards (what `to_local()` holds): the number `--check` confirms.
+    `shard_rank`: the rank's index in its FSDP group (dp_shard x cp)."""
+    p, shard = cfg.parallelism, cfg.fsdp_shard_size
     total = 0
     for stage in rank_stages(cfg, pp_rank):
         for param in stage.root + stage.layers:
-            total += local_numel(param, p.tp, tp_rank, shard, dp_rank % shard)[1]
+            total += local_numel(param, p.tp, tp_rank, shard, shard_rank % shard)[1]
     return FP32 * total
 
 
@@ -144,13 +145,36 @@ def layer_activation_bytes(cfg: Config, tokens: int) -> tuple[float, float]:
     return tokens * (norms + attention + mlp), tokens * e * h / sp
 
 
+def attention_transient_bytes(cfg: Config, tokens: int) -> float:
+    """What one layer's attention holds beyond its saved tensors while it runs, for `tokens` tokens per rank.
+
+    Ring attention (cp > 1) keeps two K/V blocks (this step's and the one arriving), an fp32 accumulator of
+    the output (forward) or of dq and of two travelling dK/dV (backward), and the GQA-expanded K/V and
+    block gradients of one block; the backward is the larger. Document masking adds each block's mask
+    (boolean and additive, per sample, in the compute dtype): quadratic in the rank's sequence.
+    """
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    e = element_bytes(t.dtype)
+    q_width, kv_width = m.hidden_size / p.tp, m.num_kv_heads * m.head_dim / p.tp
+    total = 0.0
+    if p.cp > 1:
+        blocks = 2 * 2 * tokens * kv_width * e  # K and V, current and arriving
+        travelling = 2 * 2 * tokens * kv_width * FP32  # dK and dV, held and arriving
+        expanded = 2 * tokens * q_width * e + 3 * tokens * q_width * e  # expanded K/V and block dq/dk/dv
+        total += blocks + travelling + tokens * q_width * FP32 + expanded
+    if m.attention == "document":
+        seq = t.seq_len // p.cp
+        total += t.micro_batch_size * seq * seq * (1 + (e if p.cp > 1 else 0))
+    return total
+
+
 def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     """Bytes per part for the worst rank of pipeline rank `pp_rank` (tp and dp coordinate 0: the largest
     chunks), plus "activations_saved" (what autograd holds: the measured quantity) and "total"."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
-    shard, n_micro = cfg.dp_shard_size, t.grad_accum_steps
+    shard, n_micro = cfg.fsdp_shard_size, t.grad_accum_steps
     e = element_bytes(t.dtype)
-    tokens = t.micro_batch_size * t.seq_len
+    tokens = t.micro_batch_size * t.seq_len // p.cp  # this cp rank's part of each sequence
     sp = p.tp if p.tp_mode == "reduce_scatter" else 1
     stages = rank_stages(cfg, pp_rank)
     sharded = tp_local = tensors = root_tp = 0
@@ -196,6 +220,7 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     buffers = largest_layer * (FP32 + e)  # one layer's unsharded gradient and its fp32 reduce-scatter input
     buffers += 0 if full_grads else embedding_grad_extra
     buffers += 2 * tokens * m.hidden_size * e if p.tp > 1 else 0  # sequence all-gather / reduce-scatter
+    buffers += attention_transient_bytes(cfg, tokens)
     if p.pp > 1:  # torch's pipeline stage allocates receive buffers for every microbatch up front
         receives = sum((not s.first) + (not s.last) for s in stages)
         buffers += receives * n_micro * tokens * m.hidden_size * e

@@ -27,26 +27,34 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(base: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
-    """(dp, dp_shard, tp, pp, zero_stage, recompute, micro_batch_size) over `world` GPUs at the base config's
-    global batch: tp within a node, HSDP shard groups that fit in a node beside tp, and only combinations
-    the trainer itself would accept (the same `validate`)."""
+    """(dp, dp_shard, cp, tp, pp, zero_stage, recompute, micro_batch_size) over `world` GPUs at the base
+    config's global batch: tp within a node, HSDP shard groups that fit in a node beside tp, cp from 1 up to
+    the sequence's limit, and only combinations the trainer itself would accept (the same `validate`)."""
     for tp in divisors(gpus_per_node):
-        for pp in divisors(world // tp) if world % tp == 0 else []:
-            dp = world // (tp * pp)
-            for zero in (0, 1, 2, 3):
-                hsdp = [d for d in divisors(dp) if 1 < d < dp and d * tp <= gpus_per_node] if zero else []
-                for dp_shard in [0, *hsdp]:
-                    for recompute in (False, True):
-                        for micro in MICRO_BATCH_SIZES:
-                            cfg = copy.deepcopy(base)
-                            p, t = cfg.parallelism, cfg.training
-                            p.dp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, tp, pp, zero, dp_shard
-                            p.recompute_layer, t.micro_batch_size, t.grad_accum_steps = recompute, micro, 0
-                            try:
-                                validate(cfg, world)
-                            except ConfigError:
-                                continue
-                            yield cfg
+        for cp in [c for c in divisors(world // tp) if c <= MAX_CP] if world % tp == 0 else []:
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                yield from _variants(base, world, gpus_per_node, dp, cp, tp, pp)
+
+
+MAX_CP = 32  # 128k tokens at 4k per rank; beyond it the ring's latency dominates
+
+
+def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp: int, pp: int) -> Iterator[Config]:
+    for zero in (0, 1, 2, 3):
+        hsdp = [d for d in divisors(dp) if 1 < d < dp and d * cp * tp <= gpus_per_node] if zero else []
+        for dp_shard in [0, *hsdp]:
+            for recompute in (False, True):
+                for micro in MICRO_BATCH_SIZES:
+                    cfg = copy.deepcopy(base)
+                    p, t = cfg.parallelism, cfg.training
+                    p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
+                    p.recompute_layer, t.micro_batch_size, t.grad_accum_steps = recompute, micro, 0
+                    try:
+                        validate(cfg, world)
+                    except ConfigError:
+                        continue
+                    yield cfg
 
 
 def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: float) -> tuple[list[Candidate], int]:

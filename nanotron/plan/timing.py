@@ -2,7 +2,8 @@
 moves per step over stated NVLink / InfiniBand bandwidths.
 
 Assumptions (printed with every plan): FSDP/DP collectives overlap compute (the step pays the larger of
-the two); tensor-parallel and pipeline transfers are exposed; collectives run as rings at the link's
+the two); tensor-parallel and pipeline transfers are exposed; context parallelism's K/V ring overlaps each
+block's attention and is exposed only where it takes longer; collectives run as rings at the link's
 bandwidth per GPU; a group inside one node uses NVLink, a group spanning nodes InfiniBand.
 """
 
@@ -80,7 +81,7 @@ def ring_gb(bytes_: float, group: int, all_reduce: bool = False) -> float:
 
 def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) -> StepEstimate:
     m, p, t = cfg.model, cfg.parallelism, cfg.training
-    world, n_micro, shard = cfg.world_size, t.grad_accum_steps, cfg.dp_shard_size
+    world, n_micro, shard = cfg.world_size, t.grad_accum_steps, cfg.fsdp_shard_size
     e = element_bytes(t.dtype)
     peak = gpu.peak_tflops * (1 if t.dtype == "bfloat16" else 0.5) * 1e12
     tokens_step = t.global_batch_size * t.seq_len
@@ -91,7 +92,7 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, n_micro, p.pp_stages_per_rank)
     compute_s = flops / world / (peak * efficiency) * (1 + bubble)
 
-    tokens_micro = t.micro_batch_size * t.seq_len
+    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
     nvlink, ib = ("NVLink", gpu.nvlink_gbps), ("InfiniBand", gpu.ib_gbps)
     layers_per_rank = m.num_layers / p.pp
     comm: dict[str, Transfer] = {}
@@ -103,21 +104,31 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     # PP: each microbatch's activation forward and its gradient backward cross a stage boundary.
     pp_bytes = 2 * n_micro * tokens_micro * m.hidden_size * e if p.pp > 1 else 0
     comm["pp"] = Transfer(pp_bytes / 1e9, *(nvlink if world <= gpus_per_node else ib))
+    # CP: per layer, forward passes this rank's K/V on cp-1 times; backward passes K/V cp-1 times and their
+    # fp32 gradients cp times; the recomputed forward repeats the forward's.
+    kv_block = 2 * tokens_micro * m.num_kv_heads * m.head_dim / p.tp
+    forward = (p.cp - 1) * kv_block * e
+    cp_layer = forward * (2 if p.recompute_layer else 1) + forward + p.cp * kv_block * FP32
+    cp_bytes = n_micro * layers_per_rank * cp_layer if p.cp > 1 else 0
+    comm["cp"] = Transfer(cp_bytes / 1e9, *(nvlink if p.cp * p.tp <= gpus_per_node else ib))
+    # ... hidden under the attention blocks' own compute (4·seq·hidden forward FLOPs per token, 3x with backward)
+    attention_s = 3 * 4 * t.seq_len * m.hidden_size * tokens_step * m.num_layers / world / (peak * efficiency)
     # DP: the worst pipeline rank's tp-local parameters (gathered) and gradients (reduced).
     tp_local = max(_tp_local(cfg, r) for r in range(p.pp))
     if p.zero_stage == 0:
-        link = nvlink if p.dp * p.tp <= gpus_per_node else ib
-        comm["dp"] = Transfer(ring_gb(FP32 * tp_local, p.dp, all_reduce=True), *link)
+        link = nvlink if p.dp * p.cp * p.tp <= gpus_per_node else ib
+        comm["dp"] = Transfer(ring_gb(FP32 * tp_local, p.dp * p.cp, all_reduce=True), *link)
     else:
         gathers = 2 * n_micro if p.zero_stage == 3 else 1
         reductions = n_micro if p.zero_stage >= 2 else 1
         link = nvlink if shard * p.tp <= gpus_per_node else ib
         comm["dp"] = Transfer(ring_gb((gathers * e + reductions * FP32) * tp_local, shard), *link)
-        if shard < p.dp:  # HSDP: the shards' gradients are all-reduced across replicas
+        if cfg.dp_shard_size < p.dp:  # HSDP: the shards' gradients are all-reduced across replicas
             replicated = reductions * FP32 * tp_local / shard
-            comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // shard, all_reduce=True), *ib)
+            comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // cfg.dp_shard_size, all_reduce=True), *ib)
     overlapped = sum(comm[k].seconds for k in ("dp", "dp_replicate") if k in comm)
-    step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds
+    exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
+    step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds + exposed_cp
     return StepEstimate(step_s, compute_s, tokens_step / step_s, model_flops / (step_s * world * peak), comm)
 
 
