@@ -8,9 +8,11 @@ Every row is a fresh `python -m nanotron.train` of the ~1.1B model (TinyLlama's 
 a synthetic corpus, with a warm-up and a sane LR (3e-4, cosine to 3e-5), and the same global batch so
 that losses compare step by step. One device: compile off and on. With two or more: dp2 (NCCL, FSDP2
 ZeRO-3, async checkpoints every `steps/2` steps), a resume from the middle checkpoint, and tp2 with
-compile and async TP. Each row is checked, and the command exits 1 if any check fails:
+compile and async TP, and cp2 (ring attention over NCCL). Then context parallelism's attention on one
+device (`benchmarks/cp_check.py`: float64 numerics of the ring's CUDA kernels, then its speed against SDPA).
+Each row is checked, and the command exits 1 if any check fails:
 - every loss finite, and the last loss below the first by at least 1 nat (the model learns);
-- compile, dp2, tp2: step-1 loss within 1e-3 and the last 5 within 2e-2 (relative) of the eager
+- compile, dp2, tp2, cp2: step-1 loss within 1e-3 and the last 5 within 2e-2 (relative) of the eager
   1-device row (bf16 noise; a lost gradient is off by far more);
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran.
@@ -78,6 +80,7 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
     rows += [
         Check("dp2 fsdp2", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3", *saving], "bf16 eager"),
         Check("dp2 resumed", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3"], resume_of="dp2 fsdp2"),
+        Check("cp2 ring", 2, ["--parallelism.cp=2"], "bf16 eager"),  # the ring over NCCL p2p
     ]
     if not settings.quick:
         async_tp = ["--parallelism.tp=2", "--training.compile=true", "--parallelism.tp_linear_async_communication=true"]
@@ -256,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
+    from benchmarks.cp_check import check as cp_attention_check
+
+    failed |= not cp_attention_check(device, 256 if settings.quick else 8192)  # the CUDA block kernels, one device
     failed |= not watch_checks(common, n_devices, settings)
     for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
         shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each

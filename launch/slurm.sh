@@ -3,6 +3,9 @@
 #
 #   sbatch --nodes 4 --gpus-per-node 8 launch/slurm.sh configs/large.toml [--section.key=value ...]
 #   NPROC_PER_NODE=2 sbatch --nodes 2 launch/slurm.sh configs/tiny.toml --parallelism.dp=4   # CPU nodes
+#   NPROC_PER_NODE=2 sbatch --nodes 2 launch/slurm.sh configs/long.toml                      # 16k tokens, cp 4
+#
+# World size = nodes x processes per node = dp x cp x tp x pp (checked by the trainer before any collective).
 #
 # Submit from the repository root with nanotron's Python environment active: the job runs in the submit directory,
 # inherits the submitting shell's environment and runs `python -m nanotron.launch.local` with the `python` found on

@@ -149,8 +149,9 @@ def run_line(cfg: Config, corpus: Any, world_size: int, device: torch.device, st
     """The one line that opens a run's log: model, layout, batch, data and where it starts."""
     p, t = cfg.parallelism, cfg.training
     return (
-        f"nanotron | {num_params(cfg.model) / 1e6:.2f}M params | dp={p.dp} tp={p.tp} pp={p.pp} "
-        f"({p.pp_engine}, tp_mode={p.tp_mode}, zero_stage={p.zero_stage}) on {world_size} x "
+        f"nanotron | {num_params(cfg.model) / 1e6:.2f}M params | dp={p.dp}{f' cp={p.cp}' if p.cp > 1 else ''} "
+        f"tp={p.tp} pp={p.pp} ({p.pp_engine}, tp_mode={p.tp_mode}, zero_stage={p.zero_stage}"
+        f"{', attention=document' if cfg.model.attention == 'document' else ''}) on {world_size} x "
         f"{device.type} | global batch {t.global_batch_size} x {t.seq_len} tokens "
         f"(micro_batch_size={t.micro_batch_size}, grad_accum_steps={t.grad_accum_steps}) | "
         f"{corpus.num_train_samples} train / {corpus.num_val_samples} val samples | "

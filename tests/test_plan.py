@@ -81,8 +81,8 @@ def test_check_agrees_on_uneven_shards_hsdp_and_interleaved_stages():
     proc = plan("--config", "configs/large.toml", "--nodes", "3", "--gpus_per_node", "8", "--check", *layout)
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout, "| rank | pp |")
-    assert len({r[4] for r in rows}) > 1, "the first and last ranks should hold different chunk sizes"
-    assert all(r[4] == r[5] for r in rows), rows
+    assert len({r[5] for r in rows}) > 1, "the first and last ranks should hold different chunk sizes"
+    assert all(r[5] == r[6] for r in rows), rows
 
 
 @pytest.mark.slow
@@ -91,13 +91,13 @@ def test_search_prints_layouts_that_fit_ranked_by_throughput():
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout, "| # | dp |")
     assert len(rows) == 15
-    throughput = [float(r[10].replace(",", "")) for r in rows]
+    throughput = [float(r[11].replace(",", "")) for r in rows]
     assert throughput == sorted(throughput, reverse=True)
     usable = usable_bytes(parse_gpu("h100")) / GIB
     for r in rows:
-        dp, dp_shard, tp, pp = (int(x) for x in r[1:5])
-        assert dp * tp * pp == 64 and dp % dp_shard == 0 and tp <= 8
-        assert float(r[8]) <= usable
+        dp, dp_shard, cp, tp, pp = (int(x) for x in r[1:6])
+        assert dp * cp * tp * pp == 64 and dp % dp_shard == 0 and tp <= 8
+        assert float(r[9]) <= usable
 
 
 def test_zero_stages_change_gradients_and_working_copies_as_documented():
@@ -180,3 +180,35 @@ def test_step_estimate_puts_each_dimensions_traffic_on_its_link_and_zero_3_moves
     recompute = step(dp=16, tp=4, pp=1, zero_stage=1, recompute_layer="true")
     assert recompute.compute_s > fsdp[1].compute_s and recompute.mfu < fsdp[1].mfu  # MFU counts model FLOPs
     assert step(dp=8, tp=4, pp=2, zero_stage=1).compute_s > step(dp=16, tp=4, pp=1, zero_stage=1).compute_s  # bubble
+
+
+def test_check_builds_cp_ranks_and_their_fsdp_shards_over_dp_x_cp_equal_the_formula():
+    layout = ["--parallelism.dp=2", "--parallelism.cp=2", "--parallelism.zero_stage=3", "--training.seq_len=256"]
+    proc = plan("--config", "configs/tiny.toml", "--nodes", "1", "--gpus_per_node", "4", "--check", *layout)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert [r[3] for r in rows] == ["0", "1"] and all(r[5] == r[6] for r in rows), rows
+    assert "dp=2 cp=2 tp=1" in proc.stdout
+
+
+def test_cp_divides_activations_and_adds_the_kv_ring_to_the_step():
+    long = [("training.seq_len", "16384"), ("model.max_seq_len", "16384"), ("training.micro_batch_size", "1")]
+    cfg = {cp: load_config("configs/tiny.toml", [*long, ("parallelism.cp", str(cp))]) for cp in (1, 2, 4)}
+    mem = {cp: stage_memory(c, 0) for cp, c in cfg.items()}
+    assert mem[2]["activations_saved"] == mem[1]["activations_saved"] / 2
+    assert mem[4]["activations_saved"] == mem[1]["activations_saved"] / 4
+    gpu = parse_gpu("h100")
+    step = {cp: estimate_step(c, gpu, 8, 0.5) for cp, c in cfg.items()}
+    assert step[1].comm["cp"].gb == 0 and step[4].comm["cp"].gb > step[2].comm["cp"].gb > 0
+    m, n_micro = cfg[2].model, cfg[2].training.grad_accum_steps
+    kv = 2 * 8192 * m.num_kv_heads * m.head_dim  # K and V of one rank's 8192 tokens, elements
+    # cp 2, fp32, per layer and microbatch: K/V sent once forward, once backward, and dK/dV twice (home included)
+    assert step[2].comm["cp"].gb == pytest.approx(n_micro * m.num_layers * (4 * kv + 4 * kv + 2 * 4 * kv) / 1e9)
+
+
+def test_search_offers_context_parallel_layouts_for_long_sequences():
+    from nanotron.plan.search import layouts
+
+    base = load_config("configs/long.toml", [("parallelism.cp", "1"), ("training.global_batch_size", "8")])
+    cps = {cfg.parallelism.cp for cfg in layouts(base, 8, 8)}
+    assert cps == {1, 2, 4, 8}

@@ -23,8 +23,9 @@ from nanotron.plan.timing import GPUS, Gpu, estimate_step, parse_gpu
 
 ASSUMPTIONS = (
     "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s peak; FSDP/DP collectives overlap compute, TP and PP "
-    "transfers are exposed; ring collectives at {nvlink:g} GB/s per GPU over NVLink inside a node, {ib:g} GB/s "
-    "over InfiniBand across nodes; reserve {reserve:.1f} GiB per GPU for CUDA context, NCCL and fragmentation"
+    "transfers are exposed, the cp K/V ring is exposed only beyond the attention it overlaps; ring collectives at "
+    "{nvlink:g} GB/s per GPU over NVLink inside a node, {ib:g} GB/s over InfiniBand across nodes; reserve "
+    "{reserve:.1f} GiB per GPU for CUDA context, NCCL and fragmentation"
 )
 
 
