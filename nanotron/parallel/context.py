@@ -95,7 +95,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, doc, module: RingAttention):
         cp, rank, scale = module.cp, module.rank, module.scale
         acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.empty(q.shape, dtype=acc, device=q.device)
+        # [batch, seq, heads, dim] in memory, as SDPA returns it: the caller's transpose and reshape into the
+        # output projection's input is then a view, not a copy that autograd would keep.
+        b, h, s, d = q.shape
+        out = torch.empty(b, s, h, d, dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp):
