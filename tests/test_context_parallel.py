@@ -82,7 +82,8 @@ def _ring_worker(rank: int, cp: int, port: int, queue) -> None:
             ring = RingAttention(SCALE, dist.group.WORLD, cp, rank)
             out = ring(q, k, v, doc if masking == "document" else None)
             out.backward(shard_sequence(dout, cp, rank, dim=2))
-            results[kernel, masking] = [t.detach() for t in (out, q.grad, k.grad, v.grad)]
+            # numpy arrays travel by value (a torch tensor's shared memory dies with this process)
+            results[kernel, masking] = [t.detach().numpy() for t in (out, q.grad, k.grad, v.grad)]
     queue.put((rank, results))
     dist.destroy_process_group()
 
@@ -111,7 +112,8 @@ def test_ring_attention_equals_full_attention_in_float64(cp):
         for kernel in ("cpu_kernel", "reference_path"):
             for i, name in enumerate(("out", "dq", "dk", "dv")):
                 for rank in range(cp):
-                    got, want = results[rank][kernel, masking][i], shard_sequence(expected[i], cp, rank, dim=2)
+                    got = torch.from_numpy(results[rank][kernel, masking][i])
+                    want = shard_sequence(expected[i], cp, rank, dim=2)
                     err = (got - want).abs().max().item()
                     assert err <= 1e-10, f"{kernel} {masking} {name} rank {rank}: max error {err:.2e}"
 
