@@ -243,3 +243,19 @@ def test_bad_cp_configs_name_the_key(overrides, expected):
 
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config("configs/tiny.toml", list(overrides.items()))
+
+
+def test_ring_attention_takes_sdpas_default_scale_when_none_on_both_kernels(monkeypatch):
+    """Standard parametrization passes scale None (SDPA's 1/sqrt(head_dim)); the ring, with its ranks as threads
+    (benchmarks.cp_check), must use the same on the fused and the matmul kernel."""
+    from benchmarks.cp_check import run_ring
+
+    q, k, v, _, _ = inputs()
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for fused in (True, False):
+        monkeypatch.setattr(context, "_fused", lambda t, fused=fused: fused)
+        outs = run_ring(
+            2, lambda r: RingAttention(None, None, 2, r)(*(shard_sequence(x, 2, r, dim=2) for x in (q, k, v)))
+        )
+        for rank, out in enumerate(outs):
+            assert (out - shard_sequence(expected, 2, rank, dim=2)).abs().max() <= 1e-10

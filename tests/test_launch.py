@@ -138,7 +138,8 @@ def test_with_config_only_the_given_flags_override_the_file(in_tmp, checked_data
 def test_flags_and_overrides_reach_their_config_keys(in_tmp, checked_data):
     (in_tmp / "corpus").mkdir()
     argv = (
-        "--run_name mapped --gpus_per_node 0 --nodes 1 --nproc_per_node 2 --dp 1 --cp 2 --tp 1 --pp 1 --hidden_size 64 --intermediate_size 96 "
+        "--run_name mapped --gpus_per_node 0 --nodes 1 --nproc_per_node 2 --dp 1 --cp 2 --tp 1 --pp 1 "
+        "--hidden_size 64 --intermediate_size 96 "
         "--num_layers 3 --num_heads 4 --num_kv_heads 2 --vocab_size 640 --max_seq_len 64 --seq_len 32 --train_steps 5 "
         "--learning_rate 1e-3 --micro_batch_size 3 --grad_accum_steps 2 --warmup_steps 1 --dataset corpus "
         "--pp_engine afab --tp_mode all_reduce --save_interval 2 --save_initial_state --resume_from_checkpoint none "

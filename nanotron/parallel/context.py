@@ -55,9 +55,9 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
 class RingAttention(nn.Module):
     """Attention over a sequence held in zigzag parts by the ranks of `group` (this rank is `rank` of `cp`)."""
 
-    def __init__(self, scale: float, group: dist.ProcessGroup, cp: int, rank: int):
+    def __init__(self, scale: float | None, group: dist.ProcessGroup, cp: int, rank: int):
         super().__init__()
-        self.scale, self.group, self.cp, self.rank = scale, group, cp, rank
+        self.scale, self.group, self.cp, self.rank = scale, group, cp, rank  # scale None: 1/sqrt(head_dim)
 
     @torch.compiler.disable  # peer-to-peer transfers inside an autograd function: eager, also under compile
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None):
@@ -93,7 +93,7 @@ class _Ring:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, doc, module: RingAttention):
-        cp, rank, scale = module.cp, module.rank, module.scale
+        cp, rank, scale = module.cp, module.rank, _scale(module, q)
         acc = torch.promote_types(q.dtype, torch.float32)
         # [batch, seq, heads, dim] in memory, as SDPA returns it: the caller's transpose and reshape into the
         # output projection's input is then a view, not a copy that autograd would keep.
@@ -126,7 +126,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         doc = rest[0] if rest else None
         module = ctx.module
-        cp, rank, scale = module.cp, module.rank, module.scale
+        cp, rank, scale = module.cp, module.rank, _scale(module, q)
         acc = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -150,6 +150,11 @@ class _RingAttention(torch.autograd.Function):
             if ring is not None:
                 kv = ring.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _scale(module: RingAttention, q: torch.Tensor) -> float:
+    """The softmax scale: µP's, or SDPA's default 1/sqrt(head_dim) (standard parametrization passes None)."""
+    return module.scale if module.scale is not None else q.shape[-1] ** -0.5
 
 
 def _block_mask(doc, cp, rank, source, rows, cols, causal) -> torch.Tensor | None:
