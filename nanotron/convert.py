@@ -111,12 +111,20 @@ def _empty_output(out: Path) -> None:
         raise UserError(f"output '{out}' already exists and is not an empty folder; choose a new path")
 
 
+UNVERIFIED_HELP = "read a checkpoint that has no checksums.json (its files are then not checked for corruption)"
+
+
 def to_hf(
-    checkpoint: Path, out: Path, dtype: str = "float32", max_shard_size: str = "5GB", tokenizer: Path | None = None
+    checkpoint: Path,
+    out: Path,
+    dtype: str = "float32",
+    max_shard_size: str = "5GB",
+    tokenizer: Path | None = None,
+    allow_unverified: bool = False,
 ) -> Path:
     """Writes the HF folder `out` from a nanotron checkpoint; returns the step dir that was exported."""
     max_bytes = parse_size(max_shard_size)
-    step_dir = verified_checkpoint(checkpoint)
+    step_dir = verified_checkpoint(checkpoint, allow_unverified)
     model = read_model_config(step_dir / "config.toml")
     expected = expected_shapes(model)
     weights = read_model_weights(step_dir, expected)
@@ -311,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved weights")
     export.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
     export.add_argument("--tokenizer", type=Path, help="tokenizer dir/file to ship instead of the checkpoint's")
+    export.add_argument("--allow_unverified", action="store_true", help=UNVERIFIED_HELP)
     imp = commands.add_parser("from-hf", help="Hugging Face Llama folder -> checkpoint for checkpoint.init_from")
     imp.add_argument("hf_dir", type=Path, help="local folder with config.json and safetensors weights")
     imp.add_argument("ckpt_dir", type=Path, help="new folder for the DCP checkpoint")
@@ -324,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "to-hf":
-        step_dir = to_hf(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.tokenizer)
+        step_dir = to_hf(
+            args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.tokenizer, args.allow_unverified
+        )
         print(f"exported {step_dir} -> {args.out_dir} (load with LlamaForCausalLM.from_pretrained)")
         return 0
     from_hf(args.hf_dir, args.ckpt_dir)

@@ -19,15 +19,17 @@ import torch
 
 from nanotron.checkpoint import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
-from nanotron.convert import expected_shapes
+from nanotron.convert import UNVERIFIED_HELP, expected_shapes
 from nanotron.errors import CheckpointError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.tokenizer import Tokenizer, load_tokenizer
 
 
-def load_model(checkpoint: Path, device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, Path]:
+def load_model(
+    checkpoint: Path, device: torch.device | str = "cpu", allow_unverified: bool = False
+) -> tuple[LlamaForCausalLM, Path]:
     """The full model of a checkpoint in eval mode, and the step dir it came from."""
-    step_dir = verified_checkpoint(checkpoint)
+    step_dir = verified_checkpoint(checkpoint, allow_unverified)
     config = read_model_config(step_dir / "config.toml")
     weights = read_model_weights(step_dir, expected_shapes(config))
     with torch.device("meta"):
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer to use instead of the checkpoint's copy")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--allow_unverified", action="store_true", help=UNVERIFIED_HELP)
     return parser
 
 
@@ -131,7 +134,7 @@ def _main(argv: list[str]) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
     device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
-    model, step_dir = load_model(args.checkpoint, device)
+    model, step_dir = load_model(args.checkpoint, device, args.allow_unverified)
     tokenizer = load_checkpoint_tokenizer(step_dir, args.tokenizer)
     prompt_ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eos_id]
     new_ids = generate(

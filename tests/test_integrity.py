@@ -79,9 +79,29 @@ def test_an_index_claiming_a_huge_tensor_is_refused_before_any_allocation(saved,
     metadata = read_metadata(step)
     metadata.state_dict_metadata["model.lm_head.weight"].size = (2**20, 2**20)  # 4 TiB of fp32
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
-    (step / CHECKSUM_FILE).unlink()  # an index from elsewhere, without checksums
+    (step / CHECKSUM_FILE).unlink()  # an index from elsewhere, without checksums (read unchecked on request)
     for proc in (
-        command("nanotron.convert", "to-hf", str(step), str(tmp_path / "hf")),
-        command("nanotron.generate", "--checkpoint", str(step), "--prompt", "the"),
+        command("nanotron.convert", "to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified"),
+        command("nanotron.generate", "--checkpoint", str(step), "--prompt", "the", "--allow_unverified"),
     ):
         assert "lm_head.weight has shape [1048576, 1048576], but its config.toml says [512, 32]" in one_error(proc)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_checksums_were_deleted_is_refused_unless_allowed(saved, tmp_path):
+    """Integrity cannot be switched off by deleting checksums.json: resume, export and generate refuse in one
+    line naming the file and the override; with the override each reads it (a hand-made or pre-checksum one)."""
+    common, good = saved
+    step = tmp_path / "step-2"
+    shutil.copytree(good, step)
+    (step / CHECKSUM_FILE).unlink()
+    expected = f"'{step / CHECKSUM_FILE}' is missing, so the checkpoint's files cannot be checked for corruption"
+    resume = [*common, f"--job.out_dir={tmp_path}", f"--checkpoint.resume_from={step}", "--training.steps=3"]
+    assert expected in one_error(run_train([*resume, "--job.name=refused"], check=False))
+    assert expected in one_error(command("nanotron.convert", "to-hf", str(step), str(tmp_path / "hf")))
+    assert expected in one_error(command("nanotron.generate", "--checkpoint", str(step), "--prompt", "the"))
+    run_train([*resume, "--job.name=allowed", "--checkpoint.allow_unverified=true"])
+    proc = command("nanotron.convert", "to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified")
+    assert proc.returncode == 0, proc.stderr
+    proc = command("nanotron.generate", "--checkpoint", str(step), "--prompt", "the", "--allow_unverified")
+    assert proc.returncode == 0, proc.stderr

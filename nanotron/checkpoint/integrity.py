@@ -81,11 +81,18 @@ def write(folder: Path, shard_sums: dict[str, str]) -> None:
     write_atomic(folder / CHECKSUM_FILE, json.dumps(sums, indent=1, sort_keys=True))
 
 
-def saved(folder: Path) -> dict[str, str] | None:
-    """The checksums saved with `folder`; None for a checkpoint written without them (older versions)."""
+def saved(folder: Path, allow_missing: bool = False, override: str = "") -> dict[str, str] | None:
+    """The checksums saved with `folder`. A checkpoint without them (written before checksums existed, made by
+    hand, or with the file deleted) is refused unless `allow_missing` (then None: its files go unchecked);
+    `override` names the option that allows it, for the message."""
     file = folder / CHECKSUM_FILE
     if not file.is_file():
-        return None
+        if allow_missing:
+            return None
+        raise CheckpointError(
+            f"'{file}' is missing, so the checkpoint's files cannot be checked for corruption; restore it, or "
+            f"read the checkpoint unchecked with {override or 'the allow_unverified option'}"
+        )
     try:
         sums = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:

@@ -184,7 +184,7 @@ class CheckpointManager:
         content (None with model_only, which loads the model alone, e.g. from an HF import)."""
         metadata = read_metadata(path)
         saved = None if model_only else self._read_progress(path)  # a bad one fails before the costly read
-        sums = integrity.saved(path)
+        sums = integrity.saved(path, self.options.allow_unverified, "checkpoint.allow_unverified=true")
         if sums is not None:
             integrity.verify(path, sums)  # every rank checks its share; all agree before any read
         names = ["model"] if model_only else list(self.states)

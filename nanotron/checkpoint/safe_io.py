@@ -174,11 +174,12 @@ def load_dcp(path: Path, state: dict[str, Any], metadata: Metadata | None = None
         )
 
 
-def verified_checkpoint(path: Path) -> Path:
+def verified_checkpoint(path: Path, allow_unverified: bool = False) -> Path:
     """The step dir `path` names (see `find_checkpoint`), after checking every file against its checksum in this
-    process: what a single-process reader (export, generate) calls before reading anything from it."""
+    process: what a single-process reader (export, generate) calls before reading anything from it. Without
+    checksums.json it is refused unless `allow_unverified` (their `--allow_unverified` flag)."""
     step_dir = find_checkpoint(path)
-    if (sums := integrity.saved(step_dir)) is not None:
+    if (sums := integrity.saved(step_dir, allow_unverified, "--allow_unverified")) is not None:
         integrity.verify(step_dir, sums, names=sorted(sums))
     return step_dir
 

@@ -287,6 +287,11 @@ class CheckpointConfig:
     resume_from: str = _opt("auto", "auto (latest in dir if any), latest, none, or a step-N path")
     async_save: bool = _opt(False, "write checkpoints in the background (dcp.async_save)")
     init_from: str = _opt("", "checkpoint dir whose model weights start a new run (e.g. from-hf import)")
+    allow_unverified: bool = _opt(
+        False,
+        "load a checkpoint that has no checksums.json (older versions, hand-made, or the file deleted): its files "
+        "are then not checked for corruption",
+    )
     allow_global_batch_size_change: bool = _opt(
         False, "let a resume change training.global_batch_size (the data position then shifts; refused otherwise)"
     )
