@@ -6,7 +6,8 @@ Both run for real over a gloo group of cp processes on this machine, each rank h
 one sequence (heads 8, KV heads 2, head dim 64, fp32), forward and backward of the attention alone:
 - ring: `nanotron.parallel.context.RingAttention` (K/V blocks passed peer to peer, log-sum-exp merges);
 - all-gather: every rank gathers the whole sequence's K/V (`torch.distributed.nn.functional.all_gather`,
-  gradients reduce-scattered back), then attends with its two query chunks against the keys before them.
+  gradients reduce-scattered back), then attends with its two query chunks against the keys before them
+  (the same fused CPU kernel, with an additive causal mask for the chunk's diagonal).
 Measured per rank: forward+backward time (median over interleaved rounds), and the bytes autograd saves for
 backward (saved-tensor hooks, each storage once): what stays alive per layer until backward. The outputs of
 the two are compared (they must agree to 1e-5).
@@ -24,10 +25,10 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from benchmarks.common import RESULTS_DIR, write_table
 from nanotron.parallel.context import RingAttention, shard_sequence, zigzag_positions
+from nanotron.parallel.torch_private import attention_with_lse
 
 HEADS, KV_HEADS, DIM, SCALE = 8, 2, 64, 0.125
 
@@ -45,18 +46,17 @@ def allgather_attention(q, k, v, cp: int, rank: int, seq_len: int) -> torch.Tens
             chunks[r], chunks[2 * cp - 1 - r] = part[:, :, :chunk], part[:, :, chunk:]
         return torch.cat(chunks, dim=2)
 
-    k_all, v_all = whole(k), whole(v)
+    groups = q.shape[1] // k.shape[1]
+    k_all, v_all = (whole(x).repeat_interleave(groups, dim=1) for x in (k, v))
     positions = zigzag_positions(seq_len, cp, rank)
     outs = []
     for half in (slice(0, chunk), slice(chunk, 2 * chunk)):
         pos = positions[half]
         end = int(pos[-1]) + 1
-        mask = pos[:, None] >= torch.arange(end)[None, :]
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, half], k_all[:, :, :end], v_all[:, :, :end], attn_mask=mask, scale=SCALE, enable_gqa=True
-            )
-        )
+        # the same fused CPU kernel the ring uses (SDPA with a boolean mask would take its unfused math path)
+        mask = torch.zeros(chunk, end).masked_fill_(pos[:, None] < torch.arange(end)[None, :], float("-inf"))
+        out, _ = attention_with_lse(q[:, :, half], k_all[:, :, :end], v_all[:, :, :end], False, mask, SCALE)
+        outs.append(out)
     return torch.cat(outs, dim=2)
 
 
