@@ -208,9 +208,8 @@ def test_cp2_checkpoint_resumes_at_cp1_dp2_like_an_uninterrupted_run(short_docs_
         "--optimizer.decay_steps=4",
     ]
     cp2 = ["--parallelism.cp=2"]
-    run_train([*common, "--job.name=reference", "--training.steps=4", *cp2], nproc=2)
-    run_train([*common, "--job.name=first", "--training.steps=2", *cp2], nproc=2)
-    resume = f"--checkpoint.resume_from={tmp_path / 'first' / 'checkpoints' / 'step-2'}"
+    run_train([*common, "--job.name=reference", "--training.steps=4", "--checkpoint.interval=2", *cp2], nproc=2)
+    resume = f"--checkpoint.resume_from={tmp_path / 'reference' / 'checkpoints' / 'step-2'}"  # saved at cp2
     run_train([*common, "--job.name=second", "--training.steps=4", "--parallelism.dp=2", resume], nproc=2)
     reference, resumed = train_losses(tmp_path / "reference"), train_losses(tmp_path / "second")
     assert len(reference) == 4 and len(resumed) == 2
