@@ -18,7 +18,7 @@ from nanotron.activations import ActivationStats
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
-from nanotron.data import build_train_loader, eval_batches, prepare_data
+from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
 from nanotron.distributed import ParallelContext, init_distributed, loss_mesh
 from nanotron.errors import DivergenceError, NodeFaultError
 from nanotron.gpu import set_matmul_precision
@@ -233,7 +233,7 @@ class Trainer:
         self.resume()
         if self.ctx.rank == 0:
             write_atomic(cfg.run_dir / "config.toml", to_toml(cfg), durable=False)
-        self.loader_iter = iter(
+        self.loader_iter = loader_batches(
             build_train_loader(
                 self.corpus,
                 t,

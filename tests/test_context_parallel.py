@@ -94,6 +94,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_equals_full_attention_in_float64(cp):
     ctx = mp.get_context("spawn")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import random
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from nanotron.config import TrainingConfig, load_config
-from nanotron.data import TrainSamples, build_train_loader, eval_batches, prepare_data
+from nanotron.data import TrainSamples, build_train_loader, eval_batches, loader_batches, prepare_data
 from nanotron.data.order import Blend, Permutation
 from nanotron.errors import DataError
 from nanotron.prepare import EOS_TOKEN, train_tokenizer
@@ -412,3 +414,51 @@ def test_a_blended_run_matches_at_dp2_pp2_and_resumes_on_the_same_samples(blend,
     assert torch.allclose(torch.tensor(train_losses(tmp_path / "layout")), torch.tensor(reference), rtol=1e-5, atol=0)
     run_train([*common, "--job.name=resumed", f"--checkpoint.resume_from={tmp_path / 'ref/checkpoints/step-3'}"])
     assert train_losses(tmp_path / "resumed") == reference[3:]  # bit for bit: the same samples, in the same order
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_token_id_beyond_the_vocabulary_is_one_line(workspace, tok, tmp_path, num_workers):
+    """Bit rot that keeps the file size (or a shard from another tokenizer) must not reach the embedding as an
+    IndexError: the sample that reads it is refused, naming the shard file, the sample and the id, also when
+    a DataLoader worker read it."""
+    directory = tokenized(workspace, tok, seed=11)
+    shard = directory / "train-00000.bin"
+    tokens = np.fromfile(shard, dtype=np.uint16)
+    tokens[5] = 60000  # >= the tokenizer's vocabulary (300)
+    tokens.tofile(shard)
+    corpus = prepare_data(config(workspace, directory))
+    loader = build_train_loader(corpus, training(), seed=0, dp=1, dp_rank=0, num_workers=num_workers)
+    with pytest.raises(DataError) as info:
+        for batch in take_forever(loader):
+            del batch
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert f"token file '{shard}'" in message and "id 60000" in message and "vocabulary of 300" in message
+    assert re.search(r"global sample \d+", message), message
+
+
+def take_forever(loader):
+    for _, batch in zip(range(10_000), loader_batches(loader)):
+        yield batch
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("dtype", "garbage", "'dtype' is 'garbage', expected an unsigned integer dtype name"),
+        ("shards", "abc", "'shards' is 'abc', expected a list of shard records"),
+        ("tokenizer", 5, "'tokenizer' is 5, expected a table with 'fingerprint' and 'path'"),
+        ("eos_id", "x", "'eos_id' is 'x', expected an integer >= 0"),
+    ],
+)
+def test_meta_json_fields_of_the_wrong_type_are_one_line_naming_the_field(
+    workspace, tok, tmp_path, field, value, expected
+):
+    directory = tmp_path / "copy"
+    shutil.copytree(tokenized(workspace, tok, seed=13), directory)
+    meta = json.loads((directory / "meta.json").read_text())
+    meta[field] = value
+    (directory / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError) as info:
+        prepare_data(config(workspace, directory))
+    assert expected in str(info.value) and str(directory / "meta.json") in str(info.value)

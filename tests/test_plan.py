@@ -182,6 +182,7 @@ def test_step_estimate_puts_each_dimensions_traffic_on_its_link_and_zero_3_moves
     assert step(dp=8, tp=4, pp=2, zero_stage=1).compute_s > step(dp=16, tp=4, pp=1, zero_stage=1).compute_s  # bubble
 
 
+@pytest.mark.slow
 def test_check_builds_cp_ranks_and_their_fsdp_shards_over_dp_x_cp_equal_the_formula():
     layout = ["--parallelism.dp=2", "--parallelism.cp=2", "--parallelism.zero_stage=3", "--training.seq_len=256"]
     proc = plan("--config", "configs/tiny.toml", "--nodes", "1", "--gpus_per_node", "4", "--check", *layout)

@@ -3,7 +3,7 @@ dp-sharded loader. `nanotron.tokenize` writes the dirs; `prepare_data` opens the
 corpora first)."""
 
 from nanotron.data.corpus import Corpus, check_corpus_size, prepare_data
-from nanotron.data.loader import StepSampler, TrainSamples, build_train_loader, eval_batches
+from nanotron.data.loader import StepSampler, TrainSamples, build_train_loader, eval_batches, loader_batches
 
 __all__ = [
     "Corpus",
@@ -12,5 +12,6 @@ __all__ = [
     "build_train_loader",
     "check_corpus_size",
     "eval_batches",
+    "loader_batches",
     "prepare_data",
 ]

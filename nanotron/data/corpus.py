@@ -39,6 +39,7 @@ class Corpus:
     seq_len: int
     num_workers: int = 0  # data.num_workers, the default of build_train_loader
     eos_id: int | None = None  # the tokenizer's end-of-document token (document masking splits at it)
+    vocab_size: int | None = None  # the tokenizer's: every token id read is checked against it
     blend: Blend = field(init=False)
 
     def __post_init__(self) -> None:
@@ -71,7 +72,12 @@ def prepare_data(cfg: Config) -> Corpus:
     checks_all = os.environ.get("LOCAL_RANK", "0") == "0"
     datasets = [open_tokenized(dir_, what, tokenizer, checks_all, auto=bool(src)) for what, dir_, src in plans]
     corpus = Corpus(
-        datasets, [weight for *_, weight in entries], cfg.training.seq_len, data.num_workers, tokenizer.eos_id
+        datasets,
+        [weight for *_, weight in entries],
+        cfg.training.seq_len,
+        data.num_workers,
+        tokenizer.eos_id,
+        tokenizer.vocab_size,
     )
     check_corpus_size(corpus, cfg.training)
     return corpus

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from nanotron.config import TrainingConfig
 from nanotron.data.corpus import Corpus, check_corpus_size, check_validation
 from nanotron.data.order import Permutation, key_of
+from nanotron.errors import DataError
 from nanotron.signals import ignore_stop_signals
 
 
@@ -40,7 +41,10 @@ class TrainSamples(Dataset):
     def __getitem__(self, g: int) -> torch.Tensor:
         dataset, index = self.locate(g)
         seq_len = self.corpus.seq_len
-        return torch.from_numpy(self.corpus.datasets[dataset].train.read(index * seq_len, seq_len + 1))
+        tokens = self.corpus.datasets[dataset].train.read(
+            index * seq_len, seq_len + 1, self.corpus.vocab_size, f"global sample {g}"
+        )
+        return torch.from_numpy(tokens)
 
 
 def _microbatch_start(index: int, training: TrainingConfig, dp: int, dp_rank: int) -> int:
@@ -96,9 +100,30 @@ def eval_batches(corpus: Corpus, training: TrainingConfig, dp: int, dp_rank: int
 
     def sample(g: int) -> torch.Tensor:
         dataset, j = corpus.blend.locate(g)
-        return torch.from_numpy(corpus.datasets[dataset].val.read(j * seq_len, seq_len + 1))
+        tokens = corpus.datasets[dataset].val.read(
+            j * seq_len, seq_len + 1, corpus.vocab_size, f"validation sample {g}"
+        )
+        return torch.from_numpy(tokens)
 
     starts = (
         _microbatch_start(i, training, dp, dp_rank) for i in range(training.eval_steps * training.grad_accum_steps)
     )
     return (torch.stack([sample(g) for g in range(s, s + training.micro_batch_size)]) for s in starts)
+
+
+def loader_batches(loader: DataLoader) -> Iterator[torch.Tensor]:
+    """The loader's batches; a DataError met in a worker process comes back as the same one line (torch re-raises
+    it with the worker's traceback folded into the message)."""
+    iterator = iter(loader)
+    while True:
+        try:
+            batch = next(iterator)
+        except DataError as error:
+            lines = [line for line in str(error).splitlines() if line.strip()]
+            message = lines[-1].split("DataError: ", 1)[-1]  # after "Caught DataError in DataLoader worker ..."
+            break
+        yield batch
+    # Dropped before raising, so its worker processes are told to exit now: they ignore stop signals (the
+    # trainer's own shutdown does), so a process that is not ending through os._exit would wait for them.
+    del iterator
+    raise DataError(message)

@@ -41,13 +41,23 @@ class TokenStream:
         """Samples of seq_len + 1 tokens (inputs and shifted targets) starting every seq_len tokens."""
         return max(0, (self.total - 1) // seq_len)
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the split, as int64."""
+    def read(self, start: int, length: int, vocab_size: int | None = None, sample: str = "") -> np.ndarray:
+        """Tokens [start, start + length) of the split, as int64. With `vocab_size`, an id at or beyond it (bit
+        rot that kept the file's size, a shard of another tokenizer) is a DataError naming the file, `sample`
+        and the id: the file is untrusted input, and the embedding would fail on it with an IndexError. The check
+        is one max() over tokens this read already copies (~1% of a sample's read)."""
         out, shard = [], bisect.bisect_right(self.offsets, start) - 1
         while length > 0:
             tokens = self._map(shard)
             begin = start - self.offsets[shard]
             piece = tokens[begin : begin + length]
+            if vocab_size is not None and len(piece) and int(piece.max()) >= vocab_size:
+                at = begin + int(np.argmax(piece >= vocab_size))
+                raise DataError(
+                    f"{self.what}: token file '{self.files[shard]}' holds id {int(tokens[at])} at token {at}"
+                    f"{f' ({sample})' if sample else ''}, beyond the tokenizer's vocabulary of {vocab_size}: the "
+                    f"file is damaged or was written with another tokenizer; {RETOKENIZE}"
+                )
             out.append(piece)
             start, length, shard = start + len(piece), length - len(piece), shard + 1
         return np.concatenate(out).astype(np.int64) if len(out) > 1 else out[0].astype(np.int64)

@@ -61,7 +61,59 @@ def read_meta(directory: Path, what: str) -> dict[str, Any]:
             f"{what}: '{meta_path}' is not a {FORMAT} v{VERSION} meta.json (another tool or version wrote it); "
             f"{RETOKENIZE}"
         )
+    _check_fields(meta, f"{what}: '{meta_path}'")
     return meta
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _is_shard(shard: Any) -> bool:
+    """A shard record as readers use it: token counts per split and the files with their byte sizes."""
+    if not isinstance(shard, dict) or not isinstance(shard.get("tokens"), dict):
+        return False
+    files = shard.get("files")
+    return (
+        all(_is_count(shard["tokens"].get(split)) for split in SPLITS)
+        and isinstance(files, dict)
+        and all(
+            isinstance(name, str) and isinstance(f, dict) and _is_count(f.get("bytes")) for name, f in files.items()
+        )
+    )
+
+
+def _check_fields(meta: dict[str, Any], where: str) -> None:
+    """Every field a reader uses has the type it expects: one line naming the first that does not (meta.json is
+    input like any other: a hand edit or another tool's file must not become a TypeError deep in a reader)."""
+    tokenizer = meta.get("tokenizer")
+    checks = [
+        ("dtype", _is_dtype(meta.get("dtype")), "an unsigned integer dtype name such as 'uint16'"),
+        (
+            "shards",
+            isinstance(meta.get("shards"), list) and all(_is_shard(s) for s in meta["shards"]),
+            "a list of shard records",
+        ),
+        (
+            "tokenizer",
+            isinstance(tokenizer, dict) and all(isinstance(tokenizer.get(k), str) for k in ("fingerprint", "path")),
+            "a table with 'fingerprint' and 'path'",
+        ),
+        ("eos_id", _is_count(meta.get("eos_id")), "an integer >= 0"),
+        ("vocab_size", _is_count(meta.get("vocab_size")), "an integer >= 0"),
+    ]
+    for field, ok, expected in checks:
+        if not ok:
+            shown = repr(meta.get(field))
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise DataError(f"{where}: field '{field}' is {shown}, expected {expected}; {RETOKENIZE}")
+
+
+def _is_dtype(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and np.dtype(value).kind == "u"
+    except TypeError:
+        return False
 
 
 def check_files(directory: Path, files: dict[str, dict[str, Any]], itemsize: int, what: str) -> None:
