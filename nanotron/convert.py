@@ -138,7 +138,7 @@ def to_hf(
     _empty_output(out)
     out.mkdir(parents=True, exist_ok=True)
     source_tokenizer = tokenizer or (step_dir / "tokenizer")
-    eos_id = _export_tokenizer(source_tokenizer, out)
+    eos_id = _export_tokenizer(source_tokenizer, out, tokenizer_source(step_dir, tokenizer))
     (out / "config.json").write_text(json.dumps(hf_config(model, DTYPES[dtype], eos_id, tied), indent=2) + "\n")
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:
@@ -164,15 +164,21 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     path.chmod(0o666 & ~umask)
 
 
-def _export_tokenizer(source: Path, out: Path) -> int | None:
+def tokenizer_source(step_dir: Path, override: Path | None) -> str:
+    """How errors name the tokenizer a checkpoint reader uses (export, generate): the command's own --tokenizer,
+    or the checkpoint's copy; never train's data.tokenizer, an option these commands don't have."""
+    return "--tokenizer" if override else f"the tokenizer saved in {step_dir}"
+
+
+def _export_tokenizer(source: Path, out: Path, what: str) -> int | None:
     """Copies the tokenizer; adds a tokenizer_config.json naming EOS when it lacks one (AutoTokenizer needs it)."""
     if not source.exists():
         print(f"warning: no tokenizer at '{source}'; the export has none (pass --tokenizer)", file=sys.stderr)
         return None
     try:
-        tok = load_tokenizer(str(source))
+        tok = load_tokenizer(str(source), what=what)
     except UserError as error:
-        raise CheckpointError(f"tokenizer '{source}': {error}") from None
+        raise CheckpointError(str(error)) from None
     copy_tokenizer(source, out)
     if not (out / "tokenizer_config.json").is_file():
         eos = tok.backend.id_to_token(tok.eos_id)

@@ -19,7 +19,7 @@ import torch
 
 from nanotron.checkpoint import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
-from nanotron.convert import UNVERIFIED_HELP, expected_shapes
+from nanotron.convert import UNVERIFIED_HELP, expected_shapes, tokenizer_source
 from nanotron.errors import CheckpointError, UserError, run_command
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.tokenizer import Tokenizer, load_tokenizer
@@ -121,7 +121,7 @@ def load_checkpoint_tokenizer(step_dir: Path, override: Path | None) -> Tokenize
     path = override or step_dir / "tokenizer"
     if not path.exists():
         raise CheckpointError(f"'{path}' not found: the checkpoint has no tokenizer copy; pass --tokenizer")
-    return load_tokenizer(str(path))
+    return load_tokenizer(str(path), what=tokenizer_source(step_dir, override))
 
 
 def main(argv: list[str] | None = None) -> int:

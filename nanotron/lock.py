@@ -61,8 +61,9 @@ def _stale_reason(owner: dict) -> str | None:
 class RunLock:
     """Held from start-up until the run ends; `release()` removes the file only if it is still ours."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, key: str = "job.name"):
         self.path = Path(folder) / LOCK_FILE
+        self.key = key  # the option that chose the folder, named when it is refused
         self.owner = _owner()
         self.held = False
 
@@ -84,7 +85,8 @@ class RunLock:
                     if reason is None:
                         raise ConfigError(self._refusal(owner)) from None
                     self._take_over(owner)
-                    note = f"run dir: took over the lock of {reason} ({self.path})"
+                    where = "run dir" if self.key == "job.name" else "checkpoint dir"
+                    note = f"{where}: took over the lock of {reason} ({self.path})"
                     continue
                 self.held = True
                 return note
@@ -121,10 +123,17 @@ class RunLock:
         who = f"pid {owner.get('pid')} on {owner.get('host')}"
         if owner.get("slurm_job_id"):
             who += f" (Slurm job {owner['slurm_job_id']})"
+        since = f"({who}, since {owner.get('started', '?')})"
+        gone = f"if it is gone and was on another host, delete {self.path}"
+        if self.key == "checkpoint.dir":
+            return (
+                f"checkpoint.dir: {self.path.parent} is in use by another run {since}; each run needs its own "
+                f"(it resumes from, overwrites and prunes what is there): point checkpoint.dir elsewhere, or stop "
+                f"that run; {gone}"
+            )
         return (
-            f"job.name: the run dir {self.path.parent} is in use by another run ({who}, since "
-            f"{owner.get('started', '?')}); pick another job.name (or job.out_dir), or stop that run; "
-            f"if it is gone and was on another host, delete {self.path}"
+            f"job.name: the run dir {self.path.parent} is in use by another run {since}; pick another job.name "
+            f"(or job.out_dir), or stop that run; {gone}"
         )
 
     def __enter__(self) -> RunLock:
@@ -142,14 +151,17 @@ class RunLock:
 
 
 def lock_run(folders: list[Path]) -> contextlib.ExitStack:
-    """Locks each distinct folder a run writes (run dir, and checkpoint.dir when it lies elsewhere); the stack
-    releases them. A refusal releases the ones already taken."""
-    roots: list[Path] = []
-    for folder in (Path(f).resolve() for f in folders):
-        if not any(folder == root or root in folder.parents for root in roots):
-            roots.append(folder)
+    """Locks the run dir and the checkpoint dir (`folders`, in that order), each under the same file name
+    wherever it lives: a checkpoint dir inside a run dir is locked too, so another run pointing its
+    checkpoint.dir at it, or at that run dir itself, finds a held lock. The stack releases them; a refusal
+    releases the ones already taken."""
+    keys = ("job.name", "checkpoint.dir")
     with contextlib.ExitStack() as taken:
-        for root in roots:
-            if note := taken.enter_context(RunLock(root)).acquire():
+        locked: list[Path] = []
+        for folder, key in zip((Path(f).resolve() for f in folders), keys):
+            if folder in locked:
+                continue
+            locked.append(folder)
+            if note := taken.enter_context(RunLock(folder, key)).acquire():
                 print(note)
         return taken.pop_all()

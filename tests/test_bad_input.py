@@ -124,10 +124,21 @@ def test_broken_tokenizer_files_are_one_line_for_train_generate_and_export(
     shutil.rmtree(step / "tokenizer")
     shutil.copytree(tokenizer, step / "tokenizer")
     (step / "checksums.json").unlink()  # handed over without checksums (read on request): the files are checked
+    # Each command names its own source of the tokenizer, never train's data.tokenizer (issue 26 item 7).
+    saved_copy = f"the tokenizer saved in {step}"
     assert nanotron.generate.main(["--checkpoint", str(step), "--prompt", "the", "--allow_unverified"]) == 2
-    assert expected in one_line(capsys)
+    line = one_line(capsys)
+    assert expected in line and saved_copy in line and "data.tokenizer" not in line, line
     assert nanotron.convert.main(["to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified"]) == 2
-    assert expected in one_line(capsys)
+    line = one_line(capsys)
+    assert expected in line and saved_copy in line and "data.tokenizer" not in line, line
+    good = folder / "step-2"
+    assert nanotron.generate.main(["--checkpoint", str(good), "--prompt", "the", "--tokenizer", str(tokenizer)]) == 2
+    line = one_line(capsys)
+    assert expected in line and "--tokenizer" in line and "data.tokenizer" not in line, line
+    assert nanotron.convert.main(["to-hf", str(good), str(tmp_path / "hf2"), "--tokenizer", str(tokenizer)]) == 2
+    line = one_line(capsys)
+    assert expected in line and "--tokenizer" in line and "data.tokenizer" not in line, line
 
 
 @pytest.mark.slow

@@ -81,8 +81,22 @@ def test_a_checkpoint_dir_outside_the_run_dir_is_locked_too_and_a_failure_releas
         lock_run([run_dir, elsewhere])
     assert not (run_dir / LOCK_FILE).exists()
     with lock_run([run_dir, run_dir / "checkpoints"]):
-        assert (run_dir / LOCK_FILE).is_file() and not (run_dir / "checkpoints" / LOCK_FILE).exists()
-    assert not (run_dir / LOCK_FILE).exists()
+        assert (run_dir / LOCK_FILE).is_file() and (run_dir / "checkpoints" / LOCK_FILE).is_file()
+    assert not (run_dir / LOCK_FILE).exists() and not (run_dir / "checkpoints" / LOCK_FILE).exists()
+
+
+def test_one_owner_per_checkpoint_dir_wherever_it_lives(tmp_path):
+    """Run A keeps its checkpoints in its run dir (the default). Run B, another job.name, pointing its
+    checkpoint.dir at A's checkpoints, or at A's run dir itself, is refused naming checkpoint.dir: otherwise it
+    would resume from A's checkpoints, then overwrite and prune them (issue 26 item 1)."""
+    a = tmp_path / "runs" / "a"
+    with lock_run([a, a / "checkpoints"]):
+        for shared in (a / "checkpoints", a):
+            with pytest.raises(ConfigError, match=rf"checkpoint.dir: {shared} is in use by another run"):
+                lock_run([tmp_path / "runs" / "b", shared])
+            assert not (tmp_path / "runs" / "b" / LOCK_FILE).exists()  # what B took is released
+    with lock_run([tmp_path / "runs" / "b", a / "checkpoints"]):  # A is gone: B may take them over
+        pass
 
 
 @pytest.mark.slow
