@@ -16,7 +16,7 @@ from conftest import TINY_MODEL, run_train, train_losses
 from safetensors.torch import load_file
 
 from nanotron import convert, generate
-from nanotron.checkpoint import read_metadata
+from nanotron.checkpoint import integrity, read_metadata
 from nanotron.checkpoint.manager import check_model_shapes
 from nanotron.config import load_config, parse_overrides, toml_text
 from nanotron.data import build_train_loader, prepare_data
@@ -109,6 +109,7 @@ def mup_checkpoint(folder: Path, tied: bool, overrides: list[str]) -> Path:
     init_weights(model, seed=0)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
     (folder / "config.toml").write_text(toml_text({"model": vars(cfg.model)}))
+    integrity.write(folder, integrity.shard_checksums(folder))  # as a saved checkpoint has (unchecked: refused)
     return folder
 
 
