@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nanotron.config import Config
 from nanotron.errors import ConfigError
-from nanotron.parallel.torch_private import flatten_mesh, set_group_timeout
+from nanotron.parallel.torch_private import flatten_mesh, set_group_timeout, unflatten_mesh
 
 
 def launched_world_size() -> int:
@@ -50,6 +50,8 @@ class ParallelContext:
     tp_rank: int
     pp_rank: int
     cp_rank: int = 0
+    # ("edp", "ep"): dp x cp split for expert parallelism (ep innermost); None when ep = 1
+    expert_mesh: DeviceMesh | None = None
     timeout: timedelta = timedelta(minutes=30)  # distributed.timeout_minutes, applied by end_startup()
     in_startup: bool = True
 
@@ -60,6 +62,7 @@ class ParallelContext:
             *(self.mesh.get_group(n) for n in self.mesh.mesh_dim_names),
             self.mesh["dp"].get_group(),
             *([self.mesh["dp_cp"].get_group()] if "cp" in (self.mesh.mesh_dim_names or ()) else []),
+            *([self.expert_mesh.get_group(n) for n in ("edp", "ep")] if self.expert_mesh is not None else []),
         ]
         return list({id(group): group for group in groups}.values())
 
@@ -100,6 +103,7 @@ def init_distributed(cfg: Config) -> ParallelContext:
         mesh["tp"].get_local_rank(),
         mesh["pp"].get_local_rank(),
         mesh["cp"].get_local_rank() if cfg.parallelism.cp > 1 else 0,
+        expert_mesh=expert_mesh(mesh, cfg.parallelism.ep),
         timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
     )
     set_timeout(context.groups(), startup)
@@ -145,6 +149,14 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if "dp_shard" in names:
         return mesh["dp_replicate", "dp_shard_cp" if cp else "dp_shard"]
     return mesh["dp_cp" if cp else "dp"]
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
+    """dp x cp as ("edp", "ep"), ep innermost: experts are split over "ep" and FSDP-sharded over "edp"."""
+    if ep == 1:
+        return None
+    data = loss_mesh(mesh)
+    return unflatten_mesh(data, (data.size() // ep, ep), ("edp", "ep"))
 
 
 def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:

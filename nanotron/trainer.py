@@ -34,6 +34,7 @@ from nanotron.metrics import (
 )
 from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from nanotron.parallel.expert import ExpertBalance
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
@@ -103,6 +104,8 @@ class Trainer:
         self.is_logging_rank = self.runner.has_last and first
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
         self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
+        dp_cp = loss_mesh(self.ctx.mesh).get_group() if p.dp * p.cp > 1 else None
+        self.experts = ExpertBalance(cfg, self.modules, dp_cp, self.ctx.device)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir,
             cfg.checkpoint,
@@ -149,6 +152,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.params, t.clip_grad, pp_group)
         bad_loss = False if loss is None else ~torch.isfinite(loss)
         stop, non_finite = self.agree([self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)])
+        self.applied = not non_finite
         if non_finite:
             self.skip_step(loss, grad_norm)
         else:
@@ -265,6 +269,9 @@ class Trainer:
             self.state.step += 1
             if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
                 self.metrics.log({"step": self.state.step} | activations)
+            logging_step = self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps
+            if (moe := self.experts.step_end(self.applied, logging_step)) is not None and logging_step:
+                self.metrics.log({"step": self.state.step} | moe)
             if (scores := self.stragglers.step_end()) is not None:  # a collective every straggler_interval steps
                 self.log_stragglers(scores)
             self.state.consumed_samples += t.global_batch_size

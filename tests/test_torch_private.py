@@ -135,3 +135,20 @@ def test_attention_with_lse_returns_the_rows_log_sum_exp_and_its_backward_the_gr
     ((leaves[0] @ leaves[1].transpose(-1, -2) * 0.4 + mask).softmax(-1) @ leaves[2]).backward(dout)
     grads = door.attention_with_lse_backward(dout, q, k, v, out, lse, False, mask, 0.4)
     assert all(torch.allclose(a, b.grad) for a, b in zip(grads, leaves))
+
+
+def test_unflatten_mesh_splits_a_dimension_into_named_dims_of_the_root(world_of_one):
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    experts = door.unflatten_mesh(mesh["dp"], (1, 1), ("edp", "ep"))
+    assert experts.mesh_dim_names == ("edp", "ep") and experts["ep"].size() == 1
+    from torch.distributed.device_mesh import DeviceMesh
+
+    both = DeviceMesh._concatenate([experts["edp"], experts["ep"]])  # what FSDP does with an ep-sharded weight
+    assert both.mesh_dim_names == ("edp", "ep")
+
+
+def test_grouped_mm_multiplies_each_group_by_its_matrix():
+    """Forward only on CPU (its CPU backward fails on torch 2.13: training on CPU uses the loop)."""
+    x, w = torch.randn(10, 8), torch.randn(3, 8, 8)
+    out = door.grouped_mm(x, w, torch.tensor([3, 3, 10], dtype=torch.int32))
+    assert torch.allclose(out, torch.cat([x[:3] @ w[0], x[3:] @ w[2]]), atol=1e-6)

@@ -98,8 +98,15 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
         raise ConfigError(f"'{dotted}' in {where}: expected section.key, e.g. training.steps")
     obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(obj))
+    table, _, sub = key.partition(".")
+    if sub and table in hints and is_dataclass(hints[table]):  # --model.moe.num_experts=8: one key of a table
+        obj, hints, key = getattr(obj, table), typing.get_type_hints(hints[table]), sub
     if key not in hints:
         raise ConfigError(f"unknown key '{dotted}' in {where}{_suggest(key, list(hints))}")
+    if is_dataclass(hints[key]) and isinstance(value, dict):  # a [model.moe] table sets the keys it names
+        for name, item in value.items():
+            _set(cfg, f"{dotted}.{name}", item, where)
+        return
     setattr(obj, key, _coerce(dotted, value, hints[key]))
 
 

@@ -8,12 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanotron.config.model import PRESET_COMMON, PRESETS, ModelConfig, MoEConfig, _opt
 
-def _opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
-    meta = {"help": help, "choices": choices, "min": min}
-    if isinstance(default, (list, tuple)):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
+__all__ = ["PRESET_COMMON", "PRESETS", "ModelConfig", "MoEConfig"]
 
 
 @dataclass
@@ -21,94 +18,6 @@ class JobConfig:
     name: str = _opt("tiny", "run name; the run dir is <out_dir>/<name>")
     out_dir: str = _opt("runs", "parent folder of run dirs")
     seed: int = _opt(42, "seeds weight init, data order and dropout-free training RNG", min=0)
-
-
-@dataclass
-class ModelConfig:
-    size: str = _opt("tiny", "preset filling the fields left unset", ("tiny", "small", "base", "large"))
-    hidden_size: int | None = _opt(None, "model width", min=1)
-    intermediate_size: int | None = _opt(None, "SwiGLU hidden width", min=1)
-    num_layers: int | None = _opt(None, "decoder layers", min=1)
-    num_heads: int | None = _opt(None, "attention (query) heads", min=1)
-    num_kv_heads: int | None = _opt(None, "key/value heads (GQA); divides num_heads", min=1)
-    vocab_size: int | None = _opt(None, "embedding rows; at least the tokenizer's vocab", min=1)
-    max_seq_len: int | None = _opt(None, "longest sequence RoPE is precomputed for", min=1)
-    rope_theta: float | None = _opt(None, "RoPE base", min=1.0)
-    rms_norm_eps: float | None = _opt(None, "RMSNorm epsilon", min=0.0)
-    tie_word_embeddings: bool | None = _opt(None, "share embedding and lm_head weights")
-    attention: str = _opt(
-        "causal",
-        "causal, or document: packed sequences attend only within their own document (documents end at the "
-        "tokenizer's EOS) and the token after an EOS carries no loss",
-        ("causal", "document"),
-    )
-    init_std: float = _opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
-    parametrization: str = _opt(
-        "standard",
-        "standard, or mup (µP: init, LR and multipliers scaled so hyperparameters tuned at the mup_base_* "
-        "shape transfer to this width and depth)",
-        ("standard", "mup"),
-    )
-    mup_base_width: int = _opt(
-        0, "µP: hidden_size of the base model the hyperparameters were tuned on; 0 = hidden_size", min=0
-    )
-    mup_base_depth: int = _opt(0, "µP: num_layers of the base model; 0 = num_layers", min=0)
-    mup_depth_exponent: float = _opt(
-        1.0,
-        "µP: alpha of the depth scaling, with r = num_layers / mup_base_depth: residual branches x r^-alpha, "
-        "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",
-        min=0.5,
-    )
-    mup_base_head_dim: int = _opt(
-        0,
-        "µP: head dim where the 1/head_dim attention scale equals 1/sqrt(head_dim); 0 = mup_base_width / num_heads",
-        min=0,
-    )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=8192,
-        max_seq_len=256,
-    ),
-    "small": dict(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_layers=12,
-        num_heads=12,
-        num_kv_heads=12,
-        vocab_size=32000,
-        max_seq_len=2048,
-    ),
-    "base": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=24,
-        num_heads=16,
-        num_kv_heads=16,
-        vocab_size=32000,
-        max_seq_len=2048,
-    ),
-    "large": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=32,
-        vocab_size=32000,
-        max_seq_len=2048,
-    ),
-}
-PRESET_COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
 @dataclass(frozen=True)
@@ -161,6 +70,13 @@ class ParallelismConfig:
         1,
         "context-parallel degree: each sequence split over cp ranks (zigzag chunks, ring attention; the mesh "
         "dim next to tp); FSDP shards over dp x cp; training.seq_len must be divisible by 2*cp",
+        min=1,
+    )
+    ep: int = _opt(
+        1,
+        "expert-parallel degree (MoE): each MoE layer's experts split over ep ranks carved out of dp x cp (ep "
+        "divides dp x cp, it adds no ranks); tokens reach their experts by all-to-all; expert weights are "
+        "FSDP-sharded over the remaining dp x cp / ep ranks",
         min=1,
     )
     pp: int = _opt(1, "pipeline-parallel degree", min=1)

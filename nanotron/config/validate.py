@@ -46,6 +46,31 @@ def resolve_model(model: ModelConfig) -> None:
             "pick num_kv_heads among its divisors"
         )
     _resolve_mup(m)
+    _resolve_moe(m)
+
+
+def _resolve_moe(m: ModelConfig) -> None:
+    """[model.moe]: moe_intermediate_size filled from the model; the routing settings checked together."""
+    moe = m.moe
+    check_ranges("model.moe", moe)
+    if not moe.enabled:
+        return
+    moe.moe_intermediate_size = moe.moe_intermediate_size or m.intermediate_size
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(
+            f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}; each token is routed "
+            "to top_k distinct experts"
+        )
+    if moe.first_dense_layers >= m.num_layers:
+        raise ConfigError(
+            f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer in model.num_layers="
+            f"{m.num_layers}; lower it, or set model.moe.num_experts=0 for a dense model"
+        )
+    if m.parametrization == "mup":
+        raise ConfigError(
+            "model.parametrization='mup' with model.moe.num_experts > 0 is not supported (µP's rules for routers "
+            "and experts are not implemented); use parametrization='standard' for MoE models"
+        )
 
 
 _MUP_KEYS = {f.name: f.default for f in fields(ModelConfig) if f.name.startswith("mup_")}  # standard: defaults only
@@ -159,6 +184,7 @@ def _validate_parallelism(cfg: Config) -> None:
             f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={p.tp} "
             "with tp_mode='reduce_scatter' (sequence parallel); or use tp_mode='all_reduce'"
         )
+    _validate_experts(cfg)
     if p.dp_shard and p.dp % p.dp_shard:
         raise ConfigError(
             f"parallelism.dp_shard={p.dp_shard} must divide parallelism.dp={p.dp} "
@@ -213,3 +239,40 @@ def _resolve_batch(cfg: Config) -> None:
             f"grad_accum_steps*dp = {per_accum * t.grad_accum_steps}; set grad_accum_steps=0 "
             "to derive it, or global_batch_size=0"
         )
+
+
+def _validate_experts(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallelism
+    moe = m.moe
+    if p.ep == 1:
+        if moe.enabled and moe.aux_loss_coef and p.cp > 1:
+            raise ConfigError(_AUX_CP)
+        return
+    if not moe.enabled:
+        raise ConfigError(
+            f"parallelism.ep={p.ep} needs a mixture-of-experts model; set model.moe.num_experts (a multiple of ep), "
+            "or ep=1"
+        )
+    if (p.dp * p.cp) % p.ep:
+        raise ConfigError(
+            f"parallelism.ep={p.ep} must divide dp x cp = {p.dp} x {p.cp} = {p.dp * p.cp} (expert parallelism "
+            "borrows data-parallel ranks, it adds none); pick ep among its divisors, or raise dp"
+        )
+    if moe.num_experts % p.ep:
+        raise ConfigError(
+            f"model.moe.num_experts={moe.num_experts} is not divisible by parallelism.ep={p.ep} (each ep rank "
+            "holds the same number of experts); pick ep among its divisors"
+        )
+    if cfg.dp_shard_size != p.dp and p.zero_stage >= 1:
+        raise ConfigError(
+            f"parallelism.ep={p.ep} with HSDP (dp_shard={p.dp_shard} < dp={p.dp}) is not supported yet; set "
+            "parallelism.dp_shard=0 (plain FSDP over dp), or ep=1"
+        )
+    if moe.aux_loss_coef and p.cp > 1:
+        raise ConfigError(_AUX_CP)
+
+
+_AUX_CP = (
+    "model.moe.aux_loss_coef > 0 with parallelism.cp > 1 is not supported (the sequence-wise balance loss needs "
+    "each whole sequence on one rank); balance with model.moe.bias_update_rate instead, or set cp=1"
+)

@@ -1,4 +1,5 @@
-"""Llama decoder in plain PyTorch: RMSNorm, RoPE (split halves), GQA through SDPA, SwiGLU.
+"""Llama decoder in plain PyTorch: RMSNorm, RoPE (split halves), GQA through SDPA, SwiGLU or mixture-of-experts
+MLPs (`nanotron.models.moe`, Mixtral's layout).
 
 Parameter names equal Hugging Face `LlamaForCausalLM`'s, so checkpoints export without a rename table.
 Nothing here knows about parallelism: reshapes use -1 for head counts so tensor-parallel shards
@@ -15,7 +16,9 @@ from torch import nn
 
 from nanotron.config import ModelConfig
 from nanotron.models.attention import DotProductAttention
+from nanotron.models.moe import MoE
 from nanotron.models.parametrization import multipliers
+from nanotron.models.shapes import is_moe_layer
 
 
 class RMSNorm(nn.Module):
@@ -68,23 +71,34 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def feed_forward(cfg: ModelConfig, index: int) -> nn.Module:
+    """Layer `index`'s MLP: dense, or a mixture of experts (with its shared experts, if any)."""
+    if not is_moe_layer(cfg, index):
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+    moe = cfg.moe
+    shared = (
+        MLP(cfg.hidden_size, moe.num_shared_experts * moe.moe_intermediate_size) if moe.num_shared_experts else None
+    )
+    return MoE(cfg, shared)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = feed_forward(cfg, index)
         self.residual_multiplier = multipliers(cfg).residual
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,7 +112,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("rope", rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
         # The sequence positions of this module's tokens when they are not 0..seq-1 (a context-parallel rank's
@@ -130,11 +144,20 @@ class LlamaForCausalLM(nn.Module):
         return _scaled(self.lm_head(h), self.logit_multiplier) if self.lm_head is not None else h
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """Recomputes the RoPE table (a non-persistent buffer: a model built on the meta device has none)."""
+        """Recomputes the RoPE table and zeroes the MoE buffers (a model built on the meta device has none)."""
         cfg = self.config
         rope = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
         positions = self.model.positions
         self.model.rope = rope if positions is None else rope[:, positions.to(rope.device)].contiguous()
+        for module in self.modules():
+            if isinstance(module, MoE):  # a routing bias starts at zero (a checkpoint load then overwrites it)
+                for buffer in (
+                    module.gate.expert_bias,
+                    module.tokens_per_expert,
+                    module.dropped_tokens,
+                    module.aux_loss,
+                ):
+                    buffer.data = torch.zeros_like(buffer, device=device)
 
 
 def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:

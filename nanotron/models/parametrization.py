@@ -41,7 +41,7 @@ import torch
 
 from nanotron.config import ModelConfig
 
-RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")  # last: MoE experts' stacked
 
 
 @dataclass(frozen=True)

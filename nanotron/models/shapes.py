@@ -19,20 +19,46 @@ def element_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def layer_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The parameters of one decoder layer: name inside the layer -> shape, in the model's order."""
+def is_moe_layer(m: ModelConfig, index: int) -> bool:
+    """Whether decoder layer `index` has a mixture of experts in place of its dense MLP."""
+    return m.moe.num_experts > 0 and index >= m.moe.first_dense_layers
+
+
+def layer_shapes(m: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
+    """The parameters of decoder layer `index`: name inside the layer -> shape, in the model's order."""
     h, q, kv, i = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
-    return {
+    shapes = {
         "input_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
         "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
     }
+    if not is_moe_layer(m, index):
+        return shapes | {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    e, ie, shared = (
+        m.moe.num_experts,
+        m.moe.moe_intermediate_size,
+        m.moe.num_shared_experts * m.moe.moe_intermediate_size,
+    )
+    shapes |= {
+        "mlp.gate.weight": (e, h),
+        "mlp.experts.gate_up_proj": (e, 2 * ie, h),
+        "mlp.experts.down_proj": (e, h, ie),
+    }
+    if shared:
+        shapes |= {
+            "mlp.shared_experts.gate_proj.weight": (shared, h),
+            "mlp.shared_experts.up_proj.weight": (shared, h),
+            "mlp.shared_experts.down_proj.weight": (h, shared),
+        }
+    return shapes
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's stacked weight (expert parallelism splits its first dimension)."""
+    return ".experts." in name or name.startswith("experts.")
 
 
 def root_shapes(m: ModelConfig, first: bool = True, last: bool = True) -> dict[str, tuple[int, ...]]:
@@ -48,18 +74,44 @@ def root_shapes(m: ModelConfig, first: bool = True, last: bool = True) -> dict[s
 
 
 def num_params(m: ModelConfig, include_embedding: bool = True) -> int:
-    """Parameter count (tied embeddings counted once)."""
+    """Parameter count (tied embeddings counted once; every expert)."""
     root = root_shapes(m)
     if not include_embedding:
         root.pop("model.embed_tokens.weight")
-    return m.num_layers * sum(map(math.prod, layer_shapes(m).values())) + sum(map(math.prod, root.values()))
+    layers = sum(math.prod(shape) for index in range(m.num_layers) for shape in layer_shapes(m, index).values())
+    return layers + sum(map(math.prod, root.values()))
 
 
-def layer_forward_flops(m: ModelConfig, seq_len: int) -> int:
-    """Forward FLOPs of one decoder layer per token: 2 per matmul weight, plus attention's QK^T and AV
-    (4·seq_len·hidden, no discount for the causal mask: the PaLM/Megatron MFU convention)."""
-    matmul_weights = sum(math.prod(shape) for shape in layer_shapes(m).values() if len(shape) == 2)
-    return 2 * matmul_weights + 4 * m.hidden_size * seq_len
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token passes through: every expert's share is top_k / num_experts of it (= num_params for
+    a dense model)."""
+    routed = sum(
+        math.prod(shape)
+        for index in range(m.num_layers)
+        for name, shape in layer_shapes(m, index).items()
+        if is_expert_param(name)
+    )
+    return num_params(m) - routed + routed * m.moe.top_k // max(m.moe.num_experts, 1)
+
+
+def _matmul_weights(m: ModelConfig, index: int) -> int:
+    """Weights one token multiplies by in layer `index`: routed experts count top_k of num_experts."""
+    total = 0
+    for shape in layer_shapes(m, index).values():
+        if len(shape) == 3:  # stacked experts: the token meets top_k of them
+            total += math.prod(shape[1:]) * m.moe.top_k
+        elif len(shape) == 2:
+            total += math.prod(shape)
+    return total
+
+
+def layer_forward_flops(m: ModelConfig, seq_len: int, index: int | None = None) -> int:
+    """Forward FLOPs of decoder layer `index` per token (None: the mean over the layers): 2 per matmul weight a
+    token meets (active parameters: a routed token pays for top_k experts and the router), plus attention's QK^T
+    and AV (4·seq_len·hidden, no discount for the causal mask: the PaLM/Megatron MFU convention)."""
+    indices = range(m.num_layers) if index is None else [index]
+    matmul = sum(_matmul_weights(m, i) for i in indices) / len(indices)
+    return int(2 * matmul) + 4 * m.hidden_size * seq_len
 
 
 def head_forward_flops(m: ModelConfig) -> int:
@@ -68,5 +120,6 @@ def head_forward_flops(m: ModelConfig) -> int:
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token: forward + backward = 3 x forward, over every layer and the head."""
-    return 3 * (m.num_layers * layer_forward_flops(m, seq_len) + head_forward_flops(m))
+    """Training FLOPs per token: forward + backward = 3 x forward, over every layer (active parameters) and the head."""
+    layers = sum(layer_forward_flops(m, seq_len, index) for index in range(m.num_layers))
+    return 3 * (layers + head_forward_flops(m))

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.expert import expert_shard_dim
 from nanotron.parallel.torch_private import reduce_accumulated_gradients, replicate, stage_backward
 
 
@@ -35,7 +36,9 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str) -> None:
+def apply_fsdp(
+    model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str, expert_mesh: DeviceMesh | None = None
+) -> None:
     """Wraps each decoder layer, then the root (a ModuleDict itself can't be wrapped).
 
     `dp_mesh` is 1-D (FSDP over all of dp) or 2-D ("dp_replicate", "dp_shard"): HSDP, sharded within a
@@ -43,6 +46,8 @@ def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dt
     params between forward and backward; 3 frees them after forward (re-gathers in backward).
     """
     policy = mixed_precision(dtype)
+    if expert_mesh is not None:
+        _shard_experts(model, expert_mesh, zero_stage, policy)
     if zero_stage == 0:
         for layer in model.model.layers.values():
             replicate(layer, mesh=dp_mesh, mp_policy=policy)
@@ -52,6 +57,26 @@ def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dt
     for layer in model.model.layers.values():
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+
+
+def _shard_experts(model, expert_mesh: DeviceMesh, zero_stage: int, policy) -> None:
+    """Expert weights (already split over "ep") get their own FSDP unit over "edp", the data-parallel ranks that
+    hold the same experts; inside each layer's unit, which then leaves them alone. FSDP averages their gradients
+    over edp; the dispatcher has already divided them by ep (see `AllToAllDispatch`)."""
+    for layer in model.model.layers.values():
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        if zero_stage == 0:
+            replicate(experts, mesh=expert_mesh["edp"], mp_policy=policy)
+        else:
+            fully_shard(
+                experts,
+                mesh=expert_mesh["edp"],
+                mp_policy=policy,
+                reshard_after_forward=zero_stage == 3,
+                shard_placement_fn=expert_shard_dim,
+            )
 
 
 @dataclass(frozen=True)

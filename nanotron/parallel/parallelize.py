@@ -1,6 +1,6 @@
 """Turns the plain model into this rank's parallel pieces, in a fixed order: pipeline split -> TP/SP plan ->
-context parallelism (ring attention, global positions) -> activation checkpointing -> compile -> FSDP/replicate
--> per-shard init. Parameter names (FQNs) never change, so checkpoints and HF names don't depend on the layout."""
+context parallelism (ring attention, global positions) -> expert parallelism (all-to-all) -> activation
+checkpointing -> compile -> FSDP/replicate -> per-shard init. Parameter names (FQNs) never change, so checkpoints and HF names don't depend on the layout."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from nanotron.distributed import ParallelContext, data_parallel_mesh
 from nanotron.gpu import async_tp_unavailable
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
+from nanotron.parallel.expert import apply_expert_parallel, use_grouped_gemm
 from nanotron.parallel.fsdp import apply_fsdp
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import split_model
@@ -32,12 +33,16 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
             apply_tensor_parallel(module, ctx.mesh["tp"], sequence_parallel=p.tp_mode == "reduce_scatter")
         if p.cp > 1:
             apply_context_parallel(module, ctx.mesh["cp"].get_group(), p.cp, ctx.cp_rank, cfg.training.seq_len)
+        if p.ep > 1:
+            apply_expert_parallel(module, ctx.expert_mesh["ep"])
+        if ctx.device.type == "cuda":
+            use_grouped_gemm(module)
         if p.recompute_layer:
             apply_recompute(module)
         if cfg.training.compile:
             for layer in module.model.layers.values():
                 layer.compile()
-        apply_fsdp(module, data_parallel_mesh(ctx.mesh), p.zero_stage, cfg.training.dtype)
+        apply_fsdp(module, data_parallel_mesh(ctx.mesh), p.zero_stage, cfg.training.dtype, ctx.expert_mesh)
     return stages
 
 

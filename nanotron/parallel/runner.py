@@ -30,6 +30,7 @@ from nanotron.config import Config
 from nanotron.distributed import ParallelContext
 from nanotron.models.attention import document_ids
 from nanotron.parallel.context import IGNORE_INDEX, shard_sequence
+from nanotron.parallel.expert import expert_layers
 from nanotron.parallel.fsdp import GradientSync
 from nanotron.parallel.pipeline import build_schedule, forward_only
 
@@ -71,6 +72,11 @@ class MicrobatchRunner:
         self.scale: torch.Tensor | None = None  # this batch's loss scale under document masking
         indices = [index for index, _ in stages]
         self.has_first, self.has_last = 0 in indices, cfg.num_stages - 1 in indices
+        # A MoE balance loss's gradient follows the model loss's normalisation: the plain loop divides each
+        # microbatch's loss by their number, the pipeline scales the summed gradients once at the end.
+        for module in self.modules:
+            for moe in expert_layers(module):
+                moe.aux_loss_scale = 1.0 if cfg.parallelism.pp > 1 else 1.0 / self.n_micro
         self.schedule = None
         if cfg.parallelism.pp > 1:
             self.schedule = build_schedule(stages, cfg, ctx.mesh, ctx.device, self.loss, self.sync)

@@ -15,12 +15,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.moe import MoE
 from nanotron.parallel.torch_private import AsyncCollectiveTensor
 
 # The linears of a decoder layer: column-parallel ones shard their output features (weight dim 0), row-parallel
@@ -54,8 +56,21 @@ def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence
         **{name: RowwiseParallel(output_layouts=residual) for name in ROWWISE},
         **(norm_plan | gather_plan if sequence_parallel else {}),
     }
+    # A mixture of experts is not split over tp: every tp rank routes the whole sequence (gathered under sequence
+    # parallelism, then its own slice of the output kept), so routing, all-to-all and expert weights are the
+    # same as without tp; attention and dense layers stay tensor-parallel.
+    moe_plan = {name: style for name, style in layer_plan.items() if not name.startswith("mlp")}
+    if sequence_parallel:
+        moe_plan["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
     for layer in model.model.layers.values():
-        parallelize_module(layer, tp_mesh, layer_plan)
+        parallelize_module(layer, tp_mesh, moe_plan if isinstance(layer.mlp, MoE) else layer_plan)
 
     top_plan: dict[str, nn.Module] = {}
     if model.model.embed_tokens is not None:

@@ -27,11 +27,13 @@ __all__ = [
     "fake_process_group",
     "flight_recorder_dump",
     "flatten_mesh",
+    "grouped_mm",
     "in_backward_pass",
     "reduce_accumulated_gradients",
     "replicate",
     "set_group_timeout",
     "stage_backward",
+    "unflatten_mesh",
 ]
 
 
@@ -43,6 +45,18 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """`mesh` (a sub-mesh of several dimensions) as one dimension `name` of its root mesh (HSDP's "dp")."""
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A 1-D `mesh` (e.g. the flattened dp x cp) split into named dims of its root mesh (expert parallelism's
+    ("edp", "ep")); FSDP can then combine a parameter's ep sharding with its own over edp."""
+    return mesh._unflatten(0, sizes, names)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One GEMM over groups of rows, each with its own [in, out] matrix (`offsets`: cumulative row ends, int32):
+    torch's grouped GEMM (CUDA, bf16), the MoE experts' kernel; no public API on torch 2.13."""
+    return torch._grouped_mm(x, weight, offs=offsets)
 
 
 def replicate(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:

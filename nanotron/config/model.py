@@ -1,0 +1,145 @@
+"""The [model] section's schema: the model's shape, its mixture of experts ([model.moe]) and the size presets.
+Part of the config schema (`schema.py` re-exports it); fields declared as there, with `_opt`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
+    meta = {"help": help, "choices": choices, "min": min}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class MoEConfig:
+    """[model.moe]: mixture-of-experts MLPs (token choice, dropless by default); num_experts = 0 is a dense model."""
+
+    num_experts: int = _opt(0, "routed experts per MoE layer; 0 = dense model (no MoE)", min=0)
+    top_k: int = _opt(2, "experts each token is routed to", min=1)
+    moe_intermediate_size: int = _opt(0, "SwiGLU width of each expert; 0 = model.intermediate_size", min=0)
+    num_shared_experts: int = _opt(
+        0, "experts every token passes through (one MLP of num_shared_experts x moe_intermediate_size)", min=0
+    )
+    first_dense_layers: int = _opt(0, "the first k layers keep a dense MLP", min=0)
+    router: str = _opt(
+        "softmax_topk",
+        "softmax_topk (Mixtral/Qwen: softmax over experts, top k) or sigmoid (DeepSeek-V3: sigmoid scores, "
+        "top k, gates normalised over the chosen experts)",
+        ("softmax_topk", "sigmoid"),
+    )
+    renormalize: bool = _opt(True, "softmax_topk: gates of the chosen experts renormalised to sum to 1")
+    bias_update_rate: float = _opt(
+        0.0,
+        "auxiliary-loss-free load balancing (DeepSeek-V3): after each step every expert's routing bias moves "
+        "by this much towards the mean load (global count over the step); 0 = off. The bias only chooses "
+        "experts, it never scales their outputs",
+        min=0.0,
+    )
+    aux_loss_coef: float = _opt(
+        0.0, "sequence-wise auxiliary balance loss coefficient (DeepSeek-V3's alpha); 0 = off", min=0.0
+    )
+    capacity_factor: float = _opt(
+        0.0,
+        "0 = dropless; otherwise each expert takes at most ceil(capacity_factor x seq_len x top_k / "
+        "num_experts) tokens of each sequence (the earliest), the rest are dropped (counted in the metrics)",
+        min=0.0,
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass
+class ModelConfig:
+    size: str = _opt("tiny", "preset filling the fields left unset", ("tiny", "small", "base", "large"))
+    hidden_size: int | None = _opt(None, "model width", min=1)
+    intermediate_size: int | None = _opt(None, "SwiGLU hidden width", min=1)
+    num_layers: int | None = _opt(None, "decoder layers", min=1)
+    num_heads: int | None = _opt(None, "attention (query) heads", min=1)
+    num_kv_heads: int | None = _opt(None, "key/value heads (GQA); divides num_heads", min=1)
+    vocab_size: int | None = _opt(None, "embedding rows; at least the tokenizer's vocab", min=1)
+    max_seq_len: int | None = _opt(None, "longest sequence RoPE is precomputed for", min=1)
+    rope_theta: float | None = _opt(None, "RoPE base", min=1.0)
+    rms_norm_eps: float | None = _opt(None, "RMSNorm epsilon", min=0.0)
+    tie_word_embeddings: bool | None = _opt(None, "share embedding and lm_head weights")
+    attention: str = _opt(
+        "causal",
+        "causal, or document: packed sequences attend only within their own document (documents end at the "
+        "tokenizer's EOS) and the token after an EOS carries no loss",
+        ("causal", "document"),
+    )
+    moe: MoEConfig = field(
+        default_factory=MoEConfig, metadata={"help": "mixture of experts: a [model.moe] table", "choices": None}
+    )
+    init_std: float = _opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
+    parametrization: str = _opt(
+        "standard",
+        "standard, or mup (µP: init, LR and multipliers scaled so hyperparameters tuned at the mup_base_* "
+        "shape transfer to this width and depth)",
+        ("standard", "mup"),
+    )
+    mup_base_width: int = _opt(
+        0, "µP: hidden_size of the base model the hyperparameters were tuned on; 0 = hidden_size", min=0
+    )
+    mup_base_depth: int = _opt(0, "µP: num_layers of the base model; 0 = num_layers", min=0)
+    mup_depth_exponent: float = _opt(
+        1.0,
+        "µP: alpha of the depth scaling, with r = num_layers / mup_base_depth: residual branches x r^-alpha, "
+        "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",
+        min=0.5,
+    )
+    mup_base_head_dim: int = _opt(
+        0,
+        "µP: head dim where the 1/head_dim attention scale equals 1/sqrt(head_dim); 0 = mup_base_width / num_heads",
+        min=0,
+    )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=8192,
+        max_seq_len=256,
+    ),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+    "base": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+    "large": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+}
+PRESET_COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)

@@ -1,0 +1,202 @@
+"""Expert parallelism and the MoE bookkeeping that needs a process group.
+
+Expert parallelism (`parallelism.ep`) splits each MoE layer's experts over an `ep` group carved out of the data-
+parallel ranks: dp x cp unflattened into ("edp", "ep"), ep innermost (neighbouring ranks, a node's fast links
+first). It adds no ranks: each rank still routes its own tokens. A layer's (token, choice) pairs, already grouped by
+expert, go to the ranks that own their experts with one all-to-all (uneven splits, learnt from an all-to-all of the
+per-expert counts first: dropless routing has no fixed sizes), are regrouped by local expert, run, and go home with
+a second all-to-all; backward does the same in reverse. The expert weights are DTensors sharded over "ep" on the
+expert dimension, and FSDP shards them further over "edp" (the hidden dimension) — so a checkpoint holds the full
+[num_experts, ...] tensors and resumes at any ep. Their gradients sum over the ep group's tokens (the all-to-all's
+backward) and over "edp" (FSDP), divided by dp x cp like every other gradient.
+
+Cost at scale (DeepSeek-V3-like: 61 layers, 256 experts, top-8, 7168 hidden, 4k tokens per rank in bf16): per layer
+and microbatch, the token all-to-all moves top_k x tokens x hidden x 2 bytes each way (~470 MB per rank forward,
+the same back and twice again in backward) and the counts all-to-all 8 bytes x num_experts; it needs the counts on
+the host (one device sync per layer and microbatch, which dropless expert parallelism cannot avoid).
+
+`ExpertBalance` moves each router's bias (auxiliary-loss-free balancing) from the step's global load, one all-
+reduce of num_layers x num_experts counts over dp x cp per step on the device (61 x 256 floats: 62 KB, latency-
+bound, no host sync), and gathers the MoE metrics on logging steps (one more all-reduce, then a host read).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from nanotron.config import Config
+from nanotron.models.moe import MoE, loop_matmul
+from nanotron.parallel.torch_private import grouped_mm
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class AllToAllDispatch(nn.Module):
+    """Sends tokens grouped by (global) expert to the ep ranks owning those experts and brings the outputs back in
+    the same order. Rank r of the ep group owns experts [r x E/ep, (r + 1) x E/ep)."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int):
+        super().__init__()
+        self.group, self.ep = group, ep
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        local = counts.numel() // self.ep
+        received = torch.empty_like(counts)  # [source rank x local expert]: what each peer sends each of mine
+        dist.all_to_all_single(received, counts, group=self.group)
+        send = counts.view(self.ep, local).sum(dim=1).tolist()
+        by_source = received.view(self.ep, local)
+        recv = by_source.sum(dim=1).tolist()
+        tokens = _ScaleGradient.apply(_AllToAll.apply(x, recv, send, self.group), self.ep)
+        # Rows arrive grouped by source, then expert: regroup by local expert (stable: sources stay in order).
+        expert_of = torch.arange(local, device=x.device).repeat(self.ep).repeat_interleave(received)
+        order = expert_of.argsort(stable=True)
+        out = _ScaleGradient.apply(experts(tokens[order], by_source.sum(dim=0)), 1.0 / self.ep)
+        return _AllToAll.apply(out[order.argsort()], send, recv, self.group)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`.
+
+    An expert's weight gradient sums the gradients of every ep rank's tokens, each rank's loss being its own
+    mean: ep times the share a data-parallel rank's gradient should carry, before FSDP averages over edp. The
+    gradient entering the experts' outputs is divided by ep (so the weight gradient is), and multiplied back on
+    leaving their inputs (so the tokens' gradients are unchanged; exact for ep a power of two)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def local_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The grouped matmul on this rank's experts: an ep-sharded weight's local part (its own experts)."""
+    return loop_matmul(x, weight.to_local() if isinstance(weight, DTensor) else weight, counts)
+
+
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`loop_matmul` as one grouped GEMM (CUDA; bf16 rows and a width that is a multiple of 8), no host sync;
+    elsewhere the loop, which gives the same numbers."""
+    weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    if x.dtype != torch.bfloat16 or x.shape[-1] % 8 or weight.shape[-1] % 8:
+        return loop_matmul(x, weight, counts)
+    return grouped_mm(x, weight, counts.cumsum(0).to(torch.int32))
+
+
+def use_grouped_gemm(module: nn.Module) -> None:
+    for moe in expert_layers(module):
+        moe.experts.matmul = grouped_gemm
+
+
+def expert_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shards every MoE layer's experts over `ep_mesh` (the expert dim) and routes its tokens by all-to-all."""
+    ep = ep_mesh.size()
+    for moe in expert_layers(module):
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded))
+        experts.matmul = local_matmul
+        moe.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep)
+
+
+def expert_shard_dim(param: nn.Parameter) -> Shard:
+    """FSDP's shard of an expert weight: dim 1 (its hidden or 2 x intermediate rows), since ep already splits
+    dim 0 and FSDP needs even splits on any other dim."""
+    return Shard(1)
+
+
+class ExpertBalance:
+    """Per step: the routers' bias update from the global load (auxiliary-loss-free balancing) and, on logging
+    steps, the MoE metrics; both read and then clear the layers' per-step counters."""
+
+    def __init__(self, cfg: Config, modules: list[nn.Module], group: dist.ProcessGroup | None, device):
+        self.layers = sorted(
+            (
+                (int(name.split(".")[2]), m)
+                for module in modules
+                for name, m in module.named_modules()
+                if isinstance(m, MoE)
+            ),
+            key=lambda item: item[0],
+        )
+        moe, p = cfg.model.moe, cfg.parallelism
+        self.rate, self.group, self.device = moe.bias_update_rate, group, device
+        self.num_layers, self.num_experts = cfg.model.num_layers, moe.num_experts
+        self.tp, self.dp_cp = p.tp, p.dp * p.cp
+        self.microbatches = cfg.training.grad_accum_steps
+
+    @torch.no_grad()
+    def step_end(self, applied: bool, log: bool) -> dict[str, float] | None:
+        """After the optimizer step: moves the biases (if the step was applied) and returns the metrics on
+        logging steps (a collective over the world: every rank calls it with the same `log`)."""
+        if not self.num_experts:
+            return None
+        loads = torch.stack([m.tokens_per_expert for _, m in self.layers]) if self.layers else None
+        if self.rate and applied and loads is not None:
+            total = loads.clone()
+            if self.group is not None:
+                dist.all_reduce(total, group=self.group)
+            for (_, m), load in zip(self.layers, total):
+                m.gate.expert_bias += self.rate * torch.sign(load.mean() - load)
+        metrics = self._metrics(loads) if log else None
+        for _, m in self.layers:
+            m.tokens_per_expert.zero_()
+            m.dropped_tokens.zero_()
+            m.aux_loss.zero_()
+        return metrics
+
+    def _metrics(self, loads: torch.Tensor | None) -> dict[str, float]:
+        """Per MoE layer: max/mean tokens per expert over the step, the balance loss, the routing bias norm and
+        the dropped share, summed over the world (each tp rank routes the same tokens: counted once)."""
+        e = self.num_experts
+        table = torch.zeros(self.num_layers, e + 4, dtype=torch.float64, device=self.device)
+        for (index, m), load in zip(self.layers, loads if loads is not None else []):
+            table[index, :e] = load / self.tp
+            table[index, e] = m.aux_loss / (self.tp * self.dp_cp * self.microbatches)
+            table[index, e + 1] = m.gate.expert_bias.norm() / (self.tp * self.dp_cp)
+            table[index, e + 2] = m.dropped_tokens / self.tp
+            table[index, e + 3] = 1.0 / (self.tp * self.dp_cp)  # this layer's presence: 1 once summed
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(table)
+        out = {}
+        for index, row in enumerate(table.cpu().tolist()):
+            if row[e + 3] < 0.5:
+                continue  # a dense layer
+            load, routed = row[:e], sum(row[:e])
+            mean = routed / e
+            out[f"moe/layers.{index}.load_max_over_mean"] = max(load) / mean if mean else 0.0
+            out[f"moe/layers.{index}.aux_loss"] = row[e]
+            out[f"moe/layers.{index}.bias_norm"] = row[e + 1]
+            out[f"moe/layers.{index}.dropped_fraction"] = row[e + 2] / (routed + row[e + 2]) if routed else 0.0
+        if out:
+            ratios = [v for k, v in out.items() if k.endswith("load_max_over_mean")]
+            out["moe/load_max_over_mean"] = max(ratios)
+        return out

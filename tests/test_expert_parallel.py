@@ -1,0 +1,279 @@
+"""Mixture of experts and expert parallelism: the dispatcher against the one-rank path over real gloo groups
+(uneven splits, an expert and a whole rank without tokens), and the layout matrix: every ep layout held to one
+process (losses, gradient norms, activation statistics, final weights and the routers' balancing bias)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import TINY_MODEL, activation_stats, read_metrics, run_train, train_losses
+from test_parallel import RTOL, STATS, STEPS, eval_losses, weights
+
+from nanotron.models.moe import GroupedExperts, LocalDispatch
+from nanotron.parallel.expert import AllToAllDispatch
+
+# Shared experts, a dense first layer, DeepSeek-V3's sigmoid router with bias balancing and the sequence-wise
+# balance loss: every MoE feature at once, on the tiny model.
+MOE = [
+    "--model.moe.num_experts=8",
+    "--model.moe.top_k=2",
+    "--model.moe.moe_intermediate_size=32",
+    "--model.moe.num_shared_experts=1",
+    "--model.moe.first_dense_layers=1",
+    "--model.moe.router=sigmoid",
+    "--model.moe.bias_update_rate=0.01",
+    "--model.moe.aux_loss_coef=0.01",
+]
+E, H, I = 8, 12, 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def routed_tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0 sends rows to experts 0, 2, 3, 5 and 7 (nothing to 1, 4, 6); rank 1 sends nothing at all."""
+    counts = torch.tensor([3, 0, 2, 1, 0, 4, 0, 1]) if rank == 0 else torch.zeros(E, dtype=torch.long)
+    x = torch.randn(int(counts.sum()), H, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    return x, counts
+
+
+def experts_module() -> GroupedExperts:
+    experts = GroupedExperts(E, H, I).double()
+    g = torch.Generator().manual_seed(7)
+    for p in experts.parameters():
+        p.data = torch.randn(p.shape, dtype=torch.float64, generator=g)
+    return experts
+
+
+def _dispatch_worker(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    full = experts_module()
+    local = GroupedExperts(E // 2, H, I).double()  # this rank's experts: 4 x rank ... 4 x rank + 3
+    local.gate_up_proj.data = full.gate_up_proj.data[4 * rank : 4 * rank + 4].clone()
+    local.down_proj.data = full.down_proj.data[4 * rank : 4 * rank + 4].clone()
+    x, counts = routed_tokens(rank)
+    x.requires_grad_()
+    out = AllToAllDispatch(dist.group.WORLD, ep=2)(x, counts, local)
+    out.backward(torch.ones_like(out) * 0.5)
+    grads = [p.grad.numpy() for p in (local.gate_up_proj, local.down_proj)]
+    queue.put((rank, out.detach().numpy(), x.grad.numpy(), grads))
+    dist.destroy_process_group()
+
+
+def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks():
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_dispatch_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {r: (out, dx, grads) for r, out, dx, grads in (queue.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    full = experts_module()
+    x, counts = routed_tokens(0)
+    x.requires_grad_()
+    expected = LocalDispatch()(x, counts, full)
+    expected.backward(torch.ones_like(expected) * 0.5)
+    out, dx, grads = results[0]
+    assert torch.allclose(torch.from_numpy(out), expected.detach(), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(torch.from_numpy(dx), x.grad, rtol=1e-12, atol=1e-12)
+    assert results[1][0].shape == (0, H)  # the rank that sent nothing gets nothing back
+    for name, index in (("gate_up_proj", 0), ("down_proj", 1)):  # divided by ep, before FSDP averages over edp
+        want = getattr(full, name).grad / 2
+        got = torch.cat([torch.from_numpy(results[r][2][index]) for r in range(2)])
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), name
+
+
+# ---- the layout matrix ----------------------------------------------------------------------------------------
+
+EP_LAYOUTS = [  # (dp, tp, pp, ep, extra)
+    (2, 1, 1, 2, []),
+    (2, 2, 1, 2, ["--parallelism.tp_mode=reduce_scatter"]),
+    (2, 1, 2, 2, ["--parallelism.pp_engine=1f1b", "--parallelism.recompute_layer=true"]),
+    (4, 1, 1, 4, ["--parallelism.zero_stage=3"]),
+    (
+        4,
+        1,
+        2,
+        2,
+        ["--parallelism.zero_stage=2", "--parallelism.pp_engine=interleaved_1f1b", "--training.micro_batch_size=1"],
+    ),
+]
+
+
+def ep_layout_id(layout) -> str:
+    dp, tp, pp, ep, extra = layout
+    return f"dp{dp}-tp{tp}-pp{pp}-ep{ep}" + "".join("-" + e.split(".")[-1] for e in extra)
+
+
+def train_moe(data, out: Path, name: str, nproc: int, extra: list[str]) -> Path:
+    run_train(
+        [
+            *TINY_MODEL,
+            *MOE,
+            *data.overrides(),
+            f"--job.out_dir={out}",
+            f"--job.name={name}",
+            f"--training.steps={STEPS}",
+            f"--training.eval_interval={STEPS}",
+            "--training.eval_steps=1",
+            "--logging.log_interval=1",
+            "--checkpoint.save_final=true",
+            STATS,
+            *extra,
+        ],
+        nproc=nproc,
+    )
+    return out / name
+
+
+def moe_metrics(run_dir: Path) -> list[dict[str, float]]:
+    return [
+        {k: v for k, v in r.items() if k.startswith("moe/")}
+        for r in read_metrics(run_dir)
+        if "moe/load_max_over_mean" in r
+    ]
+
+
+def grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tiny_data, tmp_path_factory):
+    run_dir = train_moe(tiny_data, tmp_path_factory.mktemp("moeref"), "ref", 1, [])
+    return run_dir, weights(run_dir)
+
+
+def biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in state.items() if name.endswith("expert_bias")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", EP_LAYOUTS, ids=ep_layout_id)
+def test_ep_layout_matches_one_process(layout, moe_reference, tiny_data, tmp_path):
+    dp, tp, pp, ep, extra = layout
+    sizes = [f"--parallelism.dp={dp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}", f"--parallelism.ep={ep}"]
+    run_dir = train_moe(tiny_data, tmp_path, "run", dp * tp * pp, [*sizes, *extra])
+    ref_dir, ref_weights = moe_reference
+    losses = train_losses(run_dir)
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(train_losses(ref_dir), rel=RTOL, abs=0)
+    assert eval_losses(run_dir) == pytest.approx(eval_losses(ref_dir), rel=RTOL, abs=0)
+    assert grad_norms(run_dir) == pytest.approx(grad_norms(ref_dir), rel=RTOL, abs=0)
+    stats, ref_stats = activation_stats(run_dir), activation_stats(ref_dir)
+    assert sorted(stats) == sorted(ref_stats) == [2, 4]
+    for step, ref in ref_stats.items():
+        assert stats[step] == pytest.approx(ref, rel=RTOL, abs=0), step
+    metrics, ref_metrics = moe_metrics(run_dir), moe_metrics(ref_dir)
+    assert len(metrics) == STEPS and set(metrics[0]) == set(ref_metrics[0])
+    for got, want in zip(metrics, ref_metrics):
+        assert got == pytest.approx(want, rel=RTOL, abs=1e-12)
+    final = weights(run_dir)
+    assert set(final) == set(ref_weights)
+    for name, bias in biases(ref_weights).items():  # integer loads: the same decisions give the same bias
+        assert bias.abs().sum() > 0 and torch.equal(final[name], bias), name
+    diff = torch.cat([(final[n] - ref).flatten() for n, ref in ref_weights.items()])
+    total = torch.cat([ref.flatten() for ref in ref_weights.values()])
+    print(f"{ep_layout_id(layout)}: weights rel diff {(diff.norm() / total.norm()).item():.2e}")
+    assert (diff.norm() / total.norm()).item() <= RTOL
+
+
+@pytest.mark.slow
+def test_ep2_checkpoint_resumes_at_ep1_dp2_like_an_uninterrupted_run(tiny_data, tmp_path):
+    """Saved at ep2 (experts split over two ranks), resumed at ep1 x dp2 (every rank holds every expert): the
+    expert weights, their optimizer state and the routing biases reshard, and steps 3-4 are the same."""
+    common = [*TINY_MODEL, *MOE, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--parallelism.dp=2"]
+    common += ["--checkpoint.save_final=true", "--optimizer.decay_steps=4", "--training.steps=4"]
+    run_train([*common, "--job.name=reference", "--checkpoint.interval=2", "--parallelism.ep=2"], nproc=2)
+    resume = f"--checkpoint.resume_from={tmp_path / 'reference' / 'checkpoints' / 'step-2'}"
+    run_train([*common, "--job.name=second", resume], nproc=2)
+    reference, resumed = train_losses(tmp_path / "reference"), train_losses(tmp_path / "second")
+    assert len(reference) == 4 and len(resumed) == 2
+    assert resumed == pytest.approx(reference[2:], rel=1e-7, abs=0)
+    ref, second = weights(tmp_path / "reference", step=4), weights(tmp_path / "second", step=4)
+    for name, bias in biases(ref).items():
+        assert torch.equal(second[name], bias), name
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"parallelism.ep": "2"}, "parallelism.ep=2 needs a mixture-of-experts model"),
+        (
+            {"model.moe.num_experts": "6", "parallelism.dp": "4", "parallelism.ep": "4"},
+            "model.moe.num_experts=6 is not divisible by parallelism.ep=4",
+        ),
+        (
+            {"model.moe.num_experts": "8", "parallelism.dp": "2", "parallelism.ep": "4"},
+            "parallelism.ep=4 must divide dp x cp = 2 x 1 = 2",
+        ),
+        ({"model.moe.num_experts": "4", "model.moe.top_k": "5"}, "model.moe.top_k=5 exceeds model.moe.num_experts=4"),
+        ({"model.moe.num_experts": "4", "model.moe.router": "softmax"}, "model.moe.router: expected one of"),
+        (
+            {"model.moe.num_experts": "4", "model.moe.first_dense_layers": "4"},
+            "model.moe.first_dense_layers=4 leaves no MoE layer",
+        ),
+        (
+            {"model.moe.num_experts": "4", "model.moe.aux_loss_coef": "0.01", "parallelism.cp": "2"},
+            "model.moe.aux_loss_coef > 0 with parallelism.cp > 1 is not supported",
+        ),
+        ({"model.moe.experts": "4"}, "unknown key 'model.moe.experts'"),
+    ],
+)
+def test_bad_moe_configs_name_the_key(overrides, expected):
+    from nanotron.config import load_config
+    from nanotron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config("configs/tiny.toml", list(overrides.items()))
+
+
+def naive_moe(moe, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert: sum over the chosen experts of gate x SwiGLU expert, plus the shared MLP."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        logits = flat[t] @ moe.gate.weight.T
+        scores = logits.sigmoid() if moe.gate.sigmoid else logits.softmax(-1)
+        chosen = (scores + moe.gate.expert_bias).topk(moe.top_k).indices
+        gates = scores[chosen] / (scores[chosen].sum() if moe.gate.renormalize else 1)
+        for g, e in zip(gates, chosen):
+            gate, up = (moe.experts.gate_up_proj[e] @ flat[t]).chunk(2)
+            out[t] += g * (moe.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+        if moe.shared_experts is not None:
+            out[t] += moe.shared_experts(flat[t])
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid"])
+def test_moe_layer_equals_a_token_by_token_loop(router):
+    """The sorted, grouped computation against the definition (catches gates applied twice or not at all)."""
+    from nanotron.config import ModelConfig
+    from nanotron.config.validate import resolve_model
+    from nanotron.models.llama import MLP
+    from nanotron.models.moe import MoE
+
+    cfg = ModelConfig(hidden_size=12, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=8)
+    cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.router, cfg.moe.num_shared_experts = 6, 2, router, 1
+    resolve_model(cfg)
+    moe = MoE(cfg, MLP(12, 16)).double()
+    g = torch.Generator().manual_seed(3)
+    for p in moe.parameters():
+        p.data = torch.randn(p.shape, dtype=torch.float64, generator=g) * 0.5
+    moe.gate.expert_bias = torch.tensor([0.3, 0.0, -0.2, 0.1, 0.0, 0.0], dtype=torch.float64)
+    x = torch.randn(2, 5, 12, dtype=torch.float64, generator=g)
+    assert torch.allclose(moe(x), naive_moe(moe, x), rtol=1e-12, atol=1e-12)
+    assert int(moe.tokens_per_expert.sum()) == 2 * 5 * 2
