@@ -1,4 +1,5 @@
-"""Hugging Face interop: export a checkpoint to `transformers` Llama, import HF Llama weights for training.
+"""Hugging Face interop: export a checkpoint to `transformers` Llama (Mixtral for a mixture of experts, see
+`nanotron.hf_mixtral`), import HF Llama or Mixtral weights for training.
 
     python -m nanotron.convert to-hf   CHECKPOINT OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
     python -m nanotron.convert from-hf HF_DIR CKPT_DIR
@@ -23,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from nanotron import hf_mixtral
 from nanotron.checkpoint import integrity, read_model_weights, verified_checkpoint
 from nanotron.config import ModelConfig, read_model_config, toml_text
 from nanotron.config.validate import resolve_model
@@ -134,12 +137,18 @@ def to_hf(
         note = "; lm_head exported untied (a weight shared with the embedding can't take the logit multiplier)"
         print(f"µP: attention, residual and logit multipliers folded into the weights{note if untied else ''}")
     names = [n for n in expected if not (tied and n == "lm_head.weight")]
-    tensors = {name: weights[name].to(DTYPES[dtype]).contiguous() for name in names}
+    tensors = {name: weights[name] for name in names}
+    if model.moe.enabled:
+        hf_mixtral.check_exportable(model, tensors)
+        tensors = hf_mixtral.to_hf(tensors, model.moe.num_experts)
+    tensors = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in tensors.items()}
     _empty_output(out)
     out.mkdir(parents=True, exist_ok=True)
     source_tokenizer = tokenizer or (step_dir / "tokenizer")
     eos_id = _export_tokenizer(source_tokenizer, out, tokenizer_source(step_dir, tokenizer))
-    (out / "config.json").write_text(json.dumps(hf_config(model, DTYPES[dtype], eos_id, tied), indent=2) + "\n")
+    config = hf_config(model, DTYPES[dtype], eos_id, tied)
+    config |= hf_mixtral.hf_config(model) if model.moe.enabled else {}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:
         _save_safetensors(tensors, out / "model.safetensors")
@@ -194,10 +203,13 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
     """The nanotron [model] of an HF Llama config.json; anything our Llama can't express is an error."""
 
     def unsupported(what: str) -> CheckpointError:
-        return CheckpointError(f"'{where}': {what}; only plain Llama (no biases, SiLU, default RoPE) imports")
+        return CheckpointError(
+            f"'{where}': {what}; only plain Llama or Mixtral (no biases, SiLU, default RoPE) imports"
+        )
 
-    if config.get("model_type") != "llama":
-        raise unsupported(f"model_type is {config.get('model_type')!r}, not 'llama'")
+    if config.get("model_type") not in ("llama", "mixtral"):
+        raise unsupported(f"model_type is {config.get('model_type')!r}, not 'llama' or 'mixtral'")
+    moe = hf_mixtral.model_fields(config) if config["model_type"] == "mixtral" else {}
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise unsupported("attention_bias/mlp_bias are set")
     if config.get("hidden_act", "silu") != "silu":
@@ -222,6 +234,8 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             init_std=float(config.get("initializer_range", 0.02)),
         )
+        for key, value in moe.items():
+            setattr(model.moe, key, value)
         resolve_model(model)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"'{where}' lacks a usable Llama field ({type(error).__name__}: {error})") from None
@@ -269,6 +283,19 @@ def read_hf_weights(hf_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def stored_names(hf_dir: Path) -> set[str]:
+    """The tensor names of an HF folder (from its index, or its one safetensors file); empty if unreadable (the
+    read that follows names the problem)."""
+    try:
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            return set(json.loads(index.read_text())["weight_map"])
+        with safe_open(hf_dir / "model.safetensors", framework="pt") as f:
+            return set(f.keys())
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+        return set()
+
+
 def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     """Writes a weights-only DCP checkpoint (fp32, for training) plus config.toml and the tokenizer."""
     config_file = hf_dir / "config.json"
@@ -283,7 +310,12 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     model = model_config_from_hf(config, config_file)
     expected = expected_shapes(model)
     stored = [n for n in expected if not (model.tie_word_embeddings and n == "lm_head.weight")]
-    weights = read_hf_weights(hf_dir, stored)
+    if model.moe.enabled:
+        stacked = "model.layers.0.mlp.experts.down_proj" in stored_names(hf_dir)
+        files = read_hf_weights(hf_dir, hf_mixtral.file_names(expected, model.moe.num_experts, stacked))
+        weights = hf_mixtral.from_hf(files, {n: expected[n] for n in stored}, model.moe.num_experts)
+    else:
+        weights = read_hf_weights(hf_dir, stored)
     for name in stored:
         if weights[name].shape != expected[name]:
             raise CheckpointError(
@@ -300,7 +332,7 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
-        (tmp / "config.toml").write_text(toml_text({"model": vars(model)}))
+        (tmp / "config.toml").write_text(toml_text({"model": asdict(model)}))
         copy_tokenizer(hf_dir, tmp / "tokenizer")
         integrity.write(tmp, integrity.shard_checksums(tmp))
         if out.exists():
@@ -342,7 +374,7 @@ def _main(argv: list[str]) -> int:
         step_dir = to_hf(
             args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.tokenizer, args.allow_unverified
         )
-        print(f"exported {step_dir} -> {args.out_dir} (load with LlamaForCausalLM.from_pretrained)")
+        print(f"exported {step_dir} -> {args.out_dir} (load with AutoModelForCausalLM.from_pretrained)")
         return 0
     from_hf(args.hf_dir, args.ckpt_dir)
     tokenizer = args.ckpt_dir / "tokenizer"

@@ -35,11 +35,11 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device=device)
+    model.init_buffers(device)  # first: the state dict then sets the buffers it holds (MoE routing biases)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as error:
         raise CheckpointError(f"'{step_dir}' does not match its config.toml ({str(error).splitlines()[0]})") from None
-    model.init_buffers(device)
     return model.eval(), step_dir
 
 

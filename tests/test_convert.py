@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def mup_checkpoint(folder: Path, tied: bool, overrides: list[str]) -> Path:
     model = LlamaForCausalLM(cfg.model)
     init_weights(model, seed=0)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
-    (folder / "config.toml").write_text(toml_text({"model": vars(cfg.model)}))
+    (folder / "config.toml").write_text(toml_text({"model": asdict(cfg.model)}))
     integrity.write(folder, integrity.shard_checksums(folder))  # as a saved checkpoint has (unchecked: refused)
     return folder
 
@@ -270,3 +271,73 @@ def test_exported_files_get_the_usual_permissions(trained, tmp_path):
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.rglob("*") if f.is_file()}
     assert sum(name.endswith(".safetensors") for name in modes) > 1
     assert set(modes.values()) == {0o644}, modes
+
+
+# ---- mixture of experts: Mixtral ------------------------------------------------------------------
+
+
+def hf_mixtral(seed: int = 0):
+    """A random HF Mixtral: 4 experts, top-2, GQA 4/2 heads, hidden 32, vocab 512."""
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=512,
+        max_position_embeddings=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():  # HF's init leaves the routers near uniform: spread them so routing matters
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    return model
+
+
+def test_mixtral_imports_exports_and_generates_like_transformers(tmp_path):
+    """from-hf: our logits equal transformers'; to-hf: the same files back; greedy decoding is the same tokens."""
+    source = tmp_path / "source"
+    original = hf_mixtral()
+    original.save_pretrained(source)
+    assert convert.main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = generate.load_model(tmp_path / "ckpt")
+    assert ours.config.moe.num_experts == 4 and ours.config.moe.top_k == 2
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (original(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 1e-5
+    assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, original(tokens).logits)
+    prompt = [5, 17, 42, 7]
+    mine = generate.generate(ours, prompt, 10, eos_id=None)
+    theirs = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert mine == theirs[0, len(prompt) :].tolist()
+
+
+def test_a_moe_model_mixtral_cannot_express_is_refused_in_one_line(tiny_data, tmp_path):
+    run_train(
+        [
+            *tiny_data.overrides(),
+            *TINY_MODEL,
+            "--model.moe.num_experts=4",
+            "--model.moe.router=sigmoid",
+            f"--job.out_dir={tmp_path}",
+            "--job.name=moe",
+            "--training.steps=1",
+        ]
+    )
+    with pytest.raises(CheckpointError, match="model.moe.router='sigmoid'.*Mixtral cannot express"):
+        convert.to_hf(tmp_path / "moe" / "checkpoints" / "step-1", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

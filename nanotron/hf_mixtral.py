@@ -1,0 +1,134 @@
+"""Hugging Face Mixtral (`MixtralForCausalLM`) <-> nanotron's mixture-of-experts Llama, for `nanotron convert`.
+
+The module names are transformers 5's (`mlp.gate`, `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I]); the files use Mixtral's original per-expert layout, which transformers 4 and 5 (and other readers)
+load: `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.w1|w3|w2.weight` (gate, up, down). Import
+accepts both layouts. Mixtral is softmax top-k with renormalised gates, every layer MoE, no shared experts, no
+routing bias: a model outside that is refused in one line naming the setting.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanotron.config import ModelConfig
+from nanotron.errors import CheckpointError
+
+_MOE = "mlp."
+_FILE = "block_sparse_moe."
+
+
+def check_exportable(model: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """One line naming what Mixtral cannot express."""
+    moe = model.moe
+    problems = {
+        "model.moe.router='sigmoid'": moe.router != "softmax_topk",
+        "model.moe.renormalize=false": not moe.renormalize,
+        f"model.moe.num_shared_experts={moe.num_shared_experts}": moe.num_shared_experts > 0,
+        f"model.moe.first_dense_layers={moe.first_dense_layers}": moe.first_dense_layers > 0,
+        f"model.moe.capacity_factor={moe.capacity_factor} (drops tokens)": moe.capacity_factor > 0,
+    }
+    bias = [n for n, t in weights.items() if n.endswith("expert_bias") and bool(t.ne(0).any())]
+    problems["a non-zero routing bias (model.moe.bias_update_rate)"] = bool(bias)
+    found = [what for what, bad in problems.items() if bad]
+    if found:
+        raise CheckpointError(
+            f"this MoE model has {', '.join(found)}, which Hugging Face's Mixtral cannot express; only softmax "
+            "top-k routing with renormalised gates, routed experts in every layer and no routing bias exports"
+        )
+
+
+def hf_config(model: ModelConfig) -> dict:
+    """The Mixtral-specific keys of config.json (on top of the Llama ones)."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": model.moe.moe_intermediate_size,
+        "num_local_experts": model.moe.num_experts,
+        "num_experts_per_tok": model.moe.top_k,
+        "router_aux_loss_coef": model.moe.aux_loss_coef,
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }
+
+
+def to_hf(weights: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """nanotron names (stacked experts) -> Mixtral's file names (one tensor per expert and projection)."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("expert_bias"):
+            continue
+        prefix, moe, rest = name.partition(_MOE)
+        if not moe or not rest.startswith(("gate.", "experts.")):
+            out[name] = tensor
+        elif rest == "gate.weight":
+            out[f"{prefix}{_FILE}gate.weight"] = tensor
+        elif rest == "experts.gate_up_proj":
+            for e in range(num_experts):
+                gate, up = tensor[e].chunk(2, dim=0)
+                out[f"{prefix}{_FILE}experts.{e}.w1.weight"] = gate
+                out[f"{prefix}{_FILE}experts.{e}.w3.weight"] = up
+        elif rest == "experts.down_proj":
+            for e in range(num_experts):
+                out[f"{prefix}{_FILE}experts.{e}.w2.weight"] = tensor[e]
+    return dict(sorted(out.items()))
+
+
+def file_names(expected: dict[str, torch.Size], num_experts: int, stacked: bool) -> list[str]:
+    """The names to read from a Mixtral folder (per-expert, or transformers 5's stacked names) for the model
+    `expected` describes."""
+    if stacked:
+        return [n for n in expected if not n.endswith("expert_bias")]
+    return list(to_hf({n: torch.empty(shape, device="meta") for n, shape in expected.items()}, num_experts))
+
+
+def from_hf(
+    tensors: dict[str, torch.Tensor], expected: dict[str, torch.Size], num_experts: int
+) -> dict[str, torch.Tensor]:
+    """Mixtral tensors (either layout) -> nanotron's state dict, routing biases at zero."""
+    out = {}
+    for name, shape in expected.items():
+        prefix, _, rest = name.partition(_MOE)
+        if name.endswith("expert_bias"):
+            out[name] = torch.zeros(shape)
+        elif name in tensors:
+            out[name] = tensors[name]
+        elif rest == "gate.weight":
+            out[name] = tensors[f"{prefix}{_FILE}gate.weight"]
+        elif rest == "experts.gate_up_proj":
+            out[name] = torch.stack(
+                [
+                    torch.cat([tensors[f"{prefix}{_FILE}experts.{e}.{w}.weight"] for w in ("w1", "w3")])
+                    for e in range(num_experts)
+                ]
+            )
+        elif rest == "experts.down_proj":
+            out[name] = torch.stack([tensors[f"{prefix}{_FILE}experts.{e}.w2.weight"] for e in range(num_experts)])
+        else:
+            raise CheckpointError(f"no Mixtral tensor maps to {name}")
+        if out[name].shape != shape:
+            raise CheckpointError(
+                f"{name}: the Mixtral weights give shape {list(out[name].shape)}, config.json implies {list(shape)}"
+            )
+    return out
+
+
+def model_fields(config: dict) -> dict:
+    """The [model.moe] settings of a Mixtral config.json (its intermediate_size is the experts' width)."""
+    if config.get("sliding_window") is not None:
+        raise CheckpointError(
+            f"Mixtral config.json sets sliding_window={config['sliding_window']}; nanotron's attention is full causal"
+        )
+    try:
+        return {
+            "num_experts": int(config["num_local_experts"]),
+            "top_k": int(config["num_experts_per_tok"]),
+            "moe_intermediate_size": int(config["intermediate_size"]),
+            "router": "softmax_topk",
+            "renormalize": True,
+        }
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"Mixtral config.json lacks a usable MoE field ({type(error).__name__}: {error})"
+        ) from None
