@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from nanotron.config import Config, ProfilerConfig
 from nanotron.gpu import gpu_peak_tflops, math_mode
-from nanotron.models.shapes import num_params
+from nanotron.models.shapes import active_params, num_params
 
 
 def detect_peak_tflops(device: torch.device, dtype: str, tf32: bool) -> float:
@@ -147,9 +147,15 @@ def step_record(state: Any, loss: float | None, lr: float, grad_norm: float, ste
 
 def run_line(cfg: Config, corpus: Any, world_size: int, device: torch.device, start_step: int) -> str:
     """The one line that opens a run's log: model, layout, batch, data and where it starts."""
-    p, t = cfg.parallelism, cfg.training
+    p, t, moe = cfg.parallelism, cfg.training, cfg.model.moe
+    params = f"{num_params(cfg.model) / 1e6:.2f}M params"
+    if moe.enabled:
+        params += (
+            f" ({active_params(cfg.model) / 1e6:.2f}M active: {moe.num_experts} experts, top {moe.top_k}"
+            f"{f', ep={p.ep}' if p.ep > 1 else ''})"
+        )
     return (
-        f"nanotron | {num_params(cfg.model) / 1e6:.2f}M params | dp={p.dp}{f' cp={p.cp}' if p.cp > 1 else ''} "
+        f"nanotron | {params} | dp={p.dp}{f' cp={p.cp}' if p.cp > 1 else ''} "
         f"tp={p.tp} pp={p.pp} ({p.pp_engine}, tp_mode={p.tp_mode}, zero_stage={p.zero_stage}"
         f"{', attention=document' if cfg.model.attention == 'document' else ''}) on {world_size} x "
         f"{device.type} | global batch {t.global_batch_size} x {t.seq_len} tokens "

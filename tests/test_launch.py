@@ -143,7 +143,8 @@ def test_flags_and_overrides_reach_their_config_keys(in_tmp, checked_data):
         "--num_layers 3 --num_heads 4 --num_kv_heads 2 --vocab_size 640 --max_seq_len 64 --seq_len 32 --train_steps 5 "
         "--learning_rate 1e-3 --micro_batch_size 3 --grad_accum_steps 2 --warmup_steps 1 --dataset corpus "
         "--pp_engine afab --tp_mode all_reduce --save_interval 2 --save_initial_state --resume_from_checkpoint none "
-        "--profiler_export_path traces --optimizer.min_lr=1e-4 --training.eval_interval 0 --dry_run"
+        "--profiler_export_path traces --optimizer.min_lr=1e-4 --training.eval_interval 0 --dry_run "
+        "--ep 2 --model.moe.num_experts=4"
     )
     assert launch.main(argv.split()) == 0
     c = load_config("runs/mapped/config.toml")
@@ -153,7 +154,7 @@ def test_flags_and_overrides_reach_their_config_keys(in_tmp, checked_data):
     assert (t.steps, t.micro_batch_size, t.global_batch_size, t.grad_accum_steps) == (5, 3, 6, 2)
     assert (c.optimizer.lr, c.optimizer.warmup_steps, c.optimizer.min_lr, t.eval_interval) == (1e-3, 1, 1e-4, 0)
     assert (p.pp_engine, p.tp_mode, c.data.path) == ("afab", "all_reduce", str(in_tmp / "corpus"))
-    assert p.cp == 2  # nanotron's --cp
+    assert p.cp == 2 and p.ep == 2 and m.moe.num_experts == 4  # nanotron's --cp, --ep
     assert c.profiler.export_path == str(in_tmp / "traces")
     assert (c.checkpoint.interval, c.checkpoint.save_initial_state, c.checkpoint.resume_from) == (2, True, "none")
 

@@ -91,13 +91,13 @@ def test_search_prints_layouts_that_fit_ranked_by_throughput():
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout, "| # | dp |")
     assert len(rows) == 15
-    throughput = [float(r[11].replace(",", "")) for r in rows]
+    throughput = [float(r[12].replace(",", "")) for r in rows]
     assert throughput == sorted(throughput, reverse=True)
     usable = usable_bytes(parse_gpu("h100")) / GIB
     for r in rows:
-        dp, dp_shard, cp, tp, pp = (int(x) for x in r[1:6])
-        assert dp * cp * tp * pp == 64 and dp % dp_shard == 0 and tp <= 8
-        assert float(r[9]) <= usable
+        dp, dp_shard, cp, ep, tp, pp = (int(x) for x in r[1:7])
+        assert dp * cp * tp * pp == 64 and dp % dp_shard == 0 and tp <= 8 and ep == 1  # a dense model
+        assert float(r[10]) <= usable
 
 
 def test_zero_stages_change_gradients_and_working_copies_as_documented():
@@ -213,3 +213,45 @@ def test_search_offers_context_parallel_layouts_for_long_sequences():
     base = load_config("configs/long.toml", [("parallelism.cp", "1"), ("training.global_batch_size", "8")])
     cps = {cfg.parallelism.cp for cfg in layouts(base, 8, 8)}
     assert cps == {1, 2, 4, 8}
+
+
+# ---- mixture of experts ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_check_builds_ep_ranks_and_their_expert_shards_equal_the_formula(zero):
+    """Experts split over ep (dim 0) and FSDP over the rest of dp x cp (dim 1), dense layers over dp x cp."""
+    layout = ["--parallelism.dp=4", "--parallelism.ep=2", "--parallelism.tp=2", f"--parallelism.zero_stage={zero}"]
+    proc = plan("--config", "configs/moe.toml", "--nodes", "1", "--gpus_per_node", "8", "--check", *layout)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert len(rows) == 2 and all(r[5] == r[6] for r in rows), rows
+    assert "ep=2" in proc.stdout and "active)" in proc.stdout
+
+
+def test_moe_memory_splits_experts_over_ep_and_the_step_pays_the_all_to_all():
+    from nanotron.models.shapes import active_params, flops_per_token, num_params
+
+    layout = [("parallelism.dp", "8"), ("parallelism.zero_stage", "1"), ("training.micro_batch_size", "2")]
+    cfg = {ep: load_config("configs/moe.toml", [*layout, ("parallelism.ep", str(ep))]) for ep in (1, 2, 8)}
+    mem = {ep: stage_memory(c, 0) for ep, c in cfg.items()}
+    m = cfg[1].model
+    assert mem[1]["params"] == mem[2]["params"] == mem[8]["params"]  # FSDP shards either way: ep moves bytes
+    assert mem[8]["working"] < mem[2]["working"] < mem[1]["working"]  # a rank gathers only its own experts
+    assert mem[1]["activations_saved"] == mem[8]["activations_saved"]  # each rank routes its own tokens either way
+    gpu = parse_gpu("h100")
+    step = {ep: estimate_step(c, gpu, 8, 0.5) for ep, c in cfg.items()}
+    assert step[1].comm["ep"].gb == 0 and step[8].comm["ep"].gb > step[2].comm["ep"].gb > 0
+    assert active_params(m) < num_params(m)
+    dense = load_config("configs/moe.toml", [("model.moe.num_experts", "0")]).model
+    assert flops_per_token(m, 128) < flops_per_token(dense, 128) * 2  # top 2 of 8 experts, not all 8
+
+
+def test_search_offers_expert_parallel_layouts_for_a_moe_model():
+    from nanotron.plan.search import layouts
+
+    base = load_config("configs/moe.toml", [("training.global_batch_size", "16")])
+    assert {cfg.parallelism.ep for cfg in layouts(base, 8, 8)} == {1, 2, 4, 8}
+    dense = load_config("configs/tiny.toml", [("training.global_batch_size", "16")])
+    assert {cfg.parallelism.ep for cfg in layouts(dense, 8, 8)} == {1}

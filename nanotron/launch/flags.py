@@ -36,6 +36,7 @@ CONFIG_FLAGS: dict[str, tuple[str, ...]] = {
     "dp": ("parallelism.dp",),
     "tp": ("parallelism.tp",),
     "cp": ("parallelism.cp",),
+    "ep": ("parallelism.ep",),
     "pp": ("parallelism.pp",),
     "pp_engine": ("parallelism.pp_engine",),
     "tp_mode": ("parallelism.tp_mode",),

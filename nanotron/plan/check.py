@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from nanotron.config import Config
-from nanotron.distributed import build_mesh
+from nanotron.distributed import build_mesh, expert_mesh
 from nanotron.plan.memory import param_bytes
 
 
@@ -37,6 +38,8 @@ class _Coordinates:
     mesh: object
     pp_rank: int
     cp_rank: int
+    expert_mesh: object = None
+    device: torch.device = torch.device("cpu")
 
 
 def rank_of(cfg: Config, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
@@ -70,7 +73,8 @@ def check_ranks(cfg: Config) -> list[RankCheck]:
         try:
             mesh = build_mesh(cfg, "cpu")
             cp = mesh["cp"].get_local_rank() if cfg.parallelism.cp > 1 else 0
-            built = parallelize(cfg, _Coordinates(mesh, mesh["pp"].get_local_rank(), cp))
+            experts = expert_mesh(mesh, cfg.parallelism.ep)
+            built = parallelize(cfg, _Coordinates(mesh, mesh["pp"].get_local_rank(), cp, experts))
             total = 0
             for _, module in built:
                 for param in module.parameters():

@@ -16,7 +16,7 @@ import sys
 
 from nanotron.config import Config, load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
-from nanotron.models.shapes import num_params
+from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
 from nanotron.plan.search import reserve_bytes, search, usable_bytes
 from nanotron.plan.timing import GPUS, Gpu, estimate_step, parse_gpu
@@ -56,8 +56,11 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     dp = f"dp={p.dp}" + (f" (HSDP {p.dp // cfg.dp_shard_size}x{cfg.dp_shard_size})" if cfg.dp_shard_size < p.dp else "")
     dp += f" cp={p.cp}" if p.cp > 1 else ""
+    dp += f" ep={p.ep}" if p.ep > 1 else ""
+    params = f"{num_params(m) / 1e9:.2f}B params"
+    params += f" ({active_params(m) / 1e9:.2f}B active)" if m.moe.enabled else ""
     lines = [
-        f"model {num_params(m) / 1e9:.2f}B params | {dp} tp={p.tp} pp={p.pp} ({p.pp_engine}) zero_stage={p.zero_stage}"
+        f"model {params} | {dp} tp={p.tp} pp={p.pp} ({p.pp_engine}) zero_stage={p.zero_stage}"
         f" recompute={str(p.recompute_layer).lower()} {t.dtype} | {cfg.world_size} of {nodes}x{gpus_per_node} GPUs "
         f"({gpu.name}, {gpu.memory_gib:g} GiB)",
         f"global batch {t.global_batch_size} x {t.seq_len} tokens = micro_batch_size {t.micro_batch_size} x "
@@ -138,13 +141,14 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
     lines = [
         f"{len(found)} of {considered} valid layouts fit {world} x {gpu.name} at global batch "
         f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first:",
-        "| # | dp | dp_shard | cp | tp | pp | zero | recompute | micro batch | memory GiB | step s | tokens/s | MFU |",
-        "|" + "---|" * 13,
+        "| # | dp | dp_shard | cp | ep | tp | pp | zero | recompute | micro batch | memory GiB | step s | tokens/s "
+        "| MFU |",
+        "|" + "---|" * 14,
     ]
     for index, c in enumerate(found[:top], 1):
         p, t = c.cfg.parallelism, c.cfg.training
         lines.append(
-            f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.cp} | {p.tp} | {p.pp} | {p.zero_stage} | "
+            f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.cp} | {p.ep} | {p.tp} | {p.pp} | {p.zero_stage} | "
             f"{str(p.recompute_layer).lower()} | {t.micro_batch_size} | {c.memory['total'] / GIB:.1f} | "
             f"{c.step.step_s:.2f} | {c.step.tokens_per_s:,.0f} | {c.step.mfu:.1%} |"
         )

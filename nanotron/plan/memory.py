@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
-from nanotron.models.shapes import element_bytes, layer_shapes, root_shapes
+from nanotron.models.shapes import element_bytes, is_expert_param, is_moe_layer, layer_shapes, root_shapes
 from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
 from nanotron.parallel.tensor import tp_shard_dim
 
@@ -36,11 +36,15 @@ class Param:
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None  # the dimension tensor parallelism splits; None = replicated on every tp rank
+    expert: bool = False  # a stacked expert weight: ep splits dim 0, FSDP then dim 1 over dp x cp / ep
 
 
 def layer_params(m: ModelConfig, index: int) -> list[Param]:
     prefix = f"model.layers.{index}."
-    return [Param(prefix + name, shape, tp_shard_dim(name)) for name, shape in layer_shapes(m).items()]
+    return [
+        Param(prefix + name, shape, tp_shard_dim(name), is_expert_param(name))
+        for name, shape in layer_shapes(m, index).items()
+    ]
 
 
 def stage_params(m: ModelConfig, layers: range, first: bool, last: bool) -> tuple[list[Param], list[Param]]:
@@ -55,9 +59,17 @@ def chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-def local_numel(param: Param, tp: int, tp_rank: int, shard: int, shard_rank: int) -> tuple[int, int]:
-    """(elements on this tp rank before FSDP, elements of this rank's FSDP shard)."""
+def local_numel(param: Param, tp: int, tp_rank: int, shard: int, shard_rank: int, ep: int = 1) -> tuple[int, int]:
+    """(elements on this tp rank before FSDP, elements of this rank's FSDP shard). `shard_rank` is the rank's
+    index in dp x cp's FSDP group; with expert parallelism an expert weight keeps num_experts / ep experts (the
+    rank's ep coordinate is the innermost part of it) and FSDP splits dim 1 over the rest (edp)."""
     dims = list(param.shape)
+    if param.expert and ep > 1:
+        dims[0] = chunk(dims[0], ep, shard_rank % ep)
+        edp = max(1, shard // ep)
+        gathered = math.prod(dims)
+        dims[1] = chunk(dims[1], edp, (shard_rank // ep) % edp)
+        return gathered, math.prod(dims)
     if tp > 1 and param.tp_dim is not None:
         dims[param.tp_dim] = chunk(dims[param.tp_dim], tp, tp_rank)
     tp_local = math.prod(dims)
@@ -75,6 +87,7 @@ class StageShape:
     num_layers: int
     first: bool
     last: bool
+    layer_indices: range = range(0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -89,7 +102,7 @@ def rank_stages(cfg: Config, pp_rank: int) -> list[StageShape]:
     out = []
     for s in stage_indices(cfg, pp_rank) if cfg.parallelism.pp > 1 else [0]:
         root, layers = stage_params(m, ranges[s], s == 0, s == n - 1)
-        out.append(StageShape(s, root, layers, len(ranges[s]), s == 0, s == n - 1))
+        out.append(StageShape(s, root, layers, len(ranges[s]), s == 0, s == n - 1, ranges[s]))
     return out
 
 
@@ -100,7 +113,7 @@ def param_bytes(cfg: Config, pp_rank: int, tp_rank: int = 0, shard_rank: int = 0
     total = 0
     for stage in rank_stages(cfg, pp_rank):
         for param in stage.root + stage.layers:
-            total += local_numel(param, p.tp, tp_rank, shard, shard_rank % shard)[1]
+            total += local_numel(param, p.tp, tp_rank, shard, shard_rank % shard, p.ep)[1]
     return FP32 * total
 
 
@@ -127,13 +140,16 @@ def in_flight(cfg: Config, pp_rank: int) -> float:
     return interleaved + (n - interleaved) * pp_rank / (p.pp - 1)
 
 
-def layer_activation_bytes(cfg: Config, tokens: int) -> tuple[float, float]:
+def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> tuple[float, float]:
     """(saved for backward by one decoder layer, kept per layer under recompute) for `tokens` tokens.
 
     Each RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its normalised value in the
     compute dtype; the q/k/v and gate/up projections save the norm output (all-gathered to the full sequence
     under sequence parallelism); attention saves roped q, k, v, its output and the fp32 log-sum-exp; the MLP
-    saves gate, up, silu(gate) and their product. Recompute keeps only each layer's input.
+    saves gate, up, silu(gate) and their product. Recompute keeps only each layer's input. A mixture of experts
+    (layer `index`) runs on every tp rank's whole sequence: it saves the gathered input (sequence parallel), the
+    fp32 router scores, and per routed copy (top_k per token) the permuted input, the expert's gate/up, silu and
+    product, and its output; plus its shared experts' MLP.
     """
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
@@ -142,6 +158,13 @@ def layer_activation_bytes(cfg: Config, tokens: int) -> tuple[float, float]:
     norms = 2 * ((FP32 + e) * h / sp + e * h)
     attention = e * (2 * h + 2 * kv) / tp + FP32 * m.num_heads / tp
     mlp = 4 * e * i / tp
+    if is_moe_layer(m, index):
+        moe = m.moe
+        full = tokens  # every tp rank routes the whole sequence (gathered under SP)
+        routed = moe.top_k * (2 * e * h + 4 * e * moe.moe_intermediate_size)
+        per_token = (e * h if sp > 1 else 0) + 2 * FP32 * moe.num_experts + routed
+        per_token += 4 * e * moe.num_shared_experts * moe.moe_intermediate_size
+        return tokens * (norms + attention) + full * per_token, tokens * e * h / sp
     return tokens * (norms + attention + mlp), tokens * e * h / sp
 
 
@@ -181,11 +204,12 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     largest_layer = 0
     for stage in stages:
         for param in stage.root + stage.layers:
-            full, local = local_numel(param, p.tp, 0, shard, 0)
+            full, local = local_numel(param, p.tp, 0, shard, 0, p.ep)
             sharded, tp_local, tensors = sharded + local, tp_local + full, tensors + 1
-        root_tp += sum(local_numel(param, p.tp, 0, shard, 0)[0] for param in stage.root)
-        per_layer = layer_params(m, 0)
-        largest_layer = max(largest_layer, sum(local_numel(q, p.tp, 0, shard, 0)[0] for q in per_layer))
+        root_tp += sum(local_numel(param, p.tp, 0, shard, 0, p.ep)[0] for param in stage.root)
+        for index in stage.layer_indices:
+            gathered = sum(local_numel(q, p.tp, 0, shard, 0, p.ep)[0] for q in layer_params(m, index))
+            largest_layer = max(largest_layer, gathered)
     accumulates = n_micro > 1 or p.pp > 1
     full_grads = p.zero_stage == 0 or (p.zero_stage == 1 and accumulates)
     # Measured: the vocab-parallel embedding's unsharded gradient covers the whole vocabulary (a partial sum
@@ -199,11 +223,11 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
         working = e * tp_local
 
     flights = in_flight(cfg, pp_rank)
-    saved_layer, kept_layer = layer_activation_bytes(cfg, tokens)
-    per_layer = kept_layer if p.recompute_layer else saved_layer
+    saved = {i: layer_activation_bytes(cfg, tokens, i) for s in stages for i in s.layer_indices}
+    saved_layer = max((v[0] for v in saved.values()), default=0.0)
     activations_saved = logits_saved = 0.0
     for stage in stages:
-        held = stage.num_layers * per_layer
+        held = sum(saved[i][1 if p.recompute_layer else 0] for i in stage.layer_indices)
         held += 0 if stage.first else tokens * e * m.hidden_size  # received input, kept for backward
         held += 0 if stage.last else tokens * e * m.hidden_size  # output, kept for backward
         held += tokens * 8 if stage.first else 0  # token ids
@@ -221,6 +245,8 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     buffers += 0 if full_grads else embedding_grad_extra
     buffers += 2 * tokens * m.hidden_size * e if p.tp > 1 else 0  # sequence all-gather / reduce-scatter
     buffers += attention_transient_bytes(cfg, tokens)
+    if p.ep > 1 and m.moe.enabled:  # the all-to-all's received tokens and the outputs sent back
+        buffers += 2 * m.moe.top_k * tokens * m.hidden_size * e
     if p.pp > 1:  # torch's pipeline stage allocates receive buffers for every microbatch up front
         receives = sum((not s.first) + (not s.last) for s in stages)
         buffers += receives * n_micro * tokens * m.hidden_size * e

@@ -27,7 +27,7 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(base: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
-    """(dp, dp_shard, cp, tp, pp, zero_stage, recompute, micro_batch_size) over `world` GPUs at the base
+    """(dp, dp_shard, cp, tp, pp, zero_stage, recompute, micro_batch_size, ep) over `world` GPUs at the base
     config's global batch: tp within a node, HSDP shard groups that fit in a node beside tp, cp from 1 up to
     the sequence's limit, and only combinations the trainer itself would accept (the same `validate`)."""
     for tp in divisors(gpus_per_node):
@@ -46,15 +46,22 @@ def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp
         for dp_shard in [0, *hsdp]:
             for recompute in (False, True):
                 for micro in MICRO_BATCH_SIZES:
-                    cfg = copy.deepcopy(base)
-                    p, t = cfg.parallelism, cfg.training
-                    p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
-                    p.recompute_layer, t.micro_batch_size, t.grad_accum_steps = recompute, micro, 0
-                    try:
-                        validate(cfg, world)
-                    except ConfigError:
-                        continue
-                    yield cfg
+                    for ep in expert_degrees(base, dp * cp):
+                        cfg = copy.deepcopy(base)
+                        p, t = cfg.parallelism, cfg.training
+                        p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
+                        p.recompute_layer, t.micro_batch_size, t.grad_accum_steps, p.ep = recompute, micro, 0, ep
+                        try:
+                            validate(cfg, world)
+                        except ConfigError:
+                            continue
+                        yield cfg
+
+
+def expert_degrees(base: Config, dp_cp: int) -> list[int]:
+    """ep for a mixture of experts: every divisor of dp x cp that divides the experts (1 for a dense model)."""
+    experts = base.model.moe.num_experts
+    return [e for e in divisors(dp_cp) if experts % e == 0] if experts else [1]
 
 
 def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: float) -> tuple[list[Candidate], int]:

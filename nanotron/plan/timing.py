@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
 from nanotron.gpu import GPU_PEAKS
-from nanotron.models.shapes import element_bytes, flops_per_token, layer_forward_flops
+from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
 from nanotron.plan.memory import FP32, local_numel, rank_stages
 
 
@@ -111,6 +111,12 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     cp_layer = forward * (2 if p.recompute_layer else 1) + forward + p.cp * kv_block * FP32
     cp_bytes = n_micro * layers_per_rank * cp_layer if p.cp > 1 else 0
     comm["cp"] = Transfer(cp_bytes / 1e9, *(nvlink if p.cp * p.tp <= gpus_per_node else ib))
+    # EP: per MoE layer, the token all-to-all there and back in forward, twice again in backward (and once more
+    # for a recomputed forward): top_k copies of each token, of which (ep-1)/ep leave the rank. Not hidden.
+    moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_layers)) / p.pp
+    routed = m.moe.top_k * tokens_micro * m.hidden_size * e * (p.ep - 1) / p.ep
+    ep_bytes = n_micro * moe_layers * (4 + (2 if p.recompute_layer else 0)) * routed if p.ep > 1 else 0
+    comm["ep"] = Transfer(ep_bytes / 1e9, *(nvlink if p.ep * p.tp <= gpus_per_node else ib))
     # ... hidden under the attention blocks' own compute (4·seq·hidden forward FLOPs per token, 3x with backward)
     attention_s = 3 * 4 * t.seq_len * m.hidden_size * tokens_step * m.num_layers / world / (peak * efficiency)
     # DP: the worst pipeline rank's tp-local parameters (gathered) and gradients (reduced).
@@ -128,10 +134,10 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
             comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // cfg.dp_shard_size, all_reduce=True), *ib)
     overlapped = sum(comm[k].seconds for k in ("dp", "dp_replicate") if k in comm)
     exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
-    step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds + exposed_cp
+    step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds
     return StepEstimate(step_s, compute_s, tokens_step / step_s, model_flops / (step_s * world * peak), comm)
 
 
 def _tp_local(cfg: Config, pp_rank: int) -> int:
     p = cfg.parallelism
-    return sum(local_numel(q, p.tp, 0, 1, 0)[0] for s in rank_stages(cfg, pp_rank) for q in s.root + s.layers)
+    return sum(local_numel(q, p.tp, 0, 1, 0, p.ep)[0] for s in rank_stages(cfg, pp_rank) for q in s.root + s.layers)
