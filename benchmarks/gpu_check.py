@@ -59,6 +59,14 @@ COLUMNS = (
 )
 
 
+MOE = [  # each expert a quarter of the dense MLP (1b: 1408 = 5632 / 4; nano: 32)
+    "--model.moe.num_experts=8",
+    "--model.moe.top_k=2",
+    "--model.moe.router=sigmoid",
+    "--model.moe.bias_update_rate=0.001",
+]
+
+
 @dataclass
 class Check:
     name: str
@@ -72,7 +80,9 @@ class Check:
 
 def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
     compile_ = [] if settings.quick else [Check("bf16 compile", 1, ["--training.compile=true"], "bf16 eager")]
-    rows = [Check("bf16 eager", 1, []), *compile_]
+    # A mixture of experts of the same shape (8 experts, top 2, each a quarter of the MLP): the grouped GEMM path.
+    moe = [*MOE, f"--model.moe.moe_intermediate_size={32 if settings.quick else 1408}"]
+    rows = [Check("bf16 eager", 1, []), *compile_, Check("moe bf16", 1, moe)]
     if n_devices < 2:
         return rows
     half = settings.steps // 2
@@ -81,6 +91,7 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
         Check("dp2 fsdp2", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3", *saving], "bf16 eager"),
         Check("dp2 resumed", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3"], resume_of="dp2 fsdp2"),
         Check("cp2 ring", 2, ["--parallelism.cp=2"], "bf16 eager"),  # the ring over NCCL p2p
+        Check("moe ep2", 2, [*moe, "--parallelism.dp=2", "--parallelism.ep=2"], "moe bf16"),  # NCCL all-to-all
     ]
     if not settings.quick:
         async_tp = ["--parallelism.tp=2", "--training.compile=true", "--parallelism.tp_linear_async_communication=true"]
@@ -262,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.cp_check import check as cp_attention_check
 
     failed |= not cp_attention_check(device, 256 if settings.quick else 8192)  # the CUDA block kernels, one device
+    from benchmarks.moe import kernel_check
+
+    failed |= not kernel_check(device)  # the experts' grouped GEMM against the loop
     failed |= not watch_checks(common, n_devices, settings)
     for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
         shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The first GPU run's check: numerics (finite, falling losses that agree across compile and layouts) and
 # speed (tokens/s, TFLOP/s and MFU against the detected peak, with the device name) of the ~1.1B model in
-# bf16. One GPU: compile off and on (about 3-5 minutes on an H100/H200, well under 8). Two or more GPUs
+# bf16. One GPU: compile off and on, and an 8-expert MoE of the same shape (about 4-6 minutes on an H100/H200,
+# well under 8). Two or more GPUs
 # visible: also dp2 (NCCL, FSDP2) with async checkpoints and a resume, tp2 with compile and async TP, and cp2
-# (ring attention). Context parallelism's attention on one GPU: float64 numerics, then speed against SDPA. Then
+# (ring attention) and a mixture of experts at ep2 (NCCL all-to-all) against its one-GPU run. Context
+# parallelism's attention on one GPU: float64 numerics, then speed against SDPA; the experts' grouped GEMM
+# against the per-expert loop, then its speed. Then
 # `nanotron doctor` on every visible GPU: healthy, and with an injected wrong matmul that it must name; with two
 # GPUs or more, an injected hang on NCCL that the watcher must name.
 #

@@ -86,12 +86,13 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     checked (finite falling losses, dp2 equal to one device, the resume equal to the uninterrupted run)."""
     stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=420)  # + the doctor and a hang
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
-    assert list(rows) == ["bf16 eager", "dp2 fsdp2", "dp2 resumed", "cp2 ring"]
+    assert list(rows) == ["bf16 eager", "moe bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
     for kernel in ("fused", "matmul"):  # context parallelism's block kernels (CUDA runs the matmul one)
         assert f"cp attention {kernel} cp4 document: max error vs full attention" in stdout
+    assert "moe grouped GEMM (cpu): max relative error" in stdout  # the experts' CUDA kernel on a GPU
     assert "FAILED" not in stdout
     assert "doctor healthy                          ok" in stdout
     assert "doctor rank:0,step:0,kind:bad_matmul    ok" in stdout

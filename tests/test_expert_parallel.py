@@ -31,7 +31,7 @@ MOE = [
     "--model.moe.bias_update_rate=0.01",
     "--model.moe.aux_loss_coef=0.01",
 ]
-E, H, I = 8, 12, 16
+E, H, INTER = 8, 12, 16
 
 
 def _free_port() -> int:
@@ -40,29 +40,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def routed_tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank 0 sends rows to experts 0, 2, 3, 5 and 7 (nothing to 1, 4, 6); rank 1 sends nothing at all."""
-    counts = torch.tensor([3, 0, 2, 1, 0, 4, 0, 1]) if rank == 0 else torch.zeros(E, dtype=torch.long)
+# Rank 0 sends rows to experts 0, 2, 3, 5 and 7 (nothing to 1, 4, 6); rank 1 sends nothing at all. In the
+# second case only rank 1's experts (4-7) get rows: rank 0's experts receive none and must still take part in
+# backward's all-to-alls (a rank whose experts run on no rows once left them out: a collective mismatch).
+ROUTES = ([3, 0, 2, 1, 0, 4, 0, 1], [0, 0, 0, 0, 0, 4, 0, 1])
+
+
+def routed_tokens(rank: int, case: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.tensor(ROUTES[case]) if rank == 0 else torch.zeros(E, dtype=torch.long)
     x = torch.randn(int(counts.sum()), H, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     return x, counts
 
 
 def experts_module() -> GroupedExperts:
-    experts = GroupedExperts(E, H, I).double()
+    experts = GroupedExperts(E, H, INTER).double()
     g = torch.Generator().manual_seed(7)
     for p in experts.parameters():
         p.data = torch.randn(p.shape, dtype=torch.float64, generator=g)
     return experts
 
 
-def _dispatch_worker(rank: int, port: int, queue) -> None:
+def _dispatch_worker(rank: int, port: int, queue, case: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     full = experts_module()
-    local = GroupedExperts(E // 2, H, I).double()  # this rank's experts: 4 x rank ... 4 x rank + 3
+    local = GroupedExperts(E // 2, H, INTER).double()  # this rank's experts: 4 x rank ... 4 x rank + 3
     local.gate_up_proj.data = full.gate_up_proj.data[4 * rank : 4 * rank + 4].clone()
     local.down_proj.data = full.down_proj.data[4 * rank : 4 * rank + 4].clone()
-    x, counts = routed_tokens(rank)
+    x, counts = routed_tokens(rank, case)
     x.requires_grad_()
     out = AllToAllDispatch(dist.group.WORLD, ep=2)(x, counts, local)
     out.backward(torch.ones_like(out) * 0.5)
@@ -71,18 +76,19 @@ def _dispatch_worker(rank: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks():
+@pytest.mark.parametrize("case", [0, 1], ids=["rank-sends-nothing", "experts-receive-nothing"])
+def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks(case):
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_dispatch_worker, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_dispatch_worker, args=(r, port, queue, case)) for r in range(2)]
     for p in procs:
         p.start()
-    results = {r: (out, dx, grads) for r, out, dx, grads in (queue.get(timeout=120) for _ in procs)}
+    results = {r: (out, dx, grads) for r, out, dx, grads in (queue.get(timeout=60) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     full = experts_module()
-    x, counts = routed_tokens(0)
+    x, counts = routed_tokens(0, case)
     x.requires_grad_()
     expected = LocalDispatch()(x, counts, full)
     expected.backward(torch.ones_like(expected) * 0.5)

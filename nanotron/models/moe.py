@@ -33,7 +33,10 @@ def loop_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> 
     """Rows of `x` grouped by expert (counts[e] rows for expert e, in order) times their expert's weight
     [E, in, out]: one matmul per expert (not per token); an expert without rows costs nothing."""
     pieces = [rows @ weight[e] for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
-    return torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[-1])
+    # No rows at all: an empty product that still depends on x and the weight, so that backward runs through
+    # here on every rank (expert parallelism's all-to-alls in backward need every rank) and the weight gets a
+    # (zero) gradient like its peers' (FSDP reduces the same tensors everywhere).
+    return torch.cat(pieces) if pieces else x[:0] @ weight[0]
 
 
 class GroupedExperts(nn.Module):

@@ -101,7 +101,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) ->
     """`loop_matmul` as one grouped GEMM (CUDA; bf16 rows and a width that is a multiple of 8), no host sync;
     elsewhere the loop, which gives the same numbers."""
     weight = weight.to_local() if isinstance(weight, DTensor) else weight
-    if x.dtype != torch.bfloat16 or x.shape[-1] % 8 or weight.shape[-1] % 8:
+    if not x.is_cuda or x.dtype != torch.bfloat16 or x.shape[-1] % 8 or weight.shape[-1] % 8:
         return loop_matmul(x, weight, counts)
     return grouped_mm(x, weight, counts.cumsum(0).to(torch.int32))
 

@@ -1,6 +1,7 @@
 """Turns the plain model into this rank's parallel pieces, in a fixed order: pipeline split -> TP/SP plan ->
 context parallelism (ring attention, global positions) -> expert parallelism (all-to-all) -> activation
-checkpointing -> compile -> FSDP/replicate -> per-shard init. Parameter names (FQNs) never change, so checkpoints and HF names don't depend on the layout."""
+checkpointing -> compile -> FSDP/replicate -> per-shard init. Parameter names (FQNs) never change, so
+checkpoints and HF names don't depend on the layout."""
 
 from __future__ import annotations
 
