@@ -142,6 +142,7 @@ def worker(args: list[str], out: Path) -> None:
 def speed_rows(rounds: int, steps: int, work_dir: Path, data: list[str]) -> list[dict]:
     base = [*QUIET_RUN, *data, *MOE_MODEL, f"--training.steps={steps}", f"--job.out_dir={work_dir / 'runs'}"]
     base += ["--parallelism.dp=2", "--training.micro_batch_size=4", "--training.global_batch_size=16"]
+    base += ["--training.grad_accum_steps=0"]
     samples: dict[int, list[float]] = {1: [], 2: []}
     shares: dict[int, list[float]] = {1: [], 2: []}
     for round_ in range(rounds):

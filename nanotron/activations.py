@@ -1,5 +1,6 @@
 """Activation statistics: the mean |x| (L1 norm per element) of the embedding output, each layer's attention
-output, MLP output and residual stream (the layer's output), the final norm and the logits, as `act/*` metrics.
+output, MLP (or mixture-of-experts) output, router scores (MoE layers) and residual stream (the layer's output),
+the final norm and the logits, as `act/*` metrics.
 
 They show whether activations keep their scale as a model grows (µP's coordinate check) or drift during
 training. On a stats step (`logging.activation_stats_interval`) forward hooks are added to this rank's modules
@@ -30,12 +31,18 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from nanotron.config import Config
+from nanotron.models.moe import MoE
+from nanotron.models.shapes import is_moe_layer
 from nanotron.parallel.torch_private import in_backward_pass
 
 
-def activation_names(num_layers: int) -> list[str]:
-    """The metric names, in the fixed order every rank fills its vector in."""
-    layers = [f"act/layers.{i}.{part}" for i in range(num_layers) for part in ("attn", "mlp", "residual")]
+def activation_names(num_layers: int, moe_layers: frozenset[int] = frozenset()) -> list[str]:
+    """The metric names, in the fixed order every rank fills its vector in (a MoE layer's router scores too)."""
+    layers = [
+        f"act/layers.{i}.{part}"
+        for i in range(num_layers)
+        for part in ("attn", *(("router",) if i in moe_layers else ()), "mlp", "residual")
+    ]
     return ["act/embed", *layers, "act/norm", "act/logits"]
 
 
@@ -48,11 +55,13 @@ class ActivationStats:
         p = cfg.parallelism
         # Plain (non-DTensor) activations are sequence shards under sequence parallelism, else whole on each tp rank.
         self.plain_sharded = p.tp > 1 and p.tp_mode == "reduce_scatter"
-        self.names = activation_names(cfg.model.num_layers)
         m, t = cfg.model, cfg.training
+        moe_layers = frozenset(i for i in range(m.num_layers) if is_moe_layer(m, i))
+        self.names = activation_names(m.num_layers, moe_layers)
         # What one step's hooks must count in all: each activation of every sample of the global batch, once.
         tokens = t.global_batch_size * t.seq_len
-        self.expected_counts = [tokens * m.hidden_size] * (len(self.names) - 1) + [tokens * m.vocab_size]
+        widths = [m.moe.num_experts if n.endswith(".router") else m.hidden_size for n in self.names[:-1]]
+        self.expected_counts = [tokens * w for w in widths] + [tokens * m.vocab_size]
         self.index = {name: i for i, name in enumerate(self.names)}
         self.pending = False
 
@@ -99,6 +108,9 @@ class ActivationStats:
             for i, layer in model.layers.items():
                 tracked += [(layer.self_attn, f"act/layers.{i}.attn"), (layer.mlp, f"act/layers.{i}.mlp")]
                 tracked.append((layer, f"act/layers.{i}.residual"))
+                if isinstance(layer.mlp, MoE):  # its router's scores [tokens, experts], whole on every tp rank
+                    hook = self._hook(self.index[f"act/layers.{i}.router"], router=True)
+                    handles.append(layer.mlp.gate.register_forward_hook(hook))
             if model.norm is not None:
                 tracked.append((model.norm, "act/norm"))
             if module.lm_head is not None:
@@ -106,22 +118,22 @@ class ActivationStats:
             handles += [m.register_forward_hook(self._hook(self.index[name])) for m, name in tracked]
         return handles
 
-    def _hook(self, index: int):
+    def _hook(self, index: int, router: bool = False):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             if in_backward_pass():  # a forward run again by backward: recomputation
                 return
-            self._add(index, output)
+            self._add(index, output[0], whole=True) if router else self._add(index, output)
 
         return hook
 
     @torch.no_grad()
-    def _add(self, index: int, output: torch.Tensor) -> None:
+    def _add(self, index: int, output: torch.Tensor, whole: bool = False) -> None:
         if isinstance(output, DTensor):
             if any(p.is_partial() for p in output.placements):
                 raise RuntimeError(f"{self.names[index]}: a partial-sum DTensor has no per-element |x| to take")
             local, sharded = output.to_local(), any(p.is_shard() for p in output.placements)
         else:
-            local, sharded = output, self.plain_sharded
+            local, sharded = output, self.plain_sharded and not whole
         if not sharded and self.tp_rank != 0:
             return  # every tp rank holds this tensor whole: tp rank 0 counts it for them
         # fp32 sums per row (no full-size copy), added in fp64: the total is then the same at every layout.

@@ -283,3 +283,30 @@ def test_moe_layer_equals_a_token_by_token_loop(router):
     x = torch.randn(2, 5, 12, dtype=torch.float64, generator=g)
     assert torch.allclose(moe(x), naive_moe(moe, x), rtol=1e-12, atol=1e-12)
     assert int(moe.tokens_per_expert.sum()) == 2 * 5 * 2
+
+
+def test_capacity_drops_per_sequence_so_batching_does_not_change_the_output():
+    """capacity_factor keeps the earliest ceil(f x seq x top_k / E) (token, choice) pairs of each sequence per
+    expert: a sequence gives the same output and the same dropped count alone or in any batch (any layout)."""
+    from nanotron.config import ModelConfig
+    from nanotron.config.validate import resolve_model
+    from nanotron.models.moe import MoE
+
+    cfg = ModelConfig(hidden_size=12, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=8)
+    cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.capacity_factor = 4, 2, 0.5
+    resolve_model(cfg)
+    moe = MoE(cfg).double()
+    g = torch.Generator().manual_seed(5)
+    for p in moe.parameters():
+        p.data = torch.randn(p.shape, dtype=torch.float64, generator=g)
+    x = torch.randn(3, 8, 12, dtype=torch.float64, generator=g)
+    together = moe(x)
+    dropped_together = int(moe.dropped_tokens)
+    alone, dropped_alone = [], 0
+    for b in range(3):
+        moe.dropped_tokens.zero_()
+        alone.append(moe(x[b : b + 1]))
+        dropped_alone += int(moe.dropped_tokens)
+    assert torch.allclose(together, torch.cat(alone), rtol=1e-12, atol=1e-12)
+    assert dropped_together == dropped_alone > 0  # capacity 2 per expert per sequence: 16 pairs can't all fit
+    assert int(moe.tokens_per_expert.sum()) + 2 * dropped_together == 2 * (3 * 8 * 2)  # kept + dropped, two passes
