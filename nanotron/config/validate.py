@@ -201,6 +201,12 @@ def _validate_parallelism(cfg: Config) -> None:
             "backward (parameters freed after forward); use zero_stage=2 (gradients stay sharded) or "
             "pp_engine '1f1b' or 'interleaved_1f1b'"
         )
+    if p.pp > 1 and p.recompute_layer and PP_ENGINES[p.pp_engine].split_backward:
+        raise ConfigError(
+            f"parallelism.recompute_layer=true with pp_engine='{p.pp_engine}' is not supported (torch 2.13's split "
+            "backward recomputes each layer twice and its checkpoint fails); use pp_engine '1f1b' or "
+            "'interleaved_1f1b' with recompute, or recompute_layer=false"
+        )
     if PP_ENGINES[p.pp_engine].stage_order == "v" and p.pp_stages_per_rank != 2:
         raise ConfigError("parallelism.pp_engine='zbv' needs parallelism.pp_stages_per_rank=2 (a V of two stages)")
     stages = cfg.num_stages
