@@ -86,29 +86,49 @@ def test_init_depends_only_on_seed_and_meta_init_matches_eager():
     assert not torch.equal(other.lm_head.weight, eager.lm_head.weight)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_shapes_table_is_the_built_models(tied):
+def moe_config(**overrides) -> ModelConfig:
+    """small_config with a mixture of experts after one dense layer (6 experts of width 48, top 2, a shared one)."""
+    from nanotron.config.validate import resolve_model
+
+    cfg = small_config(**overrides)
+    moe = cfg.moe
+    moe.num_experts, moe.top_k, moe.moe_intermediate_size, moe.num_shared_experts, moe.first_dense_layers = (
+        6,
+        2,
+        48,
+        1,
+        1,
+    )
+    resolve_model(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe"])
+def test_shapes_table_is_the_built_models(kind):
     """models/shapes.py (what the planner and MFU read) names every parameter of the model with its shape."""
-    cfg = small_config(tie_word_embeddings=tied)
+    cfg = moe_config() if kind == "moe" else small_config(tie_word_embeddings=kind == "tied")
     built = {name: tuple(p.shape) for name, p in LlamaForCausalLM(cfg).named_parameters()}
     table = dict(root_shapes(cfg))
     for i in range(cfg.num_layers):
-        table |= {f"model.layers.{i}.{name}": shape for name, shape in layer_shapes(cfg).items()}
+        table |= {f"model.layers.{i}.{name}": shape for name, shape in layer_shapes(cfg, i).items()}
     assert table == built
 
 
 def test_param_count_follows_the_config():
     cfg = small_config()
     assert num_params(cfg) == sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    moe = moe_config()
+    assert num_params(moe) == sum(p.numel() for p in LlamaForCausalLM(moe).parameters())
     tied = small_config(tie_word_embeddings=True)
     assert num_params(tied) == sum(p.numel() for p in LlamaForCausalLM(tied).parameters())
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_flops_per_token_equals_the_matmul_flops_torch_counts(tied):
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe"])
+def test_flops_per_token_equals_the_matmul_flops_torch_counts(kind):
     """An independent count: FlopCounterMode over a real forward + backward (SDPA's math backend, whose
-    matmuls the counter sees; the fused CPU kernel is invisible to it)."""
-    cfg = small_config(tie_word_embeddings=tied)
+    matmuls the counter sees; the fused CPU kernel is invisible to it). A mixture of experts counts its active
+    parameters: each routed copy of a token meets one expert, plus the router and the shared expert."""
+    cfg = moe_config() if kind == "moe" else small_config(tie_word_embeddings=kind == "tied")
     model = LlamaForCausalLM(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
