@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nanotron.config import Config
 from nanotron.errors import ConfigError
-from nanotron.parallel.torch_private import flatten_mesh, set_group_timeout, unflatten_mesh
+from nanotron.parallel.torch_private import concatenate_meshes, flatten_mesh, set_group_timeout, unflatten_mesh
 
 
 def launched_world_size() -> int:
@@ -152,11 +152,23 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
-    """dp x cp as ("edp", "ep"), ep innermost: experts are split over "ep" and FSDP-sharded over "edp"."""
+    """The FSDP group (dp x cp; dp_shard x cp under HSDP) as ("edp", "ep"), ep innermost: experts are split over
+    "ep" and FSDP-sharded over "edp" (and replicated over "dp_replicate" under HSDP)."""
     if ep == 1:
         return None
-    data = loss_mesh(mesh)
-    return unflatten_mesh(data, (data.size() // ep, ep), ("edp", "ep"))
+    names = mesh.mesh_dim_names or ()
+    if "dp_shard" in names:
+        group = mesh["dp_shard_cp" if "cp" in names else "dp_shard"]
+    else:
+        group = loss_mesh(mesh)
+    return unflatten_mesh(group, (group.size() // ep, ep), ("edp", "ep"))
+
+
+def expert_data_mesh(mesh: DeviceMesh, experts: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP works on for expert weights: "edp", or ("dp_replicate", "edp") under HSDP."""
+    if "dp_replicate" in (mesh.mesh_dim_names or ()):
+        return concatenate_meshes([mesh["dp_replicate"], experts["edp"]])
+    return experts["edp"]
 
 
 def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:

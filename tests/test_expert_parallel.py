@@ -114,7 +114,12 @@ EP_LAYOUTS = [  # (dp, tp, pp, ep, extra)
         1,
         2,
         2,
-        ["--parallelism.zero_stage=2", "--parallelism.pp_engine=interleaved_1f1b", "--training.micro_batch_size=1"],
+        [  # HSDP: experts split within each dp_shard group of 2, replicated across the 2 groups
+            "--parallelism.zero_stage=2",
+            "--parallelism.dp_shard=2",
+            "--parallelism.pp_engine=interleaved_1f1b",
+            "--training.micro_batch_size=1",
+        ],
     ),
 ]
 
@@ -225,6 +230,11 @@ def test_ep2_checkpoint_resumes_at_ep1_dp2_like_an_uninterrupted_run(tiny_data, 
         (
             {"model.moe.num_experts": "8", "parallelism.dp": "2", "parallelism.ep": "4"},
             "parallelism.ep=4 must divide dp x cp = 2 x 1 = 2",
+        ),
+        (
+            {"model.moe.num_experts": "8", "parallelism.dp": "4", "parallelism.dp_shard": "2", "parallelism.ep": "4"}
+            | {"parallelism.zero_stage": "1"},
+            "parallelism.ep=4 must divide dp_shard x cp = 2 x 1 = 2 under HSDP",
         ),
         ({"model.moe.num_experts": "4", "model.moe.top_k": "5"}, "model.moe.top_k=5 exceeds model.moe.num_experts=4"),
         ({"model.moe.num_experts": "4", "model.moe.router": "softmax"}, "model.moe.router: expected one of"),

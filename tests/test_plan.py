@@ -219,10 +219,13 @@ def test_search_offers_context_parallel_layouts_for_long_sequences():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", ["0", "3"])
+@pytest.mark.parametrize("zero", ["0", "3", "hsdp"])
 def test_check_builds_ep_ranks_and_their_expert_shards_equal_the_formula(zero):
-    """Experts split over ep (dim 0) and FSDP over the rest of dp x cp (dim 1), dense layers over dp x cp."""
-    layout = ["--parallelism.dp=4", "--parallelism.ep=2", "--parallelism.tp=2", f"--parallelism.zero_stage={zero}"]
+    """Experts split over ep (dim 0) and FSDP over the rest of dp x cp (dim 1), dense layers over dp x cp; under
+    HSDP experts split within a dp_shard group."""
+    hsdp = ["--parallelism.zero_stage=3", "--parallelism.dp_shard=2"]
+    stage = hsdp if zero == "hsdp" else [f"--parallelism.zero_stage={zero}"]
+    layout = ["--parallelism.dp=4", "--parallelism.ep=2", "--parallelism.tp=2", *stage]
     proc = plan("--config", "configs/moe.toml", "--nodes", "1", "--gpus_per_node", "8", "--check", *layout)
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout, "| rank | pp |")

@@ -141,9 +141,7 @@ def test_unflatten_mesh_splits_a_dimension_into_named_dims_of_the_root(world_of_
     mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
     experts = door.unflatten_mesh(mesh["dp"], (1, 1), ("edp", "ep"))
     assert experts.mesh_dim_names == ("edp", "ep") and experts["ep"].size() == 1
-    from torch.distributed.device_mesh import DeviceMesh
-
-    both = DeviceMesh._concatenate([experts["edp"], experts["ep"]])  # what FSDP does with an ep-sharded weight
+    both = door.concatenate_meshes([experts["edp"], experts["ep"]])  # what FSDP does with an ep-sharded weight
     assert both.mesh_dim_names == ("edp", "ep")
 
 

@@ -269,10 +269,11 @@ def _validate_experts(cfg: Config) -> None:
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallelism.ep={p.ep} (each ep rank "
             "holds the same number of experts); pick ep among its divisors"
         )
-    if cfg.dp_shard_size != p.dp and p.zero_stage >= 1:
+    shard = cfg.dp_shard_size * p.cp
+    if cfg.dp_shard_size != p.dp and p.zero_stage >= 1 and shard % p.ep:
         raise ConfigError(
-            f"parallelism.ep={p.ep} with HSDP (dp_shard={p.dp_shard} < dp={p.dp}) is not supported yet; set "
-            "parallelism.dp_shard=0 (plain FSDP over dp), or ep=1"
+            f"parallelism.ep={p.ep} must divide dp_shard x cp = {cfg.dp_shard_size} x {p.cp} = {shard} under HSDP "
+            "(experts are split within an FSDP group and replicated across groups); pick ep among its divisors"
         )
     if moe.aux_loss_coef and p.cp > 1:
         raise ConfigError(_AUX_CP)

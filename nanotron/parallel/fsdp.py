@@ -37,7 +37,7 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(
-    model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str, expert_mesh: DeviceMesh | None = None
+    model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str, expert_dp_mesh: DeviceMesh | None = None
 ) -> None:
     """Wraps each decoder layer, then the root (a ModuleDict itself can't be wrapped).
 
@@ -46,8 +46,8 @@ def apply_fsdp(
     params between forward and backward; 3 frees them after forward (re-gathers in backward).
     """
     policy = mixed_precision(dtype)
-    if expert_mesh is not None:
-        _shard_experts(model, expert_mesh, zero_stage, policy)
+    if expert_dp_mesh is not None:
+        _shard_experts(model, expert_dp_mesh, zero_stage, policy)
     if zero_stage == 0:
         for layer in model.model.layers.values():
             replicate(layer, mesh=dp_mesh, mp_policy=policy)
@@ -59,20 +59,21 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
 
 
-def _shard_experts(model, expert_mesh: DeviceMesh, zero_stage: int, policy) -> None:
-    """Expert weights (already split over "ep") get their own FSDP unit over "edp", the data-parallel ranks that
-    hold the same experts; inside each layer's unit, which then leaves them alone. FSDP averages their gradients
-    over edp; the dispatcher has already divided them by ep (see `AllToAllDispatch`)."""
+def _shard_experts(model, mesh: DeviceMesh, zero_stage: int, policy) -> None:
+    """Expert weights (already split over "ep") get their own FSDP unit over `mesh`: "edp", the data-parallel ranks
+    that hold the same experts (HSDP: replicated over "dp_replicate", sharded over "edp"); inside each layer's
+    unit, which then leaves them alone. FSDP averages their gradients over it; the dispatcher has already divided
+    them by ep (see `AllToAllDispatch`)."""
     for layer in model.model.layers.values():
         experts = getattr(layer.mlp, "experts", None)
         if experts is None:
             continue
         if zero_stage == 0:
-            replicate(experts, mesh=expert_mesh["edp"], mp_policy=policy)
+            replicate(experts, mesh=mesh, mp_policy=policy)
         else:
             fully_shard(
                 experts,
-                mesh=expert_mesh["edp"],
+                mesh=mesh,
                 mp_policy=policy,
                 reshard_after_forward=zero_stage == 3,
                 shard_placement_fn=expert_shard_dim,

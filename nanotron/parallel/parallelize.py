@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from nanotron.config import Config
-from nanotron.distributed import ParallelContext, data_parallel_mesh
+from nanotron.distributed import ParallelContext, data_parallel_mesh, expert_data_mesh
 from nanotron.gpu import async_tp_unavailable
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
@@ -43,7 +43,8 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
         if cfg.training.compile:
             for layer in module.model.layers.values():
                 layer.compile()
-        apply_fsdp(module, data_parallel_mesh(ctx.mesh), p.zero_stage, cfg.training.dtype, ctx.expert_mesh)
+        experts = expert_data_mesh(ctx.mesh, ctx.expert_mesh) if ctx.expert_mesh is not None else None
+        apply_fsdp(module, data_parallel_mesh(ctx.mesh), p.zero_stage, cfg.training.dtype, experts)
     return stages
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "attention_with_lse",
     "attention_with_lse_backward",
     "checkpoint_in_place",
+    "concatenate_meshes",
     "enable_inductor_async_tp",
     "fake_process_group",
     "flight_recorder_dump",
@@ -51,6 +52,14 @@ def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, .
     """A 1-D `mesh` (e.g. the flattened dp x cp) split into named dims of its root mesh (expert parallelism's
     ("edp", "ep")); FSDP can then combine a parameter's ep sharding with its own over edp."""
     return mesh._unflatten(0, sizes, names)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """Dims of one root mesh side by side as one mesh (HSDP's ("dp_replicate", "edp") for expert weights);
+    FSDP does the same with a parameter's own DTensor mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
