@@ -115,7 +115,7 @@ class Trainer:
             meta={
                 "global_batch_size": cfg.training.global_batch_size,
                 "world_size": self.ctx.world_size,
-                "layout": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
+                "layout": {"dp": p.dp, "cp": p.cp, "ep": p.ep, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
             },
             log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
             device=self.ctx.device,

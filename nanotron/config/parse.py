@@ -229,6 +229,19 @@ def help_text() -> str:
         out.append(f"[{section.name}]")
         for f in fields(SECTIONS[section.name]):
             default = f.default if f.default is not MISSING else f.default_factory()
-            choices = f" ({'|'.join(map(str, f.metadata['choices']))})" if f.metadata.get("choices") else ""
-            out.append(f"  {f.name} = {default!r}{choices}: {f.metadata['help']}")
+            if is_dataclass(default):  # a table such as [model.moe]: its keys, spelled as on the command line
+                out.append(f"  [{section.name}.{f.name}] {f.metadata['help']}")
+                out += [f"  {f.name}.{line}" for line in _field_lines(default)]
+                continue
+            out += [f"  {line}" for line in _field_lines(default, f)]
     return "\n".join(out)
+
+
+def _field_lines(value: Any, f: Any = None) -> list[str]:
+    """`key = default (choices): help` for one field, or for every field of a table's dataclass."""
+    items = [(f, value)] if f is not None else [(g, getattr(value, g.name)) for g in fields(value)]
+    lines = []
+    for field_, default in items:
+        choices = f" ({'|'.join(map(str, field_.metadata['choices']))})" if field_.metadata.get("choices") else ""
+        lines.append(f"{field_.name} = {default!r}{choices}: {field_.metadata['help']}")
+    return lines
