@@ -3,9 +3,12 @@
 Two runs writing one run dir interleave metrics.jsonl, resume from each other's checkpoints and prune each
 other's saves. The lock is a hard link to a fully written file (atomic, and it fails when the lock exists, on
 local and NFS-style shared filesystems alike, unlike flock, which many cluster filesystems don't honour
-across nodes). A lock whose owner is gone is taken over with a note: a dead pid on this host, or an earlier
-run of the same Slurm job (a requeue: a higher SLURM_RESTART_COUNT, which Slurm starts only after the
-previous run ended, possibly on another node). Anything else is refused.
+across nodes). A lock whose owner is provably gone is taken over with a note: an earlier run of the same Slurm
+job (a requeue: a higher SLURM_RESTART_COUNT, which Slurm starts only after the previous run ended, possibly on
+another node); on this host, an owner from before the last reboot (another boot id), or in this pid namespace a
+pid that has exited or now belongs to a process started at another time (a reused pid). An owner in another pid
+namespace on this host (a container, `unshare --pid`) has a pid that means nothing here: undecidable, so refused,
+naming the file to delete if it is gone. Anything else is refused too.
 """
 
 from __future__ import annotations
@@ -29,7 +32,49 @@ def _owner() -> dict:
         "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
         "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **process_identity(),
     }
+
+
+def process_identity() -> dict:
+    """What tells this process apart beyond its pid (Linux; empty values elsewhere): the host's boot, the pid
+    namespace the pid belongs to, and the process's start time in clock ticks since boot."""
+    return {
+        "boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
+        "pid_ns": _readlink("/proc/self/ns/pid"),
+        "start_ticks": _start_ticks("self"),
+    }
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int | str) -> int | None:
+    """Field 22 of /proc/PID/stat (after the command name, which may hold spaces and parentheses)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _proc_shows_my_namespace() -> bool:
+    """Whether /proc's pids are this pid namespace's (not so under `unshare --pid` without a new /proc)."""
+    try:
+        return int(Path("/proc/self/stat").read_text().split()[0]) == os.getpid()
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -42,8 +87,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+OTHER_NAMESPACE = "another pid namespace"
+
+
 def _stale_reason(owner: dict) -> str | None:
-    """Why the lock's owner can no longer be writing (None: it may be)."""
+    """Why the lock's owner can no longer be writing (None: it may be, or it can't be told; see `_undecidable`)."""
     me = _owner()
     restart = owner.get("slurm_restart", 0)
     if (
@@ -53,9 +101,25 @@ def _stale_reason(owner: dict) -> str | None:
     ):
         return f"an earlier run of Slurm job {owner['slurm_job_id']} (requeued)"
     pid = owner.get("pid")
-    if owner.get("host") == me["host"] and isinstance(pid, int) and not _alive(pid):
+    if owner.get("host") != me["host"] or not isinstance(pid, int):
+        return None
+    boot = owner.get("boot_id")
+    if boot and me["boot_id"] and boot != me["boot_id"]:
+        return f"process {pid} on {owner['host']} from before the host rebooted"
+    if _undecidable(owner, me):
+        return None
+    if not _alive(pid):
         return f"process {pid} on {owner['host']}, which has exited"
+    started = owner.get("start_ticks")
+    if isinstance(started, int) and _proc_shows_my_namespace() and _start_ticks(pid) not in (None, started):
+        return f"process {pid} on {owner['host']}, which has exited (its pid was reused by another process)"
     return None
+
+
+def _undecidable(owner: dict, me: dict) -> bool:
+    """An owner on this host in another pid namespace: its pid can't be looked up from here. (A lock written
+    before these fields existed has none: judged by its pid, as then.)"""
+    return bool(owner.get("pid_ns")) and bool(me["pid_ns"]) and owner["pid_ns"] != me["pid_ns"]
 
 
 class RunLock:
@@ -125,6 +189,9 @@ class RunLock:
             who += f" (Slurm job {owner['slurm_job_id']})"
         since = f"({who}, since {owner.get('started', '?')})"
         gone = f"if it is gone and was on another host, delete {self.path}"
+        if owner.get("host") == socket.gethostname() and _undecidable(owner, process_identity()):
+            since = f"({who} in {OTHER_NAMESPACE} {owner['pid_ns']}, a container?, since {owner.get('started', '?')})"
+            gone = f"whether it still runs can't be told from this namespace: if it is gone, delete {self.path}"
         if self.key == "checkpoint.dir":
             return (
                 f"checkpoint.dir: {self.path.parent} is in use by another run {since}; each run needs its own "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 
 import pytest
 from conftest import TINY_MODEL, popen_train, read_metrics, run_train, wait_for_training
@@ -117,3 +119,53 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_is_untouched(ti
     assert steps == list(range(1, len(steps) + 1))  # one writer: no interleaved records
     assert not (tmp_path / "shared" / LOCK_FILE).exists()  # released at the end, so the run resumes:
     run_train([*args, f"--training.steps={steps[-1] + 1}"])
+
+
+# ---- containers: pid namespaces, reboots, reused pids (issue 26 item 2) --------------------------------------
+
+
+def this_process() -> dict:
+    from nanotron.lock import process_identity
+
+    return process_identity()
+
+
+def test_an_owner_in_another_pid_namespace_is_refused_naming_the_file_even_if_its_pid_looks_dead(tmp_path):
+    """Its pid means nothing here: whether it runs can't be decided, so the lock is not taken over."""
+    me = this_process()
+    write_lock(tmp_path, pid=dead_pid(), boot_id=me["boot_id"], pid_ns="pid:[1]", start_ticks=5)
+    with pytest.raises(ConfigError, match=rf"another pid namespace.*delete {tmp_path / LOCK_FILE}") as error:
+        RunLock(tmp_path).acquire()
+    assert "\n" not in str(error.value)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid_ns"] == "pid:[1]"  # untouched
+
+
+def test_a_reboot_or_a_reused_pid_frees_the_lock_and_a_live_owner_keeps_it(tmp_path):
+    me = this_process()
+    write_lock(tmp_path, pid=os.getpid(), boot_id="another-boot", pid_ns=me["pid_ns"], start_ticks=me["start_ticks"])
+    lock = RunLock(tmp_path)
+    assert "rebooted" in lock.acquire()
+    lock.release()
+    # pid alive in this namespace but started at another time: another process now has that pid
+    write_lock(tmp_path, pid=os.getppid(), boot_id=me["boot_id"], pid_ns=me["pid_ns"], start_ticks=1)
+    lock = RunLock(tmp_path)
+    assert "reused" in lock.acquire()
+    lock.release()
+    write_lock(tmp_path, pid=os.getpid(), **{k: me[k] for k in ("boot_id", "pid_ns", "start_ticks")})
+    with pytest.raises(ConfigError, match="in use by another run"):
+        RunLock(tmp_path).acquire()
+
+
+UNSHARE = ["unshare", "--pid", "--fork"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
+def test_a_run_started_in_its_own_pid_namespace_does_not_take_a_live_lock(tmp_path):
+    """The bug: `unshare --pid` sees the owner's pid as dead, took the lock over and both trained."""
+    held = RunLock(tmp_path)
+    held.acquire()
+    code = f"from nanotron.lock import RunLock; RunLock({str(tmp_path)!r}).acquire(); print('TOOK IT')"
+    proc = subprocess.run([*UNSHARE, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "TOOK IT" not in proc.stdout and "another pid namespace" in proc.stderr, proc.stderr[-2000:]
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    held.release()
