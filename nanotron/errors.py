@@ -10,6 +10,7 @@ because a peer went away stay quiet and exit with the first failure's code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import os
@@ -55,6 +56,39 @@ class NodeFaultError(UserError):
 
 class LaunchError(UserError):
     """A job can't be started (no Slurm here, sbatch refused it, a worker failed)."""
+
+
+class StorageError(UserError):
+    """The file system refused a write of a running job (read-only, full, over quota, permissions)."""
+
+
+# What a file system says that a person fixes (space, quota, permissions, a read-only or failing mount). Anything
+# else (a path that should exist and doesn't, a bad argument) is a bug: it stays a traceback.
+STORAGE_ERRNOS = {
+    errno.EROFS,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EFBIG,
+    errno.EIO,
+    errno.ESTALE,
+}
+
+
+@contextlib.contextmanager
+def storage_errors(action: str, path: object, hint: str = ""):
+    """One line for a file-system failure while `action` (e.g. "commit checkpoint") on `path`: the file and the
+    OS error (`No space left on device`, `Read-only file system`), and `hint`."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in STORAGE_ERRNOS:
+            raise
+        where = f" ({error.filename})" if error.filename and str(error.filename) != str(path) else ""
+        raise StorageError(
+            f"cannot {action} '{path}'{where}: {error.strerror}" + (f"; {hint}" if hint else "")
+        ) from None
 
 
 def run_command(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:

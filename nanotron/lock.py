@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -210,11 +211,16 @@ class RunLock:
         self.release()
 
     def release(self) -> None:
+        """Removes our lock file; a file system that refuses (read-only, gone) is one warning line, never an error
+        that would hide the run's own outcome (the next run takes over a dead owner's lock)."""
         if not self.held:
             return
         self.held = False
         if self._read(self.path) == self.owner:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as error:
+                print(f"warning: cannot remove the run lock '{self.path}' ({error.strerror})", file=sys.stderr)
 
 
 def lock_run(folders: list[Path]) -> contextlib.ExitStack:

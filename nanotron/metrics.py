@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import Config, ProfilerConfig
+from nanotron.errors import storage_errors
 from nanotron.gpu import gpu_peak_tflops, math_mode
 from nanotron.models.shapes import active_params, num_params
 
@@ -73,6 +74,9 @@ def format_duration(seconds: float) -> str:
     )
 
 
+METRICS_HINT = "free space or fix the run dir (job.out_dir), then resume from the last checkpoint"
+
+
 class MetricsLogger:
     """Writes on the logging rank only; every other rank gets a no-op logger."""
 
@@ -83,7 +87,9 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.path = run_dir / "metrics.jsonl"
+        with storage_errors("write metrics", self.path, METRICS_HINT):
+            self.file = open(self.path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -92,8 +98,9 @@ class MetricsLogger:
     def log(self, record: dict, line: str | None = None) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with storage_errors("write metrics", self.path, METRICS_HINT):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -112,7 +119,10 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # its buffered line failed to write: already reported by `log`
+                pass
         if self.writer is not None:
             self.writer.close()
 

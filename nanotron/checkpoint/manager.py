@@ -27,7 +27,7 @@ import nanotron.checkpoint.integrity as integrity
 import nanotron.checkpoint.layout as layout
 from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, short
 from nanotron.config import CheckpointConfig
-from nanotron.errors import CheckpointError
+from nanotron.errors import CheckpointError, storage_errors
 
 
 class Stateful(Protocol):
@@ -108,8 +108,9 @@ class CheckpointManager:
         self.last_saved_step, self.save_started = step, time.perf_counter()
         target, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            with storage_errors("save checkpoint", tmp, self._kept()):
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
         _barrier()
         state = {name: component.state_dict() for name, component in self.states.items()}
         progress = {**self.progress.state_dict(), **self.meta}  # as of now, even if an async save commits later
@@ -163,12 +164,20 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"not committing {tmp}: {error}; is checkpoint.dir on a filesystem that every node shares?"
                 ) from None
-            self.write_extras(tmp)
-            integrity.write(tmp, shard_sums)
-            layout.commit(tmp, target, progress)
-            layout.prune(self.folder, layout.step_of(target), self.options.keep_last)
+            with storage_errors("commit checkpoint", tmp, self._kept()):
+                self.write_extras(tmp)
+                integrity.write(tmp, shard_sums)
+                layout.commit(tmp, target, progress)
+            with storage_errors("prune old checkpoints in", self.folder, f"{target} is saved and latest"):
+                layout.prune(self.folder, layout.step_of(target), self.options.keep_last)
             self.log(f"checkpoint: saved {target} in {time.perf_counter() - self.save_started:.2f}s")
         _barrier()
+
+    def _kept(self) -> str:
+        """What a failed save leaves: the last committed checkpoint, still `latest`."""
+        last = layout.committed_steps(self.folder)
+        kept = f"the last checkpoint, {last[-1]}, stays committed and latest" if last else "no checkpoint was committed"
+        return f"{kept}; free space or fix checkpoint.dir, then resume"
 
     def close(self) -> None:
         """Finishes any save in flight and frees the staging buffers."""

@@ -7,10 +7,11 @@ before anything is read, and a read that fails names its file.
 
 from __future__ import annotations
 
+import os
 import pickle
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,8 @@ def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
         cause = _first_cause(error)
         if isinstance(cause, CheckpointError):
             raise cause from None
+        if action == "save" and _serializer_write_failed(cause):
+            cause = _probe_write(Path(path)) or cause  # torch's C++ writer hides the OS error: ask the OS again
         if not isinstance(cause, USER_FIXABLE):
             raise
         if action == "save" and isinstance(cause, OSError):
@@ -153,6 +156,30 @@ def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
                 "or fix the permissions and limits of checkpoint.dir, then resume from the last checkpoint"
             ) from None
         raise CheckpointError(f"cannot {action} checkpoint '{path}': {short(cause)}") from None
+
+
+def _serializer_write_failed(error: BaseException) -> bool:
+    """torch.save's C++ stream writer failing mid-file (a full disk shows as "[enforce fail at
+    inline_container.cc] unexpected pos", or "PytorchStreamWriter failed writing file"), with no OS error."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text)
+
+
+def _probe_write(folder: Path) -> OSError | None:
+    """The OS error a 64 KiB write into `folder` gets now (e.g. No space left on device), or None if it works."""
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(65536))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        error.filename = None  # the probe is ours: name the checkpoint's file instead
+        return error
+    finally:
+        with suppress(OSError):
+            probe.unlink(missing_ok=True)
+    return None
 
 
 def _file_being_written(folder: Path) -> Path | str:
