@@ -19,6 +19,9 @@ import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
+
+from nanotron.signals import LAUNCHER_PID_VARIABLE
 
 FAILED_KEY = "nanotron/failed"
 
@@ -99,12 +102,60 @@ def run_command(main: Callable[[list[str]], int | None], argv: list[str] | None 
     except UserError as error:
         _report(str(error), error.exit_code)
         return error.exit_code
-    except Exception:
+    except Exception as error:
         first = _first_failure()
         if first is not None:  # a peer failed first and this rank only lost its connection: stay quiet
             return first
+        if peer_lost(error) and (saved := save_peer_loss()) is not None:
+            return saved  # a peer died without a word (a signal): the launcher names it; the traceback is on file
         _record_failure(1)
         raise
+
+
+RUN_DIR_VARIABLE = "NANOTRON_RUN_DIR"  # set by `nanotron.train` for its own process once the config is resolved
+LAUNCH_ATTEMPT_VARIABLE = "NANOTRON_LAUNCH_ATTEMPT"  # nanotron.watch.faults.ATTEMPT_VARIABLE (0, 1, ... restarts)
+PEER_LOST_EXIT_CODE = 1
+# What a collective says when the rank at the other end is gone (gloo; NCCL with async error handling).
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "remote process exited",
+)
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` (or what it was raised from) is a collective losing its peer."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if any(text in str(error) for text in _PEER_LOST):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def incident_dir() -> Path | None:
+    """Where this launch's ranks and launcher keep the details of a rank's death: `<run dir>/incidents/
+    launch-<launcher pid>-<attempt>/` (None without nanotron's launcher or a known run dir)."""
+    run_dir, launcher = os.environ.get(RUN_DIR_VARIABLE), os.environ.get(LAUNCHER_PID_VARIABLE)
+    if not run_dir or not launcher:
+        return None
+    return Path(run_dir) / "incidents" / f"launch-{launcher}-{os.environ.get(LAUNCH_ATTEMPT_VARIABLE, '0')}"
+
+
+def save_peer_loss() -> int | None:
+    """Under nanotron's launcher: this rank's traceback to the incident folder, nothing on the console (the
+    launcher prints one line naming the rank that died); the exit code, or None when it can't be filed."""
+    folder = incident_dir()
+    if folder is None:
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank-{os.environ.get('RANK', '0')}.traceback.txt").write_text(traceback.format_exc())
+    except OSError:
+        return None
+    return PEER_LOST_EXIT_CODE
 
 
 def _world_size() -> int:

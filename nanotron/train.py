@@ -13,7 +13,7 @@ from nanotron.checkpoint import check_writable
 from nanotron.config import help_text, load_config, parse_overrides
 from nanotron.data import prepare_data
 from nanotron.distributed import destroy_distributed, launched_world_size
-from nanotron.errors import run_as_main, run_command
+from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
 from nanotron.gpu import apply_env_defaults
 from nanotron.launch.local import pop_nproc, spawn_local
 from nanotron.lock import lock_run
@@ -28,6 +28,7 @@ def _main(argv: list[str]) -> int:
     nproc = pop_nproc(argv)
     path, overrides = parse_overrides(argv)
     cfg = load_config(path, overrides, world_size=nproc or launched_world_size())
+    os.environ[RUN_DIR_VARIABLE] = str(cfg.run_dir.absolute())  # where a rank files what the console must not show
     check_writable("job.out_dir", cfg.run_dir)
     check_writable("checkpoint.dir", cfg.checkpoint_dir)
     apply_env_defaults(cfg)  # before anything touches CUDA or NCCL; local ranks inherit them

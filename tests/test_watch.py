@@ -339,3 +339,21 @@ def test_the_doctor_passes_a_healthy_8_rank_layout_in_under_a_minute_and_runs_be
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 75 and "doctor: rank 1 " in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "tiny" / "metrics.jsonl").exists()  # stopped before step 1
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_named_in_one_line_and_the_details_are_filed(tiny_data, tmp_path):
+    """Issue 26 item 6: rank 3 SIGKILLed mid-run. The console shows one line naming the rank, node, signal and
+    step, not the peers' gloo tracebacks nor torchrun's table; those go to the run dir's incident folder."""
+    proc = start(tiny_data, tmp_path, "killed", "rank:3,step:3,kind:crash", ["--checkpoint.interval=2"])
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    node = os.uname().nodename
+    (line,) = [x for x in stderr.splitlines() if x.strip()]  # nothing else on stderr
+    assert line.startswith(f"rank 3 (node {node}) died: killed by signal 9 (SIGKILL) at step 3"), stderr[-3000:]
+    assert "Traceback" not in stdout + stderr
+    (incident,) = (tmp_path / "killed" / "incidents").iterdir()
+    assert line.endswith(f"details in {incident}")
+    assert "Root Cause" in (incident / "summary.txt").read_text()
+    assert {f.name for f in incident.glob("rank-*.traceback.txt")} == {f"rank-{r}.traceback.txt" for r in range(3)}
+    assert "by peer" in (incident / "rank-0.traceback.txt").read_text()  # gloo: connection closed or reset

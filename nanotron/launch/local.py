@@ -19,16 +19,18 @@ import json
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, UserError
+from nanotron.errors import RUN_DIR_VARIABLE, ConfigError, DivergenceError, NodeFaultError, UserError, incident_dir
 from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
 from nanotron.watch.faults import ATTEMPT_VARIABLE
-from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE
+from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE, info_path, read_slot, slot_path
+from nanotron.watch.nodes import node_name
 from nanotron.watch.suspects import record_fault
 from nanotron.watch.watcher import VERDICT
 
@@ -90,12 +92,75 @@ def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
             if (verdict := watch_dir / VERDICT).exists():  # the watcher ended the ranks and printed why
                 verdict = json.loads(verdict.read_text())
                 return verdict["exit_code"], verdict
+            if (died := _report_death(error, watch_dir)) is not None:  # a rank killed by a signal: named in one line
+                return died, None
             _, failure = error.get_first_failure()
             if failure.exitcode in QUIET_EXIT_CODES:  # the worker has printed its one-line error
                 return failure.exitcode, None
             print(error.format_msg(), file=sys.stderr, flush=True)
             return 1, None
     return 0, None
+
+
+def _report_death(error, watch_dir: Path) -> int | None:
+    """When a worker was killed by a signal (SIGKILL by the OOM killer or by hand, a segfault): one line naming
+    its rank, node, signal and the step its heartbeat last showed; torchrun's table and the other ranks'
+    tracebacks (they only lost their peer) go to `<run dir>/incidents/launch-<pid>-<attempt>/`. Exit code 1."""
+    killed = sorted(
+        ((f.timestamp, rank, f) for rank, f in error.failures.items() if f.exitcode is not None and f.exitcode < 0),
+        key=lambda item: item[:2],
+    )
+    if not killed:
+        return None
+    _, rank, failure = killed[0]
+    try:
+        name = signal.Signals(-failure.exitcode).name
+    except ValueError:
+        name = "an unknown signal"
+    where = _last_heartbeat(watch_dir, rank)
+    node = where.get("node") or node_name()
+    line = f"rank {rank} (node {node}) died: killed by signal {-failure.exitcode} ({name})"
+    line += f" at step {where['step']} ({where['phase']})" if "step" in where else ""
+    folder = incident_dir_of(where.get("run_dir"))
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "summary.txt").write_text(line + "\n\n" + error.format_msg() + "\n")
+            line += f"; details in {folder}"
+    print(line, file=sys.stderr, flush=True)
+    return 1
+
+
+def _last_heartbeat(watch_dir: Path, rank: int) -> dict:
+    """The rank's node and run dir (its info file) and last step and phase (its slot), as far as they exist."""
+    where: dict = {}
+    with contextlib.suppress(OSError, ValueError):
+        where |= json.loads(info_path(watch_dir, rank).read_text())
+    with contextlib.suppress(OSError, ValueError, struct.error):
+        slot = read_slot(slot_path(watch_dir, rank).read_bytes())
+        where |= {"step": slot["step"], "phase": slot["phase"]}
+    return where
+
+
+def incident_dir_of(run_dir: str | None) -> Path | None:
+    """This launch's incident folder in `run_dir` (the same one its ranks file their tracebacks in)."""
+    if not run_dir:
+        return None
+    with _environ(RUN_DIR_VARIABLE, run_dir):
+        return incident_dir()
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 @contextlib.contextmanager

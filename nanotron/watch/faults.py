@@ -24,11 +24,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nanotron.errors import ConfigError
+from nanotron.errors import LAUNCH_ATTEMPT_VARIABLE, ConfigError
 from nanotron.watch.nodes import node_name
 
 FAULT_VARIABLE = "NANOTRON_FAULT"
-ATTEMPT_VARIABLE = "NANOTRON_LAUNCH_ATTEMPT"  # set by nanotron.launch.local (0, 1, ... across in-place restarts)
+ATTEMPT_VARIABLE = LAUNCH_ATTEMPT_VARIABLE  # set by nanotron.launch.local (0, 1, ... across in-place restarts)
 KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash", "slow_disk", "bad_matmul")
 _ONGOING = ("slow", "slow_disk")  # take a value, and act at every step from S on
 # Where each kind acts: a phase of the heartbeat, or "step_collective", just before the step's collective.
