@@ -214,4 +214,4 @@ def test_mup_resume_at_another_layout_is_exact(reference, tiny_data, tmp_path):
     first = next(r for r in read_metrics(resumed) if "loss" in r)
     assert (first["step"], first["consumed_samples"]) == (4, 32)  # the data continues at global sample 24
     state = json.loads((step3 / "trainer_state.json").read_text())
-    assert state["layout"] == {"dp": 2, "cp": 1, "tp": 1, "pp": 2, "zero_stage": 1}
+    assert state["layout"] == {"dp": 2, "cp": 1, "ep": 1, "tp": 1, "pp": 2, "zero_stage": 1}

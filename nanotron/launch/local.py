@@ -92,23 +92,26 @@ def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
             if (verdict := watch_dir / VERDICT).exists():  # the watcher ended the ranks and printed why
                 verdict = json.loads(verdict.read_text())
                 return verdict["exit_code"], verdict
+            quiet = sorted((rank, f.exitcode) for rank, f in error.failures.items() if f.exitcode in QUIET_EXIT_CODES)
+            if quiet:  # a worker has printed its one-line error (the others were ended by torchrun)
+                return quiet[0][1], None
             if (died := _report_death(error, watch_dir)) is not None:  # a rank killed by a signal: named in one line
                 return died, None
-            _, failure = error.get_first_failure()
-            if failure.exitcode in QUIET_EXIT_CODES:  # the worker has printed its one-line error
-                return failure.exitcode, None
             print(error.format_msg(), file=sys.stderr, flush=True)
             return 1, None
     return 0, None
 
 
 def _report_death(error, watch_dir: Path) -> int | None:
-    """When a worker was killed by a signal (SIGKILL by the OOM killer or by hand, a segfault): one line naming
-    its rank, node, signal and the step its heartbeat last showed; torchrun's table and the other ranks'
-    tracebacks (they only lost their peer) go to `<run dir>/incidents/launch-<pid>-<attempt>/`. Exit code 1."""
+    """When a worker was killed by a signal (SIGKILL by the OOM killer or by hand, a segfault; not the SIGTERM with
+    which torchrun ends the others): one line naming its rank, node, signal and the step its heartbeat last showed;
+    torchrun's table and the other ranks' tracebacks (they only lost their peer) go to
+    `<run dir>/incidents/launch-<pid>-<attempt>/`. Exit code 1. (torchrun's own "first failure" compares whole
+    seconds and picks the lowest rank on a tie, which is usually a survivor.)"""
     killed = sorted(
-        ((f.timestamp, rank, f) for rank, f in error.failures.items() if f.exitcode is not None and f.exitcode < 0),
-        key=lambda item: item[:2],
+        (f.timestamp, rank, f)
+        for rank, f in error.failures.items()
+        if f.exitcode is not None and f.exitcode < 0 and -f.exitcode != signal.SIGTERM
     )
     if not killed:
         return None
