@@ -135,10 +135,11 @@ def peer_lost(error: BaseException) -> bool:
     return False
 
 
-def incident_dir() -> Path | None:
+def incident_dir(run_dir: str | None = None) -> Path | None:
     """Where this launch's ranks and launcher keep the details of a rank's death: `<run dir>/incidents/
-    launch-<launcher pid>-<attempt>/` (None without nanotron's launcher or a known run dir)."""
-    run_dir, launcher = os.environ.get(RUN_DIR_VARIABLE), os.environ.get(LAUNCHER_PID_VARIABLE)
+    launch-<launcher pid>-<attempt>/` (None without nanotron's launcher or a known run dir). `run_dir`: the
+    launcher's (from a rank's heartbeat info); a rank's own comes from its environment."""
+    run_dir, launcher = run_dir or os.environ.get(RUN_DIR_VARIABLE), os.environ.get(LAUNCHER_PID_VARIABLE)
     if not run_dir or not launcher:
         return None
     return Path(run_dir) / "incidents" / f"launch-{launcher}-{os.environ.get(LAUNCH_ATTEMPT_VARIABLE, '0')}"

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from nanotron.errors import RUN_DIR_VARIABLE, ConfigError, DivergenceError, NodeFaultError, UserError, incident_dir
+from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, UserError, incident_dir
 from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
 from nanotron.watch.faults import ATTEMPT_VARIABLE
 from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE, info_path, read_slot, slot_path
@@ -124,7 +124,7 @@ def _report_death(error, watch_dir: Path) -> int | None:
     node = where.get("node") or node_name()
     line = f"rank {rank} (node {node}) died: killed by signal {-failure.exitcode} ({name})"
     line += f" at step {where['step']} ({where['phase']})" if "step" in where else ""
-    folder = incident_dir_of(where.get("run_dir"))
+    folder = incident_dir(where.get("run_dir")) if where.get("run_dir") else None
     if folder is not None:
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
@@ -143,27 +143,6 @@ def _last_heartbeat(watch_dir: Path, rank: int) -> dict:
         slot = read_slot(slot_path(watch_dir, rank).read_bytes())
         where |= {"step": slot["step"], "phase": slot["phase"]}
     return where
-
-
-def incident_dir_of(run_dir: str | None) -> Path | None:
-    """This launch's incident folder in `run_dir` (the same one its ranks file their tracebacks in)."""
-    if not run_dir:
-        return None
-    with _environ(RUN_DIR_VARIABLE, run_dir):
-        return incident_dir()
-
-
-@contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 @contextlib.contextmanager
