@@ -81,6 +81,16 @@ class ActivationStats:
                 handle.remove()
         self.pending = True
 
+    def restart(self) -> None:
+        """The step is recomputed (a stability replay): what its first pass recorded is dropped."""
+        if self.interval and hasattr(self, "sums"):
+            self.sums.zero_()
+            self.counts = [0] * len(self.names)
+
+    def discard(self) -> None:
+        """The step was not kept (a rollback): nothing to report, on every rank alike."""
+        self.pending = False
+
     def result(self) -> dict[str, float] | None:
         """The step's `act/*` means on every rank (None after a step without stats). Every rank calls it."""
         if not self.pending:

@@ -72,12 +72,18 @@ class ParallelContext:
             set_timeout(self.groups(), self.timeout)
             self.in_startup = False
 
-    def any_rank(self, flags: list[torch.Tensor | bool]) -> list[bool]:
-        """For each flag, whether it is true on any rank: one tiny all-reduce and one host sync for all."""
-        values = torch.stack([torch.as_tensor(f, device=self.device).float().reshape(()) for f in flags])
+    def agree(
+        self, flags: list[torch.Tensor | bool], values: list[torch.Tensor | float] = ()
+    ) -> tuple[list[bool], list[float]]:
+        """For each flag, whether it is true on any rank, and each value summed over the ranks: one tiny all-reduce
+        and one host sync for all. Every rank receives the same sums, so decisions taken from them agree."""
+        parts = [torch.as_tensor(f, device=self.device).reshape(()) != 0 for f in flags]
+        parts += [torch.as_tensor(v, device=self.device).reshape(()) for v in values]
+        out = torch.stack([p.double() for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
         if self.world_size > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in values.tolist()]
+            dist.all_reduce(out)
+        host = out.tolist()
+        return [v > 0 for v in host[: len(flags)]], host[len(flags) :]
 
 
 def init_distributed(cfg: Config) -> ParallelContext:

@@ -50,6 +50,13 @@ class DivergenceError(UserError):
     exit_code = 3
 
 
+class SpikeError(UserError):
+    """A loss spike the stability policy stops at (action = "stop", or rollbacks exhausted): the checkpoints before
+    it are intact; a person decides (lower the learning rate, skip more data, resume)."""
+
+    exit_code = 4
+
+
 class NodeFaultError(UserError):
     """A node stalls or slows the job (named by the watcher or the straggler scores, in suspect_nodes.txt of the
     run dir): the job stops so that it can be requeued without that node."""

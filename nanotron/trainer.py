@@ -13,14 +13,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from nanotron.activations import ActivationStats
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
+from nanotron.checkpoint.layout import committed_steps, step_of
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
+from nanotron.data.skips import write_run_skips
 from nanotron.distributed import ParallelContext, init_distributed, loss_mesh
-from nanotron.errors import DivergenceError, NodeFaultError
+from nanotron.errors import DivergenceError, NodeFaultError, SpikeError
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.metrics import (
@@ -38,6 +41,7 @@ from nanotron.parallel.expert import ExpertBalance
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
+from nanotron.stability import Stability, differing_ranks, differs
 from nanotron.tokenizer import copy_tokenizer
 from nanotron.watch.doctor import preflight
 from nanotron.watch.heartbeat import Heartbeat
@@ -63,6 +67,20 @@ class TrainState:
             if type(value) is not int or value < 0:
                 raise ValueError(f"{f.name}: expected a non-negative integer, got {value!r}")
             setattr(self, f.name, value)
+
+
+class Progress:
+    """What trainer_state.json holds: the TrainState's counters and the stability state."""
+
+    def __init__(self, state: TrainState, stability: Stability, checkpoint_dir: Path) -> None:
+        self.state, self.stability, self.checkpoint_dir = state, stability, checkpoint_dir
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict() | {"stability": self.stability.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+        self.stability.load_state_dict(state.get("stability"), self.checkpoint_dir)
 
 
 class Trainer:
@@ -99,6 +117,7 @@ class Trainer:
             build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
         ]
         self.state = TrainState()
+        self.stability = Stability(cfg)
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
         first = self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 and self.ctx.tp_rank == 0
         self.is_logging_rank = self.runner.has_last and first
@@ -110,7 +129,7 @@ class Trainer:
             cfg.checkpoint_dir,
             cfg.checkpoint,
             states={"model": ModelState(self.modules), "optimizer": OptimizerState(self.modules, self.optimizers)},
-            progress=self.state,
+            progress=Progress(self.state, self.stability, cfg.checkpoint_dir),
             write_extras=self.write_checkpoint_extras,
             meta={
                 "global_batch_size": cfg.training.global_batch_size,
@@ -138,38 +157,194 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
         """One optimizer step; returns (loss, grad norm) as device tensors and whether a stop was agreed.
 
-        The step's one host sync: a tiny all-reduce telling every rank whether any rank was asked to stop
-        and whether the loss or the gradient norm is non-finite anywhere; a non-finite step is not applied.
+        The step's one host sync: a tiny all-reduce telling every rank whether any rank was asked to stop and
+        whether the loss or the gradient norm is non-finite anywhere, and summing the global loss and gradient norm
+        the spike detector scores. A non-finite step is not applied; a spike is handled by `[stability]`.
         """
         t = self.cfg.training
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
             set_lr(optimizer, lr_at(self.state.step, self.cfg.optimizer, t.steps))
         self.heartbeat.beat("data", self.state.step + 1)
-        loss = self.runner.forward_backward(self.next_batch())
-        self.heartbeat.beat("optimizer")
-        pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
-        grad_norm = clip_grad_norm(self.params, t.clip_grad, pp_group)
+        self.batch = self.next_batch()
+        loss, grad_norm = self.forward_backward(injected=True)
         bad_loss = False if loss is None else ~torch.isfinite(loss)
-        stop, non_finite = self.agree([self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)])
-        self.applied = not non_finite
+        flags, values = self.agree(
+            [self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)], self.shares(loss, grad_norm)
+        )
+        stop, non_finite = flags
+        self.applied, self.rolled_back = not non_finite, False
         if non_finite:
             self.skip_step(loss, grad_norm)
         else:
+            self.applied = self.check_spike(*values, loss, grad_norm)
+        if self.applied:
             self.checkpoints.wait_for_staging()  # an async save's copy of the weights is complete
             for optimizer in self.optimizers:
                 optimizer.step()
         return loss, grad_norm, stop
 
-    def agree(self, flags: list[torch.Tensor | bool]) -> list[bool]:
-        """The step's collective (`ParallelContext.any_rank`), timed for the straggler scores; an injected fault
+    def forward_backward(self, injected: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The step's gradients from `self.batch`, clipped; (this rank's loss, the global gradient norm)."""
+        loss = self.runner.forward_backward(self.batch)
+        fault = self.heartbeat.fault
+        if injected and fault is not None and loss is not None:  # a drill's transient fault on this rank's loss
+            loss = loss * fault.loss_factor(self.ctx.rank, self.state.step + 1)
+        self.heartbeat.beat("optimizer")
+        pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
+        return loss, clip_grad_norm(self.params, self.cfg.training.clip_grad, pp_group)
+
+    def shares(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> list[torch.Tensor | float]:
+        """This rank's terms of the global loss (the dp x cp mean of the last stage's losses, once per tp group)
+        and of the gradient norm (already global: rank 0's), summed by the step's all-reduce."""
+        p = self.cfg.parallelism
+        loss_share = loss.double() / (p.dp * p.cp) if loss is not None and self.ctx.tp_rank == 0 else 0.0
+        return [loss_share, grad_norm if self.ctx.rank == 0 else 0.0]
+
+    def agree(self, flags: list, values: list) -> tuple[list[bool], list[float]]:
+        """The step's collective (`ParallelContext.agree`), timed for the straggler scores; an injected fault
         may delay it or skip it on its rank."""
         fault, step = self.heartbeat.fault, self.state.step + 1
         if fault is not None:
             fault.at(self.ctx.rank, "step_collective", step)
             if fault.skips_collective(self.ctx.rank, step):
-                return [False] * len(flags)
-        return self.stragglers.timed(lambda: self.ctx.any_rank(flags))
+                return [False] * len(flags), [0.0] * len(values)
+        return self.stragglers.timed(lambda: self.ctx.agree(flags, values))
+
+    # ---- spikes ---------------------------------------------------------------------------------
+
+    def check_spike(
+        self, loss: float, grad_norm: float, local_loss: torch.Tensor | None, local_norm: torch.Tensor
+    ) -> bool:
+        """Scores the step (every rank holds the same agreed values: one decision for the job); on a spike, replays
+        it and acts. Returns whether the step's update is applied."""
+        detector, cfg, step = self.stability.detector, self.cfg.stability, self.state.step + 1
+        z = self.stability.last_z = detector.scores(loss, grad_norm)
+        if not detector.is_spike(z):
+            detector.observe(loss, grad_norm)
+            return True
+        event = {"step": step, "stability/loss": loss, "stability/grad_norm": grad_norm}
+        event |= {"stability/loss_z": z["loss"], "stability/grad_norm_z": z["grad_norm"]}
+        what = (
+            f"stability: step {step} spiked (loss {loss:.4g}, z {z['loss']:.1f}; grad_norm {grad_norm:.4g}, "
+            f"z {z['grad_norm']:.1f})"
+        )
+        if cfg.replay:
+            replayed = self.replay((loss, grad_norm), local_loss, local_norm)
+            if replayed is not None:  # a transient fault: the replayed step is the clean one
+                ranks, seen, (loss2, norm2) = replayed
+                event |= {"stability/action": "transient", "stability/ranks": ranks}
+                named = ", ".join(f"rank {r} (node {self.stragglers.nodes[r]})" for r in ranks) or "no single rank"
+                line = (
+                    f"{what}; the replay gave loss {loss2:.4g}, grad_norm {norm2:.4g}: a transient fault, {seen} "
+                    f"differed on {named}"
+                )
+                if cfg.on_transient == "stop":
+                    self.metrics.log(event | {"stability/action": "exclude"}, line)
+                    if self.ctx.rank == 0 and ranks:
+                        nodes = sorted({self.stragglers.nodes[r] for r in ranks})
+                        write_atomic(self.cfg.run_dir / "suspect_nodes.txt", "".join(f"{n}\n" for n in nodes))
+                    raise NodeFaultError(f"{line}; stopped to requeue without its node (stability.on_transient)")
+                self.metrics.log(event, f"{line}; going on with the replayed step (stability.on_transient)")
+                detector.observe(loss2, norm2)
+                return True
+            what += "; the replay reproduced it (the data or the optimisation, not a rank)"
+        return self.act_on_spike(event, what, loss, grad_norm)
+
+    def replay(self, first: tuple[float, float], first_loss: torch.Tensor | None, first_norm: torch.Tensor):
+        """Recomputes the step from the same state and batch. None if it reproduces the global loss and gradient
+        norm (within replay_tolerance); else (the ranks whose own values changed, which value, the replay's global
+        loss and gradient norm). Costs a step and an all-gather of 4 numbers per rank, on spiking steps only."""
+        mine = self.local_values(first_loss, first_norm)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.experts.reset()
+        self.activation_stats.restart()
+        self.heartbeat.beat("data", self.state.step + 1)
+        loss, grad_norm = self.forward_backward()
+        _, second = self.ctx.agree([], self.shares(loss, grad_norm))
+        tolerance = self.cfg.stability.replay_tolerance
+        table = torch.tensor(mine + self.local_values(loss, grad_norm), dtype=torch.float64, device=self.ctx.device)
+        gathered = [table]
+        if self.ctx.world_size > 1:
+            gathered = [torch.empty_like(table) for _ in range(self.ctx.world_size)]
+            dist.all_gather(gathered, table)
+        rows = [g.tolist() for g in gathered]
+        ranks, seen = differing_ranks([r[:2] for r in rows], [r[2:] for r in rows], tolerance)
+        if not ranks and not any(differs(a, b, tolerance) for a, b in zip(first, second)):
+            return None
+        return ranks, seen or "nothing rank-local", tuple(second)
+
+    def local_values(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> list[float]:
+        """This rank's own loss and the squared norm of its gradient shards before clipping: what a replay compares
+        rank by rank."""
+        squares = sum(
+            (g.to_local() if isinstance(g, DTensor) else g).double().square().sum()
+            for g in (p.grad for p in self.params)
+            if g is not None
+        )
+        clip = self.cfg.training.clip_grad
+        coefficient = min(1.0, clip / (grad_norm.item() + 1e-6)) if clip > 0 else 1.0
+        return [0.0 if loss is None else loss.item(), float(squares) / coefficient**2]
+
+    def act_on_spike(self, event: dict, what: str, loss: float, grad_norm: float) -> bool:
+        """stability.action on a spike the replay reproduced (or that was not replayed); whether to apply it."""
+        action = self.cfg.stability.action
+        if action == "warn":
+            self.stability.detector.observe(loss, grad_norm)
+            self.metrics.log(event | {"stability/action": "warn"}, f"warning: {what}; applied (stability.action=warn)")
+            return True
+        if action == "stop":
+            self.metrics.log(event | {"stability/action": "stop"})
+            raise SpikeError(
+                f"{what}; stopped before applying it (stability.action=stop): resume from the last checkpoint "
+                f"with data.skip_samples covering step {event['step']}'s samples, or a lower optimizer.lr"
+            )
+        if action == "rollback":
+            reason = self.rollback(event, what)
+            if reason is None:
+                return False
+            what += reason
+        self.metrics.log(event | {"stability/action": "skip_step"}, f"warning: {what}; update skipped")
+        return False
+
+    def rollback(self, event: dict, what: str) -> str | None:
+        """Reloads the newest committed checkpoint before the spike, skips the window of samples that led to it
+        and goes on from there, in this process. Why not, when no checkpoint precedes the spike."""
+        cfg, t, step = self.cfg, self.cfg.training, event["step"]
+        self.checkpoints.wait()  # an async save in flight commits first: it may be the one to go back to
+        older = [path for path in committed_steps(cfg.checkpoint_dir) if step_of(path) < step]
+        if not older:
+            return f"; no committed checkpoint before step {step} to roll back to (checkpoint.interval)"
+        if self.stability.rollbacks >= cfg.stability.max_rollbacks:
+            self.metrics.log(event | {"stability/action": "stop"})
+            raise SpikeError(
+                f"{what}; stopped: stability.max_rollbacks={cfg.stability.max_rollbacks} rollbacks already "
+                f"(windows skipped: {self.stability.skips.to_list()}); inspect the data around these samples, "
+                "lower optimizer.lr or raise stability.max_rollbacks, and resume"
+            )
+        first = self.state.consumed_samples
+        self.heartbeat.beat("checkpoint", step)
+        self.checkpoints.load(older[-1])
+        self.stability.rollbacks += 1
+        window = self.stability.window(first, t.global_batch_size, self.state.consumed_samples)
+        self.stability.skips.add(*window)
+        if self.ctx.rank == 0:
+            write_run_skips(cfg.run_dir, self.stability.skips)
+        event |= {
+            "stability/action": "rollback",
+            "stability/window": list(window),
+            "stability/rollback_to": self.state.step,
+        }
+        self.metrics.log(
+            event,
+            f"{what}; rolled back to step {self.state.step} ({older[-1]}) and skipping samples "
+            f"[{window[0]}, {window[1]}) (rollback {self.stability.rollbacks} of {cfg.stability.max_rollbacks})",
+        )
+        self.experts.reset()
+        self.loader_iter = self.data_iterator()
+        self.rolled_back = True
+        return None
 
     def skip_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
         """A non-finite loss or gradient: the step is not applied, and after training.max_skipped_steps such
@@ -232,21 +407,25 @@ class Trainer:
         else:
             self.metrics.info(f"checkpoint: resumed from {path} at step {self.state.step} ({built})")
 
+    def data_iterator(self):
+        """The global batches from the trainer's position on, outside the skipped windows."""
+        loader = build_train_loader(
+            self.corpus,
+            self.cfg.training,
+            seed=self.cfg.job.seed,
+            dp=self.cfg.parallelism.dp,
+            dp_rank=self.ctx.dp_rank,
+            start_sample=self.state.consumed_samples,
+            skips=self.stability.skips,
+        )
+        return loader_batches(loader)
+
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         self.resume()
         if self.ctx.rank == 0:
             write_atomic(cfg.run_dir / "config.toml", to_toml(cfg), durable=False)
-        self.loader_iter = loader_batches(
-            build_train_loader(
-                self.corpus,
-                t,
-                seed=cfg.job.seed,
-                dp=cfg.parallelism.dp,
-                dp_rank=self.ctx.dp_rank,
-                start_sample=self.state.consumed_samples,
-            )
-        )
+        self.loader_iter = self.data_iterator()
         self.metrics.info(run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step))
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
             self.save_checkpoint()
@@ -266,6 +445,10 @@ class Trainer:
                 loss, grad_norm, stop = self.train_step()
             self.ctx.end_startup()  # the first step is done: collectives get distributed.timeout_minutes
             profiler.step()
+            if self.rolled_back:  # the state is the older checkpoint's: the loop goes on from there
+                self.activation_stats.discard()
+                timer = StepTimer(self.state.step, t.steps)
+                continue
             self.state.step += 1
             if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
                 self.metrics.log({"step": self.state.step} | activations)
@@ -284,6 +467,7 @@ class Trainer:
                     group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
                     lr = group["lr"] / group.get("lr_scale", 1.0)
                     record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
+                    record |= {f"stability/{name}_z": z for name, z in self.stability.last_z.items()}
                     record |= _throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
                     self.metrics.log_step(record | memory, t.steps)
             if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):

@@ -17,6 +17,7 @@ from nanotron.config.schema import (
     ParallelismConfig,
     PipelineEngine,
     ProfilerConfig,
+    StabilityConfig,
     TrainingConfig,
     WatchConfig,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "ParallelismConfig",
     "PipelineEngine",
     "ProfilerConfig",
+    "StabilityConfig",
     "TrainingConfig",
     "WatchConfig",
     "help_text",

@@ -178,6 +178,11 @@ class DataConfig:
         0, "processes tokenizing a raw corpus at start-up; 0 = one per 16 MB, up to the CPUs", min=0
     )
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
+    skip_samples: list[str] = _opt(
+        [],
+        "windows of the global sample order never trained on, START:END (end excluded), e.g. 4096:8192; rollbacks "
+        "add theirs to <run dir>/skipped_samples.json",
+    )
 
 
 @dataclass
@@ -258,6 +263,43 @@ class WatchConfig:
 
 
 @dataclass
+class StabilityConfig:
+    """[stability]: finite loss and gradient-norm spikes, decided from the step's agreed values."""
+
+    enabled: bool = _opt(True, "detect spikes of the loss and the gradient norm (z-score against running means)")
+    warmup_steps: int = _opt(
+        100, "steps observed before the first decision (the running statistics travel with checkpoints)", min=1
+    )
+    ema_decay: float = _opt(0.98, "decay of the running mean and variance per step (~1/(1-decay) steps of memory)")
+    loss_z: float = _opt(
+        6.0, "a loss this many standard deviations above its running mean is a spike; 0 = ignore the loss", min=0.0
+    )
+    grad_norm_z: float = _opt(
+        8.0, "a gradient norm this many standard deviations above its running mean is a spike; 0 = ignore it", min=0.0
+    )
+    action: str = _opt(
+        "rollback",
+        "on a spike the replay reproduces: rollback (reload the newest checkpoint before it, skip the samples of "
+        "window_steps steps, go on), skip_step (don't apply the update), stop (exit code 4) or warn",
+        ("rollback", "skip_step", "stop", "warn"),
+    )
+    replay: bool = _opt(
+        True, "recompute a spiking step from the same state and batch to tell a faulty rank from bad data"
+    )
+    replay_tolerance: float = _opt(
+        1e-3, "relative difference between the two passes' loss or gradient norm that marks a transient fault", min=0.0
+    )
+    on_transient: str = _opt(
+        "stop",
+        "when the replay differs: stop (exit code 75, the named ranks' nodes in suspect_nodes.txt) or continue "
+        "with the replayed step",
+        ("stop", "continue"),
+    )
+    window_steps: int = _opt(1, "rollback: steps of samples skipped, ending with the spiking step's", min=1)
+    max_rollbacks: int = _opt(3, "rollbacks in one run before it stops (exit code 4): spikes that keep coming", min=1)
+
+
+@dataclass
 class ProfilerConfig:
     export_path: str = _opt("", "folder for torch.profiler traces; empty disables")
     wait_steps: int = _opt(2, "steps skipped before profiling", min=0)
@@ -277,6 +319,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
 
     @property
     def run_dir(self) -> Path:

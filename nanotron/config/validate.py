@@ -139,6 +139,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             "hooks added after it was compiled; measure activations in an eager run, or set "
             "logging.activation_stats_interval=0"
         )
+    _validate_stability(cfg)
     _validate_parallelism(cfg)
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
@@ -283,3 +284,19 @@ _AUX_CP = (
     "model.moe.aux_loss_coef > 0 with parallelism.cp > 1 is not supported (the sequence-wise balance loss needs "
     "each whole sequence on one rank); balance with model.moe.bias_update_rate instead, or set cp=1"
 )
+
+
+def _validate_stability(cfg: Config) -> None:
+    from nanotron.data.skips import SampleSkips
+
+    SampleSkips.parse(cfg.data.skip_samples)  # START:END each, one line naming the entry otherwise
+    s = cfg.stability
+    if not 0.0 < s.ema_decay < 1.0:
+        raise ConfigError(
+            f"stability.ema_decay: expected a number in (0, 1), got {s.ema_decay}; 0.98 remembers ~50 steps"
+        )
+    if s.enabled and s.loss_z == 0 and s.grad_norm_z == 0:
+        raise ConfigError(
+            "stability.loss_z and stability.grad_norm_z are both 0: nothing would be detected; set one above 0, "
+            "or stability.enabled=false"
+        )

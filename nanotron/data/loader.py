@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from nanotron.config import TrainingConfig
 from nanotron.data.corpus import Corpus, check_corpus_size, check_validation
 from nanotron.data.order import Permutation, key_of
+from nanotron.data.skips import SampleSkips
 from nanotron.errors import DataError
 from nanotron.signals import ignore_stop_signals
 
@@ -56,17 +57,21 @@ def _microbatch_start(index: int, training: TrainingConfig, dp: int, dp_rank: in
 
 
 class StepSampler(Sampler[list[int]]):
-    """This dp rank's microbatches of global sample indices, forever, from global sample `start` on: where a
-    run resumes needs no state beyond its global sample count."""
+    """This dp rank's microbatches of global sample indices, forever, from the `start`-th trained sample on: where
+    a run resumes needs no state beyond its trained sample count (and the skipped windows, which move the k-th
+    trained sample to the k-th position outside them)."""
 
-    def __init__(self, training: TrainingConfig, dp: int, dp_rank: int, start: int = 0) -> None:
+    def __init__(
+        self, training: TrainingConfig, dp: int, dp_rank: int, start: int = 0, skips: SampleSkips | None = None
+    ) -> None:
         self.training, self.dp, self.dp_rank, self.start = training, dp, dp_rank, start
+        self.skips = skips or SampleSkips()
 
     def __iter__(self) -> Iterator[list[int]]:
         index, mbs = 0, self.training.micro_batch_size
         while True:
             first = self.start + _microbatch_start(index, self.training, self.dp, self.dp_rank)
-            yield list(range(first, first + mbs))
+            yield [self.skips.position(k) for k in range(first, first + mbs)]
             index += 1
 
 
@@ -78,15 +83,16 @@ def build_train_loader(
     dp_rank: int,
     num_workers: int | None = None,
     start_sample: int = 0,
+    skips: SampleSkips | None = None,
 ) -> DataLoader:
-    """LongTensor [micro_batch_size, seq_len+1] microbatches forever, from global sample `start_sample` on.
+    """LongTensor [micro_batch_size, seq_len+1] microbatches forever, from the `start_sample`-th trained sample on.
 
     Building it reads nothing and allocates nothing that grows with the corpus: start-up and resume are O(1).
     """
     if training.global_batch_size != training.micro_batch_size * training.grad_accum_steps * dp:
         raise ValueError("training.global_batch_size must equal micro_batch_size * grad_accum_steps * dp")
     check_corpus_size(corpus, training)
-    sampler = StepSampler(training, dp, dp_rank, start_sample)
+    sampler = StepSampler(training, dp, dp_rank, start_sample, skips)
     workers = corpus.num_workers if num_workers is None else num_workers
     samples = TrainSamples(corpus, seed)
     return DataLoader(samples, batch_sampler=sampler, num_workers=workers, worker_init_fn=ignore_stop_signals)

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, UserError, incident_dir
+from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, SpikeError, UserError, incident_dir
 from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
 from nanotron.watch.faults import ATTEMPT_VARIABLE
 from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE, info_path, read_slot, slot_path
@@ -34,7 +34,13 @@ from nanotron.watch.nodes import node_name
 from nanotron.watch.suspects import record_fault
 from nanotron.watch.watcher import VERDICT
 
-QUIET_EXIT_CODES = {UserError.exit_code, DivergenceError.exit_code, NodeFaultError.exit_code, ABORT_EXIT_CODE}
+QUIET_EXIT_CODES = {
+    UserError.exit_code,
+    DivergenceError.exit_code,
+    SpikeError.exit_code,
+    NodeFaultError.exit_code,
+    ABORT_EXIT_CODE,
+}
 
 
 def pop_nproc(argv: list[str]) -> int:

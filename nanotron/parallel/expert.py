@@ -167,11 +167,15 @@ class ExpertBalance:
             for (_, m), load in zip(self.layers, total):
                 m.gate.expert_bias += self.rate * torch.sign(load.mean() - load)
         metrics = self._metrics(loads) if log else None
+        self.reset()
+        return metrics
+
+    def reset(self) -> None:
+        """Forgets the step's counts: after it ends, or before it is recomputed or rolled back."""
         for _, m in self.layers:
             m.tokens_per_expert.zero_()
             m.dropped_tokens.zero_()
             m.aux_loss.zero_()
-        return metrics
 
     def _metrics(self, loads: torch.Tensor | None) -> dict[str, float]:
         """Per MoE layer: max/mean tokens per expert over the step, the balance loss, the routing bias norm and

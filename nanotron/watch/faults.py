@@ -13,6 +13,8 @@ from S on):
   crash            kills itself with SIGKILL in `data`
   slow_disk:T      every checkpoint save takes T seconds longer (a slow or overloaded filesystem)
   bad_matmul       the doctor's matmul gives a wrong result on this rank (silent data corruption)
+  loss_spike:F     this rank's loss of step S is multiplied by F, in the step's first pass only (a transient fault
+                   that the stability replay recomputes cleanly)
 `nanotron doctor` (and training.preflight) also honour `slow:F` (every timed check F x slower) and `slow_disk:T`.
 """
 
@@ -29,8 +31,9 @@ from nanotron.watch.nodes import node_name
 
 FAULT_VARIABLE = "NANOTRON_FAULT"
 ATTEMPT_VARIABLE = LAUNCH_ATTEMPT_VARIABLE  # set by nanotron.launch.local (0, 1, ... across in-place restarts)
-KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash", "slow_disk", "bad_matmul")
+KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash", "slow_disk", "bad_matmul", "loss_spike")
 _ONGOING = ("slow", "slow_disk")  # take a value, and act at every step from S on
+_VALUED = (*_ONGOING, "loss_spike")
 # Where each kind acts: a phase of the heartbeat, or "step_collective", just before the step's collective.
 _PHASE = {"sleep": "data", "gil_lock": "forward", "sigstop": "data", "crash": "data", "slow": "step_collective"}
 _PHASE["slow_disk"] = "checkpoint"
@@ -45,6 +48,7 @@ class Fault:
     node: str | None = None
     attempt: int | None = None
     _compute_started: float = 0.0
+    _fired: bool = False
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> Fault | None:
@@ -55,7 +59,7 @@ class Fault:
     def parse(cls, spec: str) -> Fault:
         hint = (
             f"{FAULT_VARIABLE}={spec!r}: expected rank:R,step:S,kind:K (or node:N instead of or beside rank:R) with K "
-            f"one of {', '.join(KINDS)} (slow:F)"
+            f"one of {', '.join(KINDS)} (slow:F, slow_disk:T, loss_spike:F)"
         )
         fields: dict[str, str] = {}
         for part in spec.split(","):
@@ -71,7 +75,7 @@ class Fault:
         except (KeyError, ValueError):
             raise ConfigError(hint) from None
         bad_rank = rank is None and fault.node is None or rank is not None and rank < 0
-        if kind not in KINDS or (kind in _ONGOING) != bool(factor) or fault.factor < (1 if kind == "slow" else 0):
+        if kind not in KINDS or (kind in _VALUED) != bool(factor) or fault.factor < (1 if kind == "slow" else 0):
             raise ConfigError(hint)
         if bad_rank:
             raise ConfigError(hint)
@@ -103,6 +107,13 @@ class Fault:
             time.sleep((self.factor - 1) * (time.perf_counter() - self._compute_started))
         elif self.kind == "slow_disk":
             time.sleep(self.factor)
+
+    def loss_factor(self, rank: int, step: int) -> float:
+        """loss_spike: the factor on this rank's loss at step S, once (a replay of the step sees the clean loss)."""
+        if self.kind != "loss_spike" or step != self.step or not self.applies_to(rank, self.here) or self._fired:
+            return 1.0
+        self._fired = True
+        return self.factor
 
     def skips_collective(self, rank: int, step: int) -> bool:
         return self.kind == "skip_collective" and self.applies_to(rank, self.here) and step == self.step

@@ -1,0 +1,291 @@
+"""Loss spikes: one decision for the whole job from agreed values, a replay that tells a faulty rank from bad
+data, and a rollback past the bad samples whose result equals a run that never had them."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import TINY_MODEL, read_metrics, run_train, synthetic_documents, train_losses
+
+from nanotron.config import StabilityConfig, TrainingConfig, load_config
+from nanotron.data import StepSampler
+from nanotron.data.skips import SKIPPED_SAMPLES, SampleSkips
+from nanotron.errors import ConfigError
+from nanotron.stability import SpikeDetector, differing_ranks
+
+# ---- the detector and the skip windows ------------------------------------------------------------
+
+
+def noisy_decline(steps: int, seed: int = 0) -> list[float]:
+    """A loss curve falling like a pretraining run's, with 3% multiplicative noise."""
+    rng = random.Random(seed)
+    return [(2.0 + 8.0 / (1 + 0.05 * t)) * (1 + 0.03 * rng.gauss(0, 1)) for t in range(steps)]
+
+
+def test_a_jump_is_a_spike_after_warm_up_and_a_falling_noisy_curve_is_not():
+    cfg = StabilityConfig(warmup_steps=20, ema_decay=0.9, loss_z=6.0, grad_norm_z=6.0)
+    detector, losses = SpikeDetector(cfg), noisy_decline(400)
+    for loss in losses:
+        z = detector.scores(loss, 1.0)
+        assert not detector.is_spike(z)
+        detector.observe(loss, 1.0)
+    assert 1.0 < detector.max_z["loss"] < 6.0
+    assert detector.is_spike(detector.scores(losses[-1] * 2, 1.0))  # a 2x jump of the loss
+    assert detector.is_spike(detector.scores(losses[-1], 3.0))  # a 3x jump of the gradient norm
+    early = SpikeDetector(cfg)
+    for loss in losses[:10]:
+        early.observe(loss, 1.0)
+    assert not early.is_spike(early.scores(losses[10] * 10, 10.0))  # still warming up
+
+
+def test_the_detector_state_survives_a_json_round_trip_exactly():
+    cfg = StabilityConfig(warmup_steps=5)
+    detector = SpikeDetector(cfg)
+    for loss in noisy_decline(50):
+        detector.observe(loss, loss / 3)
+    restored = SpikeDetector(cfg)
+    restored.load_state_dict(json.loads(json.dumps(detector.state_dict())))
+    assert restored.scores(4.0, 1.5) == detector.scores(4.0, 1.5)
+    assert restored.state_dict() == detector.state_dict()
+
+
+def test_the_kth_trained_sample_is_the_kth_position_outside_every_window():
+    skips = SampleSkips([(10, 20), (15, 30), (40, 41)])
+    assert skips.windows == [(10, 30), (40, 41)] and len(skips) == 21
+    outside = [p for p in range(200) if not any(a <= p < b for a, b in skips.windows)]
+    assert [skips.position(k) for k in range(len(outside))] == outside
+
+
+def test_every_dp_layout_reads_the_same_samples_and_none_in_a_window():
+    skips = SampleSkips([(8, 16), (27, 29)])
+    steps = 6
+
+    def step_samples(dp: int) -> list[set[int]]:
+        t = TrainingConfig(micro_batch_size=2, grad_accum_steps=4 // dp, global_batch_size=8)
+        samplers = [iter(StepSampler(t, dp, rank, start=0, skips=skips)) for rank in range(dp)]
+        return [{g for s in samplers for _ in range(t.grad_accum_steps) for g in next(s)} for _ in range(steps)]
+
+    one = step_samples(1)
+    assert one == step_samples(2) == step_samples(4)
+    read = set().union(*one)
+    assert len(read) == steps * 8 and not read & (set(range(8, 16)) | {27, 28})
+
+
+def test_differing_ranks_are_named_by_the_earliest_value_that_changed():
+    first = [[1.0, 4.0], [50.0, 4.0], [0.0, 2.0]]  # rank 1's loss was 50x in the first pass
+    assert differing_ranks(first, [[1.0, 4.0], [1.0, 4.0], [0.0, 2.0]], 1e-3) == ([1], "loss")
+    assert differing_ranks(first, [[1.0, 4.0], [50.0, 4.5], [0.0, 2.5]], 1e-3) == ([1, 2], "gradient")
+    assert differing_ranks(first, first, 1e-3) == ([], "")
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [
+        ("--stability.ema_decay=1.5", "stability.ema_decay: expected a number in (0, 1)"),
+        ("--stability.action=explode", "stability.action: expected one of 'rollback'"),
+        ("--stability.window_steps=0", "stability.window_steps: expected a value >= 1"),
+        ("--data.skip_samples=8:4", "data.skip_samples[0]='8:4': expected START:END"),
+        ("--data.skip_samples=1:2,x", "data.skip_samples[1]='x': expected START:END"),
+    ],
+)
+def test_bad_stability_settings_are_one_line(flag, expected):
+    key, _, value = flag[2:].partition("=")
+    with pytest.raises(ConfigError, match="^" + re.escape(expected)):
+        load_config(None, [(key, value)])
+
+
+def test_both_signals_off_with_detection_on_is_refused():
+    with pytest.raises(ConfigError, match="stability.loss_z and stability.grad_norm_z are both 0"):
+        load_config(None, [("stability.loss_z", "0"), ("stability.grad_norm_z", "0")])
+
+
+# ---- training runs on a corpus with one poisoned document ------------------------------------------
+
+SEED, POISON_STEP, STEPS = 355, 28, 38
+GBS = 8
+POISON_WINDOW = [(POISON_STEP - 1) * GBS, POISON_STEP * GBS]  # the data positions of the spiking step
+STABILITY = [
+    "--stability.warmup_steps=12",
+    "--stability.ema_decay=0.8",
+    "--stability.loss_z=4",
+    "--stability.grad_norm_z=6",
+    "--optimizer.lr=0.01",
+    "--optimizer.min_lr=0.001",
+    "--checkpoint.interval=8",
+    f"--job.seed={SEED}",
+    f"--training.steps={STEPS}",
+]
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory):
+    """Sentences of two 4-way choices in a fixed frame (the model is sure of most tokens within 20 steps), and one
+    document of characters the corpus never has: the two of its samples this run reads are both read at step
+    POISON_STEP (global positions inside POISON_WINDOW). The step's loss jumps 2.8x and its gradient norm 6.2x
+    (z 6.3 and 11.8, in a run whose other steps stay below 2 after warm-up)."""
+    from nanotron.data import TrainSamples, prepare_data
+    from nanotron.prepare import train_tokenizer
+    from nanotron.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("poisoned")
+    train_tokenizer(synthetic_documents(60), root / "tokenizer", vocab_size=512)
+    rng = random.Random(5)
+    docs = [
+        " ".join(
+            f"the {rng.choice(['cat', 'dog', 'bird', 'tree'])} sees a {rng.choice(['red', 'blue', 'small', 'large'])} "
+            "house."
+            for _ in range(40)
+        )
+        for _ in range(40)
+    ]
+    poison = "".join(random.Random(7).choice("0123456789#%&@XZQJ") for _ in range(40))
+    docs.insert(17, poison)
+    (root / "corpus").mkdir()
+    (root / "corpus" / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    overrides = [
+        f"--data.path={root / 'corpus'}",
+        f"--data.tokenizer={root / 'tokenizer'}",
+        f"--data.cache_dir={root / 'cache'}",
+        "--data.validation_split=0",
+    ]
+    cfg = load_config(None, [tuple(o[2:].split("=", 1)) for o in [*TINY_MODEL, *overrides]])
+    corpus = prepare_data(cfg)
+    tokenizer = load_tokenizer(root / "tokenizer")
+    others = " ".join(d for d in docs if d != poison)
+    foreign = set(tokenizer.encode(poison)) - set(tokenizer.encode(others)) - {tokenizer.eos_id}
+    samples = TrainSamples(corpus, SEED)
+    poisoned_positions = [g for g in range((STEPS + 2) * GBS) if foreign & set(samples[g].tolist())]
+    assert len(poisoned_positions) == 2 and all(POISON_WINDOW[0] <= g < POISON_WINDOW[1] for g in poisoned_positions)
+    return overrides
+
+
+def train(overrides: list[str], out: Path, name: str, extra: list[str], nproc: int = 1, check: bool = True):
+    proc = run_train(
+        [*TINY_MODEL, *overrides, *STABILITY, f"--job.out_dir={out}", f"--job.name={name}", *extra],
+        nproc=nproc,
+        check=check,
+    )
+    return out / name, proc
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "stability/action" in r]
+
+
+def last_loss(run_dir: Path) -> float:
+    return train_losses(run_dir)[-1]
+
+
+@pytest.fixture(scope="module")
+def never_had_the_window(poisoned, tmp_path_factory):
+    """The reference: the same run told to skip the poisoned window from the start."""
+    window = ":".join(map(str, POISON_WINDOW))
+    run_dir, _ = train(poisoned, tmp_path_factory.mktemp("ref"), "ref", [f"--data.skip_samples={window}"])
+    assert events(run_dir) == []
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def rolled_back(poisoned, tmp_path_factory):
+    run_dir, proc = train(poisoned, tmp_path_factory.mktemp("rollback"), "run", [])
+    return run_dir, proc.stdout
+
+
+def saved_stability(step_dir: Path) -> dict:
+    return json.loads((step_dir / "trainer_state.json").read_text())["stability"]
+
+
+@pytest.mark.slow
+def test_a_poisoned_step_is_rolled_back_past_and_ends_where_a_run_without_its_samples_ends(
+    rolled_back, never_had_the_window
+):
+    run_dir, stdout = rolled_back
+    [event] = events(run_dir)
+    assert event["step"] == POISON_STEP and event["stability/action"] == "rollback"
+    assert event["stability/window"] == POISON_WINDOW and event["stability/rollback_to"] == 24
+    assert event["stability/loss_z"] > 4 and event["stability/grad_norm_z"] > 6
+    assert f"stability: step {POISON_STEP} spiked" in stdout and "the replay reproduced it" in stdout
+    assert f"rolled back to step 24 ({run_dir / 'checkpoints' / 'step-24'}) and skipping samples [216, 224)" in stdout
+    assert json.loads((run_dir / SKIPPED_SAMPLES).read_text()) == {"windows": [POISON_WINDOW]}
+    assert saved_stability(run_dir / "checkpoints" / "step-24")["skipped_samples"] == []
+    assert saved_stability(run_dir / "checkpoints" / "step-32")["skipped_samples"] == [POISON_WINDOW]
+    assert saved_stability(run_dir / "checkpoints" / "step-32")["rollbacks"] == 1
+    reference = train_losses(never_had_the_window)
+    assert len(reference) == STEPS
+    # The rolled-back run logs steps 25 and 26 twice; from the rollback on, it is the reference's run.
+    assert train_losses(run_dir)[-(STEPS - 24) :] == pytest.approx(reference[24:], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_a_resume_from_a_checkpoint_after_the_rollback_keeps_skipping_the_window(poisoned, rolled_back, tmp_path):
+    run_dir, _ = rolled_back
+    step_32 = run_dir / "checkpoints" / "step-32"
+    resumed, _ = train(poisoned, tmp_path, "resumed", [f"--checkpoint.resume_from={step_32}"])
+    assert events(resumed) == []
+    assert train_losses(resumed) == pytest.approx(train_losses(run_dir)[-(STEPS - 32) :], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_before_its_next_checkpoint_does_not_meet_the_window_again(poisoned, rolled_back, tmp_path):
+    """The rollback's window is in the run dir at once: a resume from the checkpoint before the spike (which does
+    not know the window) skips it too."""
+    original, _ = rolled_back
+    shutil.copytree(original, tmp_path / "run")
+    for step in (32, STEPS):
+        shutil.rmtree(tmp_path / "run" / "checkpoints" / f"step-{step}")
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    run_dir, proc = train(poisoned, tmp_path, "run", [])
+    assert "resumed from" in proc.stdout and "at step 24" in proc.stdout
+    assert events(run_dir) == [] and "stability:" not in proc.stdout
+    assert train_losses(run_dir) == pytest.approx(train_losses(original)[-(STEPS - 24) :], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_at_dp2_pp2_a_transient_fault_names_its_rank_and_a_poisoned_step_is_rolled_back(
+    poisoned, never_had_the_window, tmp_path, monkeypatch
+):
+    """One decision for the whole job: rank 3 alone sees a 50x loss at step 20 (a drill's transient fault), every
+    rank replays the step, rank 3 is named and the replayed step is kept; then the poisoned step is rolled back
+    past, and the run ends where the 1-process run without those samples ends."""
+    monkeypatch.setenv("NANOTRON_FAULT", "rank:3,step:20,kind:loss_spike:50")
+    layout = ["--parallelism.dp=2", "--parallelism.pp=2", "--stability.on_transient=continue"]
+    run_dir, proc = train(poisoned, tmp_path, "run", layout, nproc=4)
+    transient, rollback = events(run_dir)
+    assert transient["step"] == 20 and transient["stability/action"] == "transient"
+    assert transient["stability/ranks"] == [3] and transient["stability/loss_z"] > 10
+    assert "a transient fault, loss differed on rank 3" in proc.stdout
+    assert rollback["step"] == POISON_STEP and rollback["stability/window"] == POISON_WINDOW
+    reference = train_losses(never_had_the_window)
+    assert train_losses(run_dir)[-(STEPS - 24) :] == pytest.approx(reference[24:], rel=1e-6, abs=0)
+
+
+def test_a_transient_fault_stops_the_job_with_the_node_fault_exit_code(poisoned, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOTRON_FAULT", "rank:0,step:14,kind:loss_spike:50")
+    run_dir, proc = train(poisoned, tmp_path, "run", ["--training.steps=16"], check=False)
+    assert proc.returncode == 75, proc.stderr[-2000:]
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "step 14 spiked" in line and "a transient fault, loss differed on rank 0 (node " in line
+    assert (run_dir / "suspect_nodes.txt").read_text().strip()
+    assert not (run_dir / "checkpoints" / "step-16").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["stop", "skip_step"])
+def test_the_stop_and_skip_step_policies(poisoned, tmp_path, action):
+    run_dir, proc = train(poisoned, tmp_path, "run", [f"--stability.action={action}"], check=False)
+    [event] = events(run_dir)
+    assert event["step"] == POISON_STEP and event["stability/action"] == action
+    if action == "stop":
+        assert proc.returncode == 4
+        [line] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert f"step {POISON_STEP} spiked" in line and "stability.action=stop" in line
+        assert len(train_losses(run_dir)) == POISON_STEP - 1
+    else:
+        assert proc.returncode == 0 and len(train_losses(run_dir)) == STEPS
+        assert f"step {POISON_STEP} spiked" in proc.stdout and "update skipped" in proc.stdout
+        assert not (run_dir / SKIPPED_SAMPLES).exists()
