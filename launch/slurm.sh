@@ -86,7 +86,7 @@ trap 'echo "SIGTERM: the trainer saves a checkpoint if it has time"' TERM
 
 # ---- Run -----------------------------------------------------------------------------------------------------------
 # srun's own messages pass through a reader that keeps its "task N: Exited with exit code C" lines: the job's exit code
-# is the first failed node's (2 for bad input, 3 for a diverged run), not that of the peers stopped after it.
+# is the first failed node's (2 for bad input, 3 for a diverged run, 4 for a loss spike the policy stops at), not that of the peers stopped after it.
 work=$(mktemp -d "${TMPDIR:-/tmp}/nanotron-job-$SLURM_JOB_ID.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 mkfifo "$work/srun-stderr" && : >"$work/exits"

@@ -142,3 +142,11 @@ def test_mup_transfer_quick_writes_runs_best_lrs_and_figures(tmp_path, work_dir)
         assert all((tmp_path / f).stat().st_size > 0 for f in ("lr-transfer.png", "wider-is-better.png"))
     else:
         assert "no plot written" in stdout
+
+
+@pytest.mark.slow
+def test_stability_quick_counts_detections_and_measures_the_cost(tmp_path, work_dir):
+    run_benchmark("benchmarks.stability", tmp_path, work_dir)
+    rows = {r["measure"]: r for r in read_csv(tmp_path / "stability.csv")}
+    assert rows["detections"]["value"] == "0"
+    assert float(rows["step time on / off"]["value"]) > 0 and float(rows["detector host time / step"]["value"]) > 0

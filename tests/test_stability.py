@@ -16,7 +16,7 @@ from nanotron.config import StabilityConfig, TrainingConfig, load_config
 from nanotron.data import StepSampler
 from nanotron.data.skips import SKIPPED_SAMPLES, SampleSkips
 from nanotron.errors import ConfigError
-from nanotron.stability import SpikeDetector, differing_ranks
+from nanotron.stability import SpikeDetector, Stability, differing_ranks
 
 # ---- the detector and the skip windows ------------------------------------------------------------
 
@@ -76,6 +76,13 @@ def test_every_dp_layout_reads_the_same_samples_and_none_in_a_window():
     assert len(read) == steps * 8 and not read & (set(range(8, 16)) | {27, 28})
 
 
+def test_a_rollback_window_ends_with_the_spiking_step_and_never_reaches_before_the_checkpoint():
+    stability = Stability(load_config(None, [("stability.window_steps", "3"), ("data.skip_samples", "4:6")]))
+    # The spiking step starts at trained sample 40 (gbs 8); its own samples are positions 42..49 (4 and 5 skipped).
+    assert stability.window(40, 8, floor_sample=0) == (26, 50)  # 3 steps: trained samples 24..47
+    assert stability.window(40, 8, floor_sample=32) == (34, 50)  # the checkpoint rolled back to is at sample 32
+
+
 def test_differing_ranks_are_named_by_the_earliest_value_that_changed():
     first = [[1.0, 4.0], [50.0, 4.0], [0.0, 2.0]]  # rank 1's loss was 50x in the first pass
     assert differing_ranks(first, [[1.0, 4.0], [1.0, 4.0], [0.0, 2.0]], 1e-3) == ([1], "loss")
@@ -125,9 +132,9 @@ STABILITY = [
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory):
     """Sentences of two 4-way choices in a fixed frame (the model is sure of most tokens within 20 steps), and one
-    document of characters the corpus never has: the two of its samples this run reads are both read at step
-    POISON_STEP (global positions inside POISON_WINDOW). The step's loss jumps 2.8x and its gradient norm 6.2x
-    (z 6.3 and 11.8, in a run whose other steps stay below 2 after warm-up)."""
+    document of a character the corpus never has: the two of its samples this run reads are both read at step
+    POISON_STEP (global positions inside POISON_WINDOW). The step's loss jumps 2.7x and its gradient norm 42x
+    (z 6.2 and 22.7, in runs whose other steps stay below 2 after warm-up)."""
     from nanotron.data import TrainSamples, prepare_data
     from nanotron.prepare import train_tokenizer
     from nanotron.tokenizer import load_tokenizer
@@ -143,7 +150,7 @@ def poisoned(tmp_path_factory):
         )
         for _ in range(40)
     ]
-    poison = "".join(random.Random(7).choice("0123456789#%&@XZQJ") for _ in range(40))
+    poison = "#" * 40
     docs.insert(17, poison)
     (root / "corpus").mkdir()
     (root / "corpus" / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))

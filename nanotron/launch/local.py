@@ -2,7 +2,7 @@
 
     python -m nanotron.launch.local [torchrun options] -m nanotron.train --config ...
 
-is `torchrun` with two differences: when workers fail on bad input (exit code 2, or 3 for a diverged run)
+is `torchrun` with two differences: when workers fail on bad input (exit code 2; 3: diverged; 4: a spike)
 it exits with that code and prints nothing more than the workers' own one-line errors, and the stop signals
 (SIGUSR1, Slurm's "checkpoint now", which would kill torchrun itself; SIGTERM and SIGINT, on which torchrun
 would kill its workers after 30 s and exit 1) are handed to the workers, which save and exit 0, and so does
