@@ -13,17 +13,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from nanotron.activations import ActivationStats
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
-from nanotron.checkpoint.layout import committed_steps, step_of
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
-from nanotron.data.skips import write_run_skips
 from nanotron.distributed import ParallelContext, init_distributed, loss_mesh
-from nanotron.errors import DivergenceError, NodeFaultError, SpikeError
+from nanotron.errors import DivergenceError, NodeFaultError
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.metrics import (
@@ -41,7 +38,7 @@ from nanotron.parallel.expert import ExpertBalance
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
-from nanotron.stability import Stability, differing_ranks, differs
+from nanotron.stability import SpikeGuard, Stability
 from nanotron.tokenizer import copy_tokenizer
 from nanotron.watch.doctor import preflight
 from nanotron.watch.heartbeat import Heartbeat
@@ -118,6 +115,7 @@ class Trainer:
         ]
         self.state = TrainState()
         self.stability = Stability(cfg)
+        self.spikes = SpikeGuard(self)
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
         first = self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 and self.ctx.tp_rank == 0
         self.is_logging_rank = self.runner.has_last and first
@@ -177,7 +175,7 @@ class Trainer:
         if non_finite:
             self.skip_step(loss, grad_norm)
         else:
-            self.applied = self.check_spike(*values, loss, grad_norm)
+            self.applied = self.spikes.check(*values, loss, grad_norm)
         if self.applied:
             self.checkpoints.wait_for_staging()  # an async save's copy of the weights is complete
             for optimizer in self.optimizers:
@@ -210,141 +208,6 @@ class Trainer:
             if fault.skips_collective(self.ctx.rank, step):
                 return [False] * len(flags), [0.0] * len(values)
         return self.stragglers.timed(lambda: self.ctx.agree(flags, values))
-
-    # ---- spikes ---------------------------------------------------------------------------------
-
-    def check_spike(
-        self, loss: float, grad_norm: float, local_loss: torch.Tensor | None, local_norm: torch.Tensor
-    ) -> bool:
-        """Scores the step (every rank holds the same agreed values: one decision for the job); on a spike, replays
-        it and acts. Returns whether the step's update is applied."""
-        detector, cfg, step = self.stability.detector, self.cfg.stability, self.state.step + 1
-        z = self.stability.last_z = detector.scores(loss, grad_norm)
-        if not detector.is_spike(z):
-            detector.observe(loss, grad_norm)
-            return True
-        event = {"step": step, "stability/loss": loss, "stability/grad_norm": grad_norm}
-        event |= {"stability/loss_z": z["loss"], "stability/grad_norm_z": z["grad_norm"]}
-        what = (
-            f"stability: step {step} spiked (loss {loss:.4g}, z {z['loss']:.1f}; grad_norm {grad_norm:.4g}, "
-            f"z {z['grad_norm']:.1f})"
-        )
-        if cfg.replay:
-            replayed = self.replay((loss, grad_norm), local_loss, local_norm)
-            if replayed is not None:  # a transient fault: the replayed step is the clean one
-                ranks, seen, (loss2, norm2) = replayed
-                event |= {"stability/action": "transient", "stability/ranks": ranks}
-                named = ", ".join(f"rank {r} (node {self.stragglers.nodes[r]})" for r in ranks) or "no single rank"
-                line = (
-                    f"{what}; the replay gave loss {loss2:.4g}, grad_norm {norm2:.4g}: a transient fault, {seen} "
-                    f"differed on {named}"
-                )
-                if cfg.on_transient == "stop":
-                    self.metrics.log(event | {"stability/action": "exclude"}, line)
-                    if self.ctx.rank == 0 and ranks:
-                        nodes = sorted({self.stragglers.nodes[r] for r in ranks})
-                        write_atomic(self.cfg.run_dir / "suspect_nodes.txt", "".join(f"{n}\n" for n in nodes))
-                    raise NodeFaultError(f"{line}; stopped to requeue without its node (stability.on_transient)")
-                self.metrics.log(event, f"{line}; going on with the replayed step (stability.on_transient)")
-                detector.observe(loss2, norm2)
-                return True
-            what += "; the replay reproduced it (the data or the optimisation, not a rank)"
-        return self.act_on_spike(event, what, loss, grad_norm)
-
-    def replay(self, first: tuple[float, float], first_loss: torch.Tensor | None, first_norm: torch.Tensor):
-        """Recomputes the step from the same state and batch. None if it reproduces the global loss and gradient
-        norm (within replay_tolerance); else (the ranks whose own values changed, which value, the replay's global
-        loss and gradient norm). Costs a step and an all-gather of 4 numbers per rank, on spiking steps only."""
-        mine = self.local_values(first_loss, first_norm)
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        self.experts.reset()
-        self.activation_stats.restart()
-        self.heartbeat.beat("data", self.state.step + 1)
-        loss, grad_norm = self.forward_backward()
-        _, second = self.ctx.agree([], self.shares(loss, grad_norm))
-        tolerance = self.cfg.stability.replay_tolerance
-        table = torch.tensor(mine + self.local_values(loss, grad_norm), dtype=torch.float64, device=self.ctx.device)
-        gathered = [table]
-        if self.ctx.world_size > 1:
-            gathered = [torch.empty_like(table) for _ in range(self.ctx.world_size)]
-            dist.all_gather(gathered, table)
-        rows = [g.tolist() for g in gathered]
-        ranks, seen = differing_ranks([r[:2] for r in rows], [r[2:] for r in rows], tolerance)
-        if not ranks and not any(differs(a, b, tolerance) for a, b in zip(first, second)):
-            return None
-        return ranks, seen or "nothing rank-local", tuple(second)
-
-    def local_values(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> list[float]:
-        """This rank's own loss and the squared norm of its gradient shards before clipping: what a replay compares
-        rank by rank."""
-        squares = sum(
-            (g.to_local() if isinstance(g, DTensor) else g).double().square().sum()
-            for g in (p.grad for p in self.params)
-            if g is not None
-        )
-        clip = self.cfg.training.clip_grad
-        coefficient = min(1.0, clip / (grad_norm.item() + 1e-6)) if clip > 0 else 1.0
-        return [0.0 if loss is None else loss.item(), float(squares) / coefficient**2]
-
-    def act_on_spike(self, event: dict, what: str, loss: float, grad_norm: float) -> bool:
-        """stability.action on a spike the replay reproduced (or that was not replayed); whether to apply it."""
-        action = self.cfg.stability.action
-        if action == "warn":
-            self.stability.detector.observe(loss, grad_norm)
-            self.metrics.log(event | {"stability/action": "warn"}, f"warning: {what}; applied (stability.action=warn)")
-            return True
-        if action == "stop":
-            self.metrics.log(event | {"stability/action": "stop"})
-            raise SpikeError(
-                f"{what}; stopped before applying it (stability.action=stop): resume from the last checkpoint "
-                f"with data.skip_samples covering step {event['step']}'s samples, or a lower optimizer.lr"
-            )
-        if action == "rollback":
-            reason = self.rollback(event, what)
-            if reason is None:
-                return False
-            what += reason
-        self.metrics.log(event | {"stability/action": "skip_step"}, f"warning: {what}; update skipped")
-        return False
-
-    def rollback(self, event: dict, what: str) -> str | None:
-        """Reloads the newest committed checkpoint before the spike, skips the window of samples that led to it
-        and goes on from there, in this process. Why not, when no checkpoint precedes the spike."""
-        cfg, t, step = self.cfg, self.cfg.training, event["step"]
-        self.checkpoints.wait()  # an async save in flight commits first: it may be the one to go back to
-        older = [path for path in committed_steps(cfg.checkpoint_dir) if step_of(path) < step]
-        if not older:
-            return f"; no committed checkpoint before step {step} to roll back to (checkpoint.interval)"
-        if self.stability.rollbacks >= cfg.stability.max_rollbacks:
-            self.metrics.log(event | {"stability/action": "stop"})
-            raise SpikeError(
-                f"{what}; stopped: stability.max_rollbacks={cfg.stability.max_rollbacks} rollbacks already "
-                f"(windows skipped: {self.stability.skips.to_list()}); inspect the data around these samples, "
-                "lower optimizer.lr or raise stability.max_rollbacks, and resume"
-            )
-        first = self.state.consumed_samples
-        self.heartbeat.beat("checkpoint", step)
-        self.checkpoints.load(older[-1])
-        self.stability.rollbacks += 1
-        window = self.stability.window(first, t.global_batch_size, self.state.consumed_samples)
-        self.stability.skips.add(*window)
-        if self.ctx.rank == 0:
-            write_run_skips(cfg.run_dir, self.stability.skips)
-        event |= {
-            "stability/action": "rollback",
-            "stability/window": list(window),
-            "stability/rollback_to": self.state.step,
-        }
-        self.metrics.log(
-            event,
-            f"{what}; rolled back to step {self.state.step} ({older[-1]}) and skipping samples "
-            f"[{window[0]}, {window[1]}) (rollback {self.stability.rollbacks} of {cfg.stability.max_rollbacks})",
-        )
-        self.experts.reset()
-        self.loader_iter = self.data_iterator()
-        self.rolled_back = True
-        return None
 
     def skip_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
         """A non-finite loss or gradient: the step is not applied, and after training.max_skipped_steps such

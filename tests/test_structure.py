@@ -115,7 +115,7 @@ LAYERS = [
     ["nanotron.gpu", "nanotron.tokenizer", "nanotron.models"],
     ["nanotron.parallel", "nanotron.distributed", "nanotron.optim", "nanotron.activations"],
     ["nanotron.tokenize", "nanotron.data"],
-    ["nanotron.checkpoint", "nanotron.lock", "nanotron.watch"],
+    ["nanotron.checkpoint", "nanotron.lock", "nanotron.watch", "nanotron.stability"],
     ["nanotron.metrics", "nanotron.trainer"],
     [  # commands
         "nanotron.train",

@@ -286,10 +286,26 @@ _AUX_CP = (
 )
 
 
-def _validate_stability(cfg: Config) -> None:
-    from nanotron.data.skips import SampleSkips
+def sample_windows(entries: list[str]) -> list[tuple[int, int]]:
+    """`data.skip_samples`: START:END each (END excluded), one line naming the entry otherwise."""
+    windows = []
+    for i, entry in enumerate(entries):
+        start, colon, end = entry.partition(":")
+        try:
+            window = (int(start), int(end)) if colon else None
+        except ValueError:
+            window = None
+        if window is None or not 0 <= window[0] < window[1]:
+            raise ConfigError(
+                f"data.skip_samples[{i}]={entry!r}: expected START:END, two sample indices with 0 <= START < END "
+                "(END excluded), e.g. 4096:8192"
+            )
+        windows.append(window)
+    return windows
 
-    SampleSkips.parse(cfg.data.skip_samples)  # START:END each, one line naming the entry otherwise
+
+def _validate_stability(cfg: Config) -> None:
+    sample_windows(cfg.data.skip_samples)
     s = cfg.stability
     if not 0.0 < s.ema_decay < 1.0:
         raise ConfigError(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nanotron.errors import ConfigError, DataError
+from nanotron.config.validate import sample_windows
+from nanotron.errors import DataError
 from nanotron.io import write_atomic
 
 SKIPPED_SAMPLES = "skipped_samples.json"
@@ -70,21 +71,8 @@ class SampleSkips:
 
     @classmethod
     def parse(cls, entries: list[str]) -> SampleSkips:
-        """`data.skip_samples` entries, START:END each."""
-        windows = []
-        for i, entry in enumerate(entries):
-            start, colon, end = entry.partition(":")
-            try:
-                window = (int(start), int(end)) if colon else None
-            except ValueError:
-                window = None
-            if window is None or not 0 <= window[0] < window[1]:
-                raise ConfigError(
-                    f"data.skip_samples[{i}]={entry!r}: expected START:END, two sample indices with 0 <= START < END "
-                    "(END excluded), e.g. 4096:8192"
-                )
-            windows.append(window)
-        return cls(windows)
+        """`data.skip_samples` entries, START:END each (checked by the config's validation)."""
+        return cls(sample_windows(entries))
 
 
 def read_run_skips(run_dir: Path) -> SampleSkips:
