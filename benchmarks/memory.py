@@ -110,7 +110,7 @@ def worker(args: list[str], out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.probe import StepProbe, nbytes
+    from benchmarks.probe import StepProbe, nbytes, pipeline_buffer_bytes
     from nanotron.config import load_config, parse_overrides
     from nanotron.distributed import destroy_distributed, launched_world_size
     from nanotron.metrics import memory_record
@@ -137,6 +137,7 @@ def worker(args: list[str], out: Path) -> None:
         "optimizer_bytes": sum(nbytes(v) for v in optimizer_state),
         "activation_bytes": probe.activation_peak,
         "working_bytes": probe.working_peak,
+        "pipeline_buffer_bytes": pipeline_buffer_bytes(trainer.runner.schedule),
         "peak_gib": peak,
         "peak_growth_gib": peak - baseline,
     }

@@ -172,3 +172,16 @@ class StepProbe:
             for handle in self.handles:
                 handle.remove()
             self.handles.clear()
+
+
+def pipeline_buffer_bytes(schedule: object | None) -> int:
+    """The receive buffers torch's pipeline stages allocated on this rank (activations from the previous stage and
+    gradients from the next, one per microbatch), after a step has run."""
+    if schedule is None:
+        return 0
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    total = 0
+    for stage in stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            total += sum(nbytes(i.buffer) for i in infos if torch.is_tensor(getattr(i, "buffer", None)))
+    return total

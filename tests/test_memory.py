@@ -53,6 +53,7 @@ def measure(tiny_data, out: Path, name: str, nproc: int, extra: list[str]) -> tu
         for key, estimate in [("param_bytes", plan["params"]), ("grad_bytes", plan["grads"])]:
             assert abs(estimate / rank[key] - 1) <= 0.05, (key, estimate, rank[key])
         assert abs(plan["optimizer"] / rank["optimizer_bytes"] - 1) <= 0.05
+        assert plan["pipeline_buffers"] == rank["pipeline_buffer_bytes"], (plan["pipeline_buffers"], rank)
         activations = plan["activations_saved"] + plan["logits_saved"]
         assert abs(activations / rank["activation_bytes"] - 1) <= 0.25, (activations, rank["activation_bytes"])
     return ranks, train_losses(out / name)
@@ -124,3 +125,12 @@ def test_zero_1_reduces_gradients_once_per_step_and_zero_2_after_every_microbatc
     units = 4 + 1
     assert reduce_scatters_per_step(monkeypatch, zero_stage=1, grad_accum_steps=4) == [units, units]
     assert reduce_scatters_per_step(monkeypatch, zero_stage=2, grad_accum_steps=4) == [4 * units, 4 * units]
+
+
+@pytest.mark.slow
+def test_the_plan_counts_pipeline_boundaries_at_the_sequence_parallel_shard(tiny_data, tmp_path):
+    """Under sequence parallelism a stage sends and receives its seq_len / tp part of every microbatch: the plan's
+    receive buffers equal those torch allocated (checked in `measure`) and its activations stay within 25%."""
+    layout = ["--parallelism.pp=2", "--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"]
+    ranks, _ = measure(tiny_data, tmp_path, "run", 4, layout)
+    assert all(r["pipeline_buffer_bytes"] > 0 for r in ranks)

@@ -247,9 +247,11 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     buffers += attention_transient_bytes(cfg, tokens)
     if p.ep > 1 and m.moe.enabled:  # the all-to-all's received tokens and the outputs sent back
         buffers += 2 * m.moe.top_k * tokens * m.hidden_size * e
+    pipeline_buffers = 0.0
     if p.pp > 1:  # torch's pipeline stage allocates receive buffers for every microbatch up front
         receives = sum((not s.first) + (not s.last) for s in stages)
-        buffers += receives * n_micro * tokens * m.hidden_size * e
+        pipeline_buffers = receives * n_micro * tokens * m.hidden_size * e
+    buffers += pipeline_buffers
     parts = {
         "params": FP32 * sharded,
         "grads": FP32 * tp_local + embedding_grad_extra if full_grads else FP32 * sharded,
@@ -264,6 +266,7 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
         "total": sum(parts.values()),
         "activations_saved": activations_saved,
         "logits_saved": logits_saved,
+        "pipeline_buffers": pipeline_buffers,
         "flights": flights,
     }
 
