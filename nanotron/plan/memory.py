@@ -228,8 +228,9 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     activations_saved = logits_saved = 0.0
     for stage in stages:
         held = sum(saved[i][1 if p.recompute_layer else 0] for i in stage.layer_indices)
-        held += 0 if stage.first else tokens * e * m.hidden_size  # received input, kept for backward
-        held += 0 if stage.last else tokens * e * m.hidden_size  # output, kept for backward
+        # The hidden states crossing a stage boundary are this tp rank's sequence shard under sequence parallelism.
+        held += 0 if stage.first else tokens / sp * e * m.hidden_size  # received input, kept for backward
+        held += 0 if stage.last else tokens / sp * e * m.hidden_size  # output, kept for backward
         held += tokens * 8 if stage.first else 0  # token ids
         if stage.last:
             held += tokens * ((FP32 + e) * m.hidden_size / sp + e * m.hidden_size)  # final norm
@@ -250,7 +251,7 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     pipeline_buffers = 0.0
     if p.pp > 1:  # torch's pipeline stage allocates receive buffers for every microbatch up front
         receives = sum((not s.first) + (not s.last) for s in stages)
-        pipeline_buffers = receives * n_micro * tokens * m.hidden_size * e
+        pipeline_buffers = receives * n_micro * tokens / sp * m.hidden_size * e
     buffers += pipeline_buffers
     parts = {
         "params": FP32 * sharded,

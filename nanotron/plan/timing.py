@@ -101,8 +101,10 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     per_layer = (8 + (4 if p.recompute_layer else 0)) * tokens_micro * m.hidden_size * e
     tp_bytes = n_micro * (layers_per_rank * per_layer + 2 * tokens_micro * m.hidden_size * e)
     comm["tp"] = Transfer(ring_gb(tp_bytes, p.tp), *(nvlink if p.tp <= gpus_per_node else ib))
-    # PP: each microbatch's activation forward and its gradient backward cross a stage boundary.
-    pp_bytes = 2 * n_micro * tokens_micro * m.hidden_size * e if p.pp > 1 else 0
+    # PP: each microbatch's activation forward and its gradient backward cross a stage boundary (this tp rank's
+    # sequence shard under sequence parallelism).
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    pp_bytes = 2 * n_micro * tokens_micro / sp * m.hidden_size * e if p.pp > 1 else 0
     comm["pp"] = Transfer(pp_bytes / 1e9, *(nvlink if world <= gpus_per_node else ib))
     # CP: per layer, forward passes this rank's K/V on cp-1 times; backward passes K/V cp-1 times and their
     # fp32 gradients cp times; the recomputed forward repeats the forward's.
