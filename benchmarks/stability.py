@@ -11,7 +11,7 @@ interleaved (the 2 shared cores are noisy): the median step time of each and the
 (scoring and observing one step) is also timed alone, over many calls, as a share of the measured step: the one
 all-reduce a step already does carries its two numbers, so nothing else is added.
 
-`--quick` (tests): 60 steps of the synthetic corpus instead of the demo run, one round.
+`--quick` (tests): 60 steps of the synthetic corpus instead of the demo run; the cost on the nano model, one round.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def clean_run(steps: int, work_dir: Path, quick: bool) -> list[dict]:
     ]
 
 
-def cost(steps: int, rounds: int, work_dir: Path) -> list[dict]:
+def cost(steps: int, rounds: int, work_dir: Path, size: str) -> list[dict]:
     """Median step time with detection on and off, interleaved; and the detector's host time per step."""
-    base = [*QUIET_RUN, *ensure_data(work_dir), *model_overrides("tiny"), f"--training.steps={steps}"]
+    base = [*QUIET_RUN, *ensure_data(work_dir), *model_overrides(size), f"--training.steps={steps}"]
     times: dict[bool, list[float]] = {True: [], False: []}
     for index in range(rounds):
         for enabled in (True, False) if index % 2 == 0 else (False, True):
@@ -87,7 +87,7 @@ def cost(steps: int, rounds: int, work_dir: Path) -> list[dict]:
         detector.observe(3.0 + 0.01 * (i % 7), 1.0)
     host = (time.perf_counter() - started) / calls
     rounds_text = ", ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(times[True], times[False]))
-    setup = f"tiny model, 1 process, {steps} steps x {rounds} rounds"
+    setup = f"{size} model, 1 process, {steps} steps x {rounds} rounds"
     return [
         {"measure": "step time on / off", "setup": setup, "value": on / off, "detail": f"round medians {rounds_text}"},
         {"measure": "detector host time / step", "setup": setup, "value": host / on, "detail": f"{host * 1e6:.1f} us"},
@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     args = parser.parse_args()
     steps, rounds = (60, 1) if args.quick else (args.steps, args.rounds)
-    rows = clean_run(steps, args.work_dir, args.quick) + cost(30 if args.quick else 60, rounds, args.work_dir)
+    rows = clean_run(steps, args.work_dir, args.quick)
+    rows += cost(20, rounds, args.work_dir, "nano") if args.quick else cost(60, rounds, args.work_dir, "tiny")
     args.out.mkdir(parents=True, exist_ok=True)
     print(write_table(rows, COLUMNS, args.out / "stability"))
 
