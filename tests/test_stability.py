@@ -8,6 +8,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import TINY_MODEL, read_metrics, run_train, synthetic_documents, train_losses
@@ -15,8 +16,8 @@ from conftest import TINY_MODEL, read_metrics, run_train, synthetic_documents, t
 from nanotron.config import StabilityConfig, TrainingConfig, load_config
 from nanotron.data import StepSampler
 from nanotron.data.skips import SKIPPED_SAMPLES, SampleSkips
-from nanotron.errors import ConfigError
-from nanotron.stability import SpikeDetector, Stability, differing_ranks
+from nanotron.errors import ConfigError, SpikeError
+from nanotron.stability import SpikeDetector, SpikeGuard, Stability, differing_ranks
 
 # ---- the detector and the skip windows ------------------------------------------------------------
 
@@ -81,6 +82,23 @@ def test_a_rollback_window_ends_with_the_spiking_step_and_never_reaches_before_t
     # The spiking step starts at trained sample 40 (gbs 8); its own samples are positions 42..49 (4 and 5 skipped).
     assert stability.window(40, 8, floor_sample=0) == (26, 50)  # 3 steps: trained samples 24..47
     assert stability.window(40, 8, floor_sample=32) == (34, 50)  # the checkpoint rolled back to is at sample 32
+
+
+def test_a_rollback_past_stability_max_rollbacks_stops_the_run(tmp_path):
+    cfg = load_config(None, [("stability.max_rollbacks", "2"), ("job.out_dir", str(tmp_path))])
+    (cfg.checkpoint_dir / "step-8").mkdir(parents=True)
+    (cfg.checkpoint_dir / "step-8" / "trainer_state.json").write_text("{}")
+    logged = []
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        stability=Stability(cfg),
+        checkpoints=SimpleNamespace(wait=lambda: None),
+        metrics=SimpleNamespace(log=lambda record, line=None: logged.append(record)),
+    )
+    trainer.stability.rollbacks = 2
+    with pytest.raises(SpikeError, match=r"stopped: stability.max_rollbacks=2 rollbacks already"):
+        SpikeGuard(trainer).rollback({"step": 12}, "stability: step 12 spiked")
+    assert logged == [{"step": 12, "stability/action": "stop"}]
 
 
 def test_differing_ranks_are_named_by_the_earliest_value_that_changed():
