@@ -100,6 +100,17 @@ def test_search_prints_layouts_that_fit_ranked_by_throughput():
         assert float(r[10]) <= usable
 
 
+def test_search_works_when_the_configs_own_layout_is_larger_than_the_cluster():
+    """large.toml's layout needs 32 GPUs; on one 8-GPU node --search still ranks the layouts of 8 (issue 24)."""
+    proc = plan("--config", "configs/large.toml", "--nodes", "1", "--gpus_per_node", "8", "--search", "--top", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "the config's own layout (dp*cp*tp*pp = 4*1*4*2 = 32 GPUs) is larger than 1 x 8 GPUs" in proc.stdout
+    rows = table_rows(proc.stdout, "| # | dp |")
+    assert rows and all(int(r[1]) * int(r[3]) * int(r[5]) * int(r[6]) == 8 for r in rows)
+    without_search = plan("--config", "configs/large.toml", "--nodes", "1", "--gpus_per_node", "8")
+    assert without_search.returncode == 2 and "raise --nodes" in without_search.stderr
+
+
 def test_zero_stages_change_gradients_and_working_copies_as_documented():
     layout = [("parallelism.tp", "1"), ("parallelism.dp", "4"), ("parallelism.pp", "2")]
     cfg = {z: load_config("configs/large.toml", [*layout, ("parallelism.zero_stage", str(z))]) for z in (0, 1, 2, 3)}
