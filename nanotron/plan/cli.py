@@ -187,13 +187,18 @@ def _plan(argv: list[str]) -> int:
     gpu = parse_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
     cfg = load_config(args.config, overrides)
     capacity = args.nodes * args.gpus_per_node
-    if cfg.world_size > capacity:
-        p = cfg.parallelism
+    p = cfg.parallelism
+    layout = f"dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} GPUs"
+    if cfg.world_size <= capacity:
+        out = describe(cfg, gpu, args.nodes, args.gpus_per_node, args.efficiency)
+    elif args.search and not args.check:  # the search only needs the model, batch and options from the config
+        cluster = f"{args.nodes} x {args.gpus_per_node} GPUs"
+        out = [f"the config's own layout ({layout}) is larger than {cluster}: not described"]
+    else:
         raise ConfigError(
-            f"dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} GPUs but --nodes {args.nodes} x "
-            f"--gpus_per_node {args.gpus_per_node} = {capacity}; lower dp/cp/tp/pp or raise --nodes"
+            f"{layout} but --nodes {args.nodes} x --gpus_per_node {args.gpus_per_node} = {capacity}; lower "
+            "dp/cp/tp/pp or raise --nodes (--search alone ranks the layouts of this cluster)"
         )
-    out = describe(cfg, gpu, args.nodes, args.gpus_per_node, args.efficiency)
     if args.search:
         out += ["", *search_table(cfg, capacity, gpu, args.gpus_per_node, args.efficiency, args.top)]
     if args.check:
