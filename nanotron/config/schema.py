@@ -266,16 +266,18 @@ class WatchConfig:
 class StabilityConfig:
     """[stability]: finite loss and gradient-norm spikes, decided from the step's agreed values."""
 
-    enabled: bool = _opt(True, "detect spikes of the loss and the gradient norm (z-score against running means)")
+    enabled: bool = _opt(True, "detect loss and gradient-norm spikes (z-score against a running forecast of each)")
     warmup_steps: int = _opt(
         100, "steps observed before the first decision (the running statistics travel with checkpoints)", min=1
     )
-    ema_decay: float = _opt(0.98, "decay of the running mean and variance per step (~1/(1-decay) steps of memory)")
+    ema_decay: float = _opt(
+        0.98, "decay of the running forecast and error variance per step (~1/(1-decay) steps of memory)"
+    )
     loss_z: float = _opt(
-        6.0, "a loss this many standard deviations above its running mean is a spike; 0 = ignore the loss", min=0.0
+        6.0, "a loss this many standard deviations above its log-space forecast is a spike; 0 = ignore it", min=0.0
     )
     grad_norm_z: float = _opt(
-        8.0, "a gradient norm this many standard deviations above its running mean is a spike; 0 = ignore it", min=0.0
+        8.0, "a gradient norm this many standard deviations above its forecast is a spike; 0 = ignore it", min=0.0
     )
     action: str = _opt(
         "rollback",
