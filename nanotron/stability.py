@@ -1,13 +1,14 @@
 """Finite loss spikes: detected from the values every rank agrees on, replayed to tell a faulty rank from bad
 data, then handled by policy (roll back past the samples, skip the update, stop, or warn).
 
-The detector keeps an exponential moving mean and variance of the loss and of the gradient norm and scores each
-step by its z-score against them; it sees only the step's agreed values (the all-reduce every step already does),
-so every rank takes the same decision at no extra collective. Its statistics, the skipped sample windows and the
-rollback count travel in every checkpoint's trainer_state.json, so a resumed run is not blind for a warm-up.
+The detector keeps an exponentially smoothed forecast (level and trend of the logarithm) of the loss and of the
+gradient norm, with the variance of its errors, and scores each step by its z-score against them. It sees only
+the step's agreed values (the all-reduce every step already does), so every rank takes the same decision at no
+extra collective. Its statistics, the skipped sample windows and the rollback count travel in every checkpoint's
+trainer_state.json, so a resumed run is not blind for a warm-up.
 The idea of replaying a suspicious step to separate a transient fault from a reproducible one is Megatron-LM's
-rerun state machine (`megatron/core/rerun_state_machine.py`); the z-score/EMA detector and the rollback-and-skip
-remedy are what the PaLM (Chowdhery et al. 2022, §5.1) and OPT logbooks describe doing by hand.
+rerun state machine (`megatron/core/rerun_state_machine.py`); spotting spikes and the rollback-and-skip remedy
+are what the PaLM (Chowdhery et al. 2022, §5.1) and OPT logbooks describe doing by hand.
 """
 
 from __future__ import annotations
