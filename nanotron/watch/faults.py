@@ -8,7 +8,8 @@ from S on):
   sleep            sleeps in `data` (a stuck data loader; the GIL is free)
   gil_lock         spins in `forward` holding the GIL (a C extension that never releases it)
   sigstop          stops itself with SIGSTOP in `data` (the process can run no code at all)
-  skip_collective  skips the step's stop/non-finite all-reduce in `optimizer` (ranks disagree on collectives)
+  skip_collective  skips the step's all-reduce in `optimizer` (ranks disagree on collectives: a hang on NCCL; on
+                   gloo the rank aborts when it meets its peers' larger message)
   slow:F           from step S on, sleeps (F - 1) x the step's compute time before the step's collective
   crash            kills itself with SIGKILL in `data`
   slow_disk:T      every checkpoint save takes T seconds longer (a slow or overloaded filesystem)
