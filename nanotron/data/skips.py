@@ -51,9 +51,6 @@ class SampleSkips:
     def __len__(self) -> int:
         return sum(end - start for start, end in self.windows)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SampleSkips) and self.windows == other.windows
-
     def to_list(self) -> list[list[int]]:
         return [[start, end] for start, end in self.windows]
 
