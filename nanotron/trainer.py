@@ -21,6 +21,7 @@ from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
 from nanotron.distributed import ParallelContext, init_distributed, loss_mesh
 from nanotron.errors import DivergenceError, NodeFaultError
+from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.metrics import (
@@ -39,7 +40,7 @@ from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
 from nanotron.stability import SpikeGuard, Stability
-from nanotron.tokenizer import copy_tokenizer
+from nanotron.tokenizer import copy_tokenizer, load_tokenizer
 from nanotron.watch.doctor import preflight
 from nanotron.watch.heartbeat import Heartbeat
 from nanotron.watch.straggler import StragglerScores
@@ -123,6 +124,11 @@ class Trainer:
         self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
         dp_cp = loss_mesh(self.ctx.mesh).get_group() if p.dp * p.cp > 1 else None
         self.experts = ExpertBalance(cfg, self.modules, dp_cp, self.ctx.device)
+        self.downstream = None
+        if cfg.evaluation.tasks:  # tokenized once, each rank its own share of the rows
+            tasks = load_tasks(cfg)
+            tokenizer = load_tokenizer(cfg.data.tokenizer)
+            self.downstream = DownstreamEval(tasks, cfg, self.ctx, self.runner, tokenizer)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir,
             cfg.checkpoint,
@@ -242,6 +248,26 @@ class Trainer:
                 f"{math.exp(min(eval_loss, 50)):.1f}",
             )
 
+    def log_downstream(self) -> None:
+        """The downstream tasks' scores at this step (and each item's, with evaluation.write_items)."""
+        self.heartbeat.beat("eval", self.state.step)
+        started = time.perf_counter()
+        result = self.downstream.run()
+        if result is None or not self.is_logging_rank:
+            return
+        scores, items = result
+        seconds = time.perf_counter() - started
+        self.metrics.log(
+            {"step": self.state.step} | scores | {"eval/seconds": seconds},
+            scores_line(self.state.step, self.downstream.tasks, scores) + f" | {seconds:.1f}s",
+        )
+        if self.cfg.evaluation.write_items:
+            write_items(self.cfg.run_dir / "evaluation" / f"step-{self.state.step}.jsonl", items)
+
+    def evaluating(self, interval: int) -> bool:
+        step = self.state.step
+        return bool(interval) and (step % interval == 0 or step == self.cfg.training.steps)
+
     def save_checkpoint(self, final: bool = False) -> None:
         self.heartbeat.beat("checkpoint", self.state.step)
         self.checkpoints.save(self.state.step, final=final)
@@ -292,8 +318,11 @@ class Trainer:
         self.metrics.info(run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step))
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
             self.save_checkpoint()
+        downstream_interval = cfg.evaluation.interval or t.eval_interval
         if t.eval_interval and self.state.step == 0:
             self.log_eval()
+        if self.downstream is not None and downstream_interval and self.state.step == 0:
+            self.log_downstream()
         tokens_per_step = t.global_batch_size * t.seq_len
         flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
         peak = cfg.logging.peak_tflops or (
@@ -333,8 +362,10 @@ class Trainer:
                     record |= {f"stability/{name}_z": z for name, z in self.stability.last_z.items()}
                     record |= _throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
                     self.metrics.log_step(record | memory, t.steps)
-            if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
+            if self.evaluating(t.eval_interval):
                 self.log_eval()
+            if self.downstream is not None and self.evaluating(downstream_interval):
+                self.log_downstream()
             if not stop and cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
                 self.save_checkpoint()
         profiler.stop()

@@ -133,6 +133,18 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                 f"data.datasets[{index}].weight: expected a number > 0 (a share relative to the other datasets' "
                 f"weights), got {dataset.weight}"
             )
+    names = set()
+    for index, task in enumerate(cfg.evaluation.tasks):
+        if not task.path:
+            raise ConfigError(
+                f"evaluation.tasks[{index}]: missing path; each [[evaluation.tasks]] table needs "
+                'path = "<items.jsonl>" (and optionally name = "<task>")'
+            )
+        if (name := task.task_name) in names:
+            raise ConfigError(
+                f"evaluation.tasks[{index}]: a second task named '{name}'; give each [[evaluation.tasks]] its own name"
+            )
+        names.add(name)
     if cfg.logging.activation_stats_interval and t.compile:
         raise ConfigError(
             "logging.activation_stats_interval needs training.compile=false: a compiled layer ignores forward "

@@ -70,6 +70,8 @@ class MicrobatchRunner:
             raise ValueError("model.attention='document' needs the tokenizer's EOS id")
         self.eos_id = eos_id
         self.scale: torch.Tensor | None = None  # this batch's loss scale under document masking
+        self.scoring = False  # `loss` returns each row's summed target log-likelihood (downstream evaluation)
+        self.cp_group = ctx.mesh["cp"].get_group() if p.cp > 1 else None
         indices = [index for index, _ in stages]
         self.has_first, self.has_last = 0 in indices, cfg.num_stages - 1 in indices
         # A MoE balance loss's gradient follows the model loss's normalisation: the plain loop divides each
@@ -118,7 +120,39 @@ class MicrobatchRunner:
             chunks = self._microbatches(inputs, targets, doc)
             return torch.stack([_plain(self.loss(self.modules[0](i, d), t)) for i, t, d in chunks]).mean()
 
+    @torch.no_grad()
+    def score(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Forward only, in eval mode: for each row of each (tokens [B, seq_len + 1], targets [B, seq_len])
+        batch, the sum of the log-probabilities of its targets (IGNORE_INDEX where nothing is scored), over
+        the whole sequence (cp ranks' parts summed). Rows in order, float64; None without the last stage."""
+        for module in self.modules:
+            module.eval()
+        self.scoring, rows = True, []
+        try:
+            for tokens, targets in batches:
+                inputs, _, doc = self._split(tokens)
+                targets = shard_sequence(targets.to(self.device), self.cp, self.cp_rank)
+                with self._loss_context():
+                    if self.schedule is not None:
+                        with forward_only(self.schedule):
+                            rows.extend(self._pipelined_losses(self.schedule.eval, inputs, targets, doc))
+                    else:
+                        chunks = self._microbatches(inputs, targets, doc)
+                        rows.extend(self.loss(self.modules[0](i, d), t) for i, t, d in chunks)
+        finally:
+            self.scoring = False
+            for module in self.modules:
+                module.train()
+        if not self.has_last:
+            return None
+        scores = torch.cat(rows).double()
+        if self.cp_group is not None:
+            dist.all_reduce(scores, group=self.cp_group)
+        return scores
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.scoring:
+            return row_log_likelihoods(logits, targets)
         return microbatch_loss(logits, targets, self.scale)
 
     def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -143,8 +177,13 @@ class MicrobatchRunner:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def _pipelined(self, run: Callable, inputs, targets, doc) -> torch.Tensor | None:
-        """One schedule call (`step` or `eval`): stage 0 feeds the inputs, the last stage takes the targets,
-        every stage the document ids."""
+        """The mean loss of one schedule call (`step` or `eval`)."""
+        losses = self._pipelined_losses(run, inputs, targets, doc)
+        return torch.stack([loss.float() for loss in losses]).mean() if self.has_last else None
+
+    def _pipelined_losses(self, run: Callable, inputs, targets, doc) -> list[torch.Tensor]:
+        """One schedule call: stage 0 feeds the inputs, the last stage takes the targets, every stage the
+        document ids; the last stage's losses, plain and detached, in microbatch order (none elsewhere)."""
         losses: list[torch.Tensor] = []
         run(
             *([inputs] if self.has_first else []),
@@ -153,7 +192,13 @@ class MicrobatchRunner:
             return_outputs=False,
             **({"doc": doc} if doc is not None else {}),
         )
-        return torch.stack([_plain(loss).detach().float() for loss in losses]).mean() if self.has_last else None
+        return [_plain(loss).detach() for loss in losses]
+
+
+def row_log_likelihoods(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per row [B] of a microbatch, the summed log-probability of its targets that are not IGNORE_INDEX."""
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return -_plain(nll).view(targets.shape).sum(-1).detach()
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Downstream evaluation: multiple-choice tasks scored by log-likelihood on the training layout."""

@@ -1,0 +1,128 @@
+"""Downstream tasks scored on the training layout: the trainer's `evaluate` and `nanotron eval` call this.
+
+Every (item, choice) becomes one token row of seq_len + 1 tokens (see `tasks`), right-padded with EOS and
+with targets only on the continuation's tokens. The rows of all tasks are dealt out to the dp ranks in equal
+contiguous shares (the last share padded with rows that score nothing), each share run in batches of the
+training step's shape (grad_accum_steps x micro_batch_size rows) through `MicrobatchRunner.score`, so the
+model is used as it is sharded: FSDP/ZeRO gathers, TP, every pipeline engine and cp work as in training, and
+nothing is gathered or converted. The per-row log-likelihoods of a share come back on each last-stage rank
+(summed over cp there); one all-gather over dp (R float64, R = rows of all tasks: 320 KB for HellaSwag's
+40k rows, per evaluation) gives them to the logging rank, which computes the scores.
+
+Cost per evaluation: R / dp rows forward on each dp rank (padding to whole batches wastes at most one batch
+per rank); at 512 GPUs a 10k-item, 4-choice task is ~80 rows per dp rank at dp 512. Tokenizing happens once,
+at start-up; each rank keeps only its share's token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nanotron.config import Config
+from nanotron.distributed import ParallelContext
+from nanotron.evaluation.tasks import Task, accuracy, encode_item, load_task, predictions
+from nanotron.io import write_atomic
+from nanotron.parallel.context import IGNORE_INDEX
+from nanotron.parallel.runner import MicrobatchRunner
+from nanotron.tokenizer import Tokenizer
+
+
+@dataclass
+class Row:
+    tokens: list[int]
+    scored: int  # the last `scored` tokens are the continuation
+
+
+def load_tasks(cfg: Config) -> list[Task]:
+    e = cfg.evaluation
+    return [load_task(t.task_name, t.path, e.max_items) for t in e.tasks]
+
+
+class DownstreamEval:
+    """The configured tasks, encoded once; `run()` scores them at this rank's place in the layout."""
+
+    def __init__(
+        self, tasks: list[Task], cfg: Config, ctx: ParallelContext, runner: MicrobatchRunner, tokenizer: Tokenizer
+    ):
+        self.tasks, self.runner, self.ctx = tasks, runner, ctx
+        t, p = cfg.training, cfg.parallelism
+        self.seq_len, self.eos_id = t.seq_len, tokenizer.eos_id
+        self.batch_rows = t.grad_accum_steps * t.micro_batch_size
+        self.total = sum(task.rows for task in tasks)
+        self.dp = p.dp
+        self.share = math.ceil(self.total / p.dp)
+        first, end = ctx.dp_rank * self.share, min((ctx.dp_rank + 1) * self.share, self.total)
+        self.rows = self._encode(tokenizer, cfg.evaluation.delimiter, first, end)
+        self.dp_group = ctx.mesh["dp"].get_group() if p.dp > 1 else None
+
+    def _encode(self, tokenizer: Tokenizer, delimiter: str, first: int, end: int) -> list[Row]:
+        """This rank's rows [first, end) of all tasks' rows (items whose rows all fall outside are not encoded)."""
+        rows, index = [], 0
+        for task in self.tasks:
+            for number, item in enumerate(task.items):
+                if first < index + len(item.choices) and index < end:
+                    where = f"evaluation task '{task.name}' item {number}"
+                    encoded = encode_item(tokenizer, item, delimiter, self.seq_len, where)
+                    mine = range(max(first, index), min(end, index + len(item.choices)))
+                    rows += [Row(*encoded[i - index]) for i in mine]
+                index += len(item.choices)
+        return rows
+
+    def batches(self):
+        """This rank's share as (tokens, targets) batches of the training step's shape."""
+        count = math.ceil(self.share / self.batch_rows) if self.share else 0
+        for b in range(count):
+            tokens = torch.full((self.batch_rows, self.seq_len + 1), self.eos_id, dtype=torch.long)
+            targets = torch.full((self.batch_rows, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+            for r, row in enumerate(self.rows[b * self.batch_rows : (b + 1) * self.batch_rows]):
+                n = len(row.tokens)
+                tokens[r, :n] = torch.tensor(row.tokens)
+                targets[r, n - 1 - row.scored : n - 1] = tokens[r, n - row.scored : n]
+            yield tokens, targets
+
+    def log_likelihoods(self) -> list[float] | None:
+        """Every row's log-likelihood, in task order, on the last-stage ranks (None elsewhere)."""
+        scores = self.runner.score(list(self.batches()))
+        if scores is None:
+            return None
+        scores = scores[: self.share]  # the share's rows (the last share's padding rows score 0)
+        if self.dp_group is not None:
+            gathered = scores.new_empty(self.dp * self.share)
+            dist.all_gather_into_tensor(gathered, scores.contiguous(), group=self.dp_group)
+            scores = gathered
+        return scores[: self.total].tolist()
+
+    def run(self) -> tuple[dict[str, float], dict[str, list[dict]]] | None:
+        """Scores ({"eval/<task>/acc": ..., "eval/<task>/acc_norm": ...}) and per-item results on the
+        last-stage ranks; None elsewhere."""
+        values = self.log_likelihoods()
+        if values is None:
+            return None
+        scores, items, start = {}, {}, 0
+        for task in self.tasks:
+            part = values[start : start + task.rows]
+            start += task.rows
+            for metric, value in accuracy(task, part).items():
+                scores[f"eval/{task.name}/{metric}"] = value
+            items[task.name] = predictions(task, part)
+        return scores, items
+
+
+def scores_line(step: int | None, tasks: list[Task], scores: dict[str, float]) -> str:
+    parts = [
+        f"{t.name} acc {scores[f'eval/{t.name}/acc']:.3f} acc_norm {scores[f'eval/{t.name}/acc_norm']:.3f} "
+        f"({len(t.items)} items)"
+        for t in tasks
+    ]
+    return ("" if step is None else f"eval step {step} | ") + " | ".join(parts)
+
+
+def write_items(path, items: dict[str, list[dict]]) -> None:
+    """Per-item log-likelihoods and predictions, one JSON line per item with its task's name."""
+    lines = [json.dumps({"task": name} | item) for name, task_items in items.items() for item in task_items]
+    write_atomic(path, "\n".join(lines) + "\n", durable=False)

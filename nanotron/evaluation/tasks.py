@@ -1,0 +1,162 @@
+"""Multiple-choice tasks: local JSONL files in, token rows to score out, accuracy from the scores.
+
+One item per line. The native fields are `context`, `choices` and `gold` (the index of the right choice);
+the field names of three public harnesses' exports are read as well:
+
+    native            {"context": "...", "choices": ["...", ...], "gold": 0}
+    lighteval Doc     {"query": "...", "choices": [...], "gold_index": 0}
+    HellaSwag (HF)    {"ctx": "...", "endings": [...], "label": "0"}
+    ARC (HF)          {"question": "...", "choices": {"text": [...], "label": ["A", ...]}, "answerKey": "A"}
+
+(ARC's context becomes "Question: ...\nAnswer:", as lm-evaluation-harness's arc tasks write it.)
+
+Scoring follows lm-evaluation-harness's `loglikelihood` requests: the continuation is `delimiter + choice`
+(a space by default); trailing whitespace of the context moves into the continuation; the continuation's
+tokens are those of `tokens(context + continuation)` after the first `len(tokens(context))`. A row is
+`[EOS] + context + continuation` (EOS begins every document in training), cut from the left to
+`seq_len + 1` tokens. `acc` is the argmax of the summed log-likelihoods, `acc_norm` the argmax of the
+log-likelihood divided by the choice's length in characters (lm-evaluation-harness's definition; lighteval's
+`LogProbCharNorm`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanotron.errors import DataError
+from nanotron.tokenizer import Tokenizer
+
+FORMAT_HINT = 'one JSON object per line, e.g. {"context": "...", "choices": ["...", "..."], "gold": 0}'
+
+
+@dataclass(frozen=True)
+class Item:
+    context: str
+    choices: tuple[str, ...]
+    gold: int
+
+
+@dataclass
+class Task:
+    """A task's items and, once encoded, one token row per (item, choice)."""
+
+    name: str
+    path: Path
+    items: list[Item]
+
+    @property
+    def rows(self) -> int:
+        return sum(len(item.choices) for item in self.items)
+
+
+def _item(record: dict, where: str) -> Item:
+    """One JSON record in any of the accepted layouts as an Item, or a DataError naming the line."""
+    if "context" in record or "query" in record:
+        context = record.get("context", record.get("query"))
+        choices, gold = record.get("choices"), record.get("gold", record.get("gold_index"))
+    elif "ctx" in record and "endings" in record:  # HellaSwag
+        context, choices, gold = record["ctx"], record["endings"], record.get("label")
+    elif "question" in record and isinstance(record.get("choices"), dict):  # ARC
+        context = f"Question: {record['question']}\nAnswer:"
+        labels = record["choices"].get("label", [])
+        choices = record["choices"].get("text")
+        answer = record.get("answerKey")
+        gold = labels.index(answer) if answer in labels else answer
+    else:
+        raise DataError(f"{where}: no context/query/ctx/question field; expected {FORMAT_HINT}")
+    if isinstance(gold, list) and len(gold) == 1:  # lighteval stores gold_index as a list
+        gold = gold[0]
+    if isinstance(gold, str) and gold.strip().isdigit():
+        gold = int(gold)
+    if not isinstance(context, str):
+        raise DataError(f"{where}: the context must be a string, got {context!r}")
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+        raise DataError(f"{where}: expected 'choices' to be a list of 2 or more non-empty strings, got {choices!r}")
+    if type(gold) is not int or not 0 <= gold < len(choices):
+        raise DataError(f"{where}: expected the gold index to be an integer in [0, {len(choices)}), got {gold!r}")
+    return Item(context, tuple(choices), gold)
+
+
+def load_task(name: str, path: str | Path, max_items: int = 0) -> Task:
+    """The items of a JSONL task file, the first `max_items` of them when > 0 (lm-evaluation-harness's limit)."""
+    path = Path(path)
+    what = f"evaluation task '{name}'"
+    if not path.is_file():
+        raise DataError(f"{what}: no file at '{path}'; expected a JSONL file, {FORMAT_HINT}")
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{what}: {path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not JSON ({e.msg}); expected {FORMAT_HINT}") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: expected a JSON object, {FORMAT_HINT}")
+            items.append(_item(record, where))
+            if max_items and len(items) == max_items:
+                break
+    if not items:
+        raise DataError(f"{what}: '{path}' holds no items; expected {FORMAT_HINT}")
+    return Task(name, path, items)
+
+
+def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Context and continuation tokens as lm-evaluation-harness splits them (see the module's doc)."""
+    stripped = context.rstrip()
+    continuation = context[len(stripped) :] + continuation
+    whole = tokenizer.encode(stripped + continuation)
+    context_ids = tokenizer.encode(stripped)
+    return whole[: len(context_ids)], whole[len(context_ids) :]
+
+
+def encode_item(tokenizer: Tokenizer, item: Item, delimiter: str, seq_len: int, where: str) -> list[tuple[list, int]]:
+    """One (row tokens, continuation length) per choice: [EOS] + context + continuation, left-cut to seq_len + 1."""
+    rows = []
+    for choice in item.choices:
+        context, continuation = encode_pair(tokenizer, item.context, delimiter + choice)
+        if not continuation or len(continuation) > seq_len:
+            raise DataError(
+                f"{where}: a choice of {len(continuation)} tokens does not fit a row of training.seq_len={seq_len} "
+                "tokens (1 to seq_len tokens are scored); shorten the choices or drop the item"
+            )
+        row = ([tokenizer.eos_id] + context + continuation)[-(seq_len + 1) :]
+        rows.append((row, len(continuation)))
+    return rows
+
+
+def accuracy(task: Task, log_likelihoods: list[float]) -> dict[str, float]:
+    """acc and acc_norm over the task's items from one log-likelihood per (item, choice), in row order."""
+    correct = correct_norm = 0
+    start = 0
+    for item in task.items:
+        scores = log_likelihoods[start : start + len(item.choices)]
+        start += len(item.choices)
+        normalised = [score / len(choice) for score, choice in zip(scores, item.choices)]
+        correct += _argmax(scores) == item.gold
+        correct_norm += _argmax(normalised) == item.gold
+    if start != len(log_likelihoods):
+        raise ValueError(f"{len(log_likelihoods)} scores for {start} rows of task {task.name}")
+    return {"acc": correct / len(task.items), "acc_norm": correct_norm / len(task.items)}
+
+
+def predictions(task: Task, log_likelihoods: list[float]) -> list[dict]:
+    """Per item: the choices' log-likelihoods, gold and both predictions (for `write_items` / `--items`)."""
+    out, start = [], 0
+    for index, item in enumerate(task.items):
+        scores = log_likelihoods[start : start + len(item.choices)]
+        start += len(item.choices)
+        normalised = [score / len(choice) for score, choice in zip(scores, item.choices)]
+        out.append(
+            {"item": index, "log_likelihoods": scores, "gold": item.gold, "pred": _argmax(scores)}
+            | {"pred_norm": _argmax(normalised)}
+        )
+    return out
+
+
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
