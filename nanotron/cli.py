@@ -1,4 +1,4 @@
-"""The `nanotron` console script: `nanotron {train,launch,tokenize,convert,generate,prepare,plan,doctor} ...`."""
+"""The `nanotron` console script: `nanotron {train,launch,tokenize,convert,generate,eval,prepare,plan,doctor} ...`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ COMMANDS = {
     "tokenize": "nanotron.tokenize.cli",
     "convert": "nanotron.convert",
     "generate": "nanotron.generate",
+    "eval": "nanotron.evaluate",
     "prepare": "nanotron.prepare",
     "plan": "nanotron.plan.cli",
     "doctor": "nanotron.doctor",

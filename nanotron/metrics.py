@@ -142,6 +142,16 @@ def _memory_detail(r: dict) -> str:
     return f" (reserved {r['memory_reserved_gib']:.2f}GiB, host {r['host_memory_gib']:.2f}GiB)"
 
 
+def throughput(tokens: int, flops: float, step_time: float, world_size: int, peak_tflops: float) -> dict:
+    tflops = flops / step_time / world_size / 1e12
+    return {
+        "tokens_per_sec": tokens / step_time,
+        "tokens_per_sec_per_device": tokens / step_time / world_size,
+        "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else 0.0,
+    }
+
+
 def step_record(state: Any, loss: float | None, lr: float, grad_norm: float, step_time: float, eta: float) -> dict:
     """The fields of a logged training step that the trainer's state knows (throughput is added by the caller)."""
     return {

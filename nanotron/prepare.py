@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import sys
 import time
@@ -71,6 +72,63 @@ def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 8192)
     return tokenizer
 
 
+_SPEAKER = re.compile(r"^[A-Z][A-Z .,'&-]*\.$")  # "CAESAR." or "FIRST CITIZEN."
+
+
+def _speech_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of the spoken lines of a play: not blank, not a speaker's name, not a stage direction."""
+    lines = text.splitlines()
+    return [
+        (n, line.strip())
+        for n, line in enumerate(lines)
+        if line.strip() and not _SPEAKER.match(line.strip()) and not line.lstrip().startswith("[")
+    ]
+
+
+def next_words_items(texts: list[str], n_items: int, seed: int = 0) -> list[dict]:
+    """Which of four endings completes a line of the play: the context is the two lines before it (speaker
+    names included) and the line's first half; the choices are its second half and the second halves of three
+    other lines of the same play with as many words (+-1). Deterministic for a given seed."""
+    rng = random.Random(seed)
+    candidates = []
+    for play, text in enumerate(texts):
+        lines = text.splitlines()
+        for number, line in _speech_lines(text):
+            words = line.split()
+            if len(words) >= 6 and number >= 2:
+                cut = len(words) // 2
+                before = "\n".join(line.strip() for line in lines[max(0, number - 3) : number] if line.strip())
+                context = (before + "\n" if before else "") + " ".join(words[:cut])
+                candidates.append((play, context, " ".join(words[cut:])))
+    rng.shuffle(candidates)
+    items = []
+    by_play_length: dict[tuple[int, int], list[str]] = {}
+    for play, _, ending in candidates:
+        by_play_length.setdefault((play, len(ending.split())), []).append(ending)
+    for play, context, ending in candidates:
+        length = len(ending.split())
+        pool = sorted({e for d in (-1, 0, 1) for e in by_play_length.get((play, length + d), []) if e != ending})
+        if len(pool) < 3:
+            continue
+        choices = rng.sample(pool, 3)
+        gold = rng.randrange(4)
+        choices.insert(gold, ending)
+        items.append({"context": context, "choices": choices, "gold": gold})
+        if len(items) == n_items:
+            break
+    return items
+
+
+def held_out_texts(corpus: Path, tokenized: Path) -> list[str]:
+    """The documents of `corpus` that `nanotron tokenize` put in the validation split of `tokenized` (never
+    trained on): the same keyed choice, read from its meta.json."""
+    from nanotron.tokenize.writer import ValidationSplit
+
+    meta = json.loads((tokenized / "meta.json").read_text())
+    held_out = ValidationSplit(meta["validation_split"], meta["seed"])
+    return [text for index, text in enumerate(read_jsonl_texts(corpus, meta["text_column"])) if held_out(index)]
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_command(_main, argv)
 
@@ -85,8 +143,19 @@ def _main(argv: list[str]) -> int:
     tok.add_argument("corpus", type=Path)
     tok.add_argument("--out", type=Path, required=True)
     tok.add_argument("--vocab-size", type=int, default=8192)
+    task = sub.add_parser("task", help="held-out plays -> a multiple-choice JSONL task (the demo evaluation)")
+    task.add_argument("corpus", type=Path)
+    task.add_argument("--tokenized", type=Path, required=True, help="its `nanotron tokenize` output dir")
+    task.add_argument("--out", type=Path, required=True)
+    task.add_argument("--items", type=int, default=400)
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.command == "task":
+        texts = held_out_texts(args.corpus, args.tokenized)
+        items = next_words_items(texts, args.items)
+        write_atomic(args.out, "".join(json.dumps(item) + "\n" for item in items))
+        print(f"task: {len(items)} items from {len(texts)} held-out documents written to {args.out}")
+        return 0
     if args.command == "corpus":
         docs = write_corpus(args.text_files, args.out)
         size_mb = args.out.stat().st_size / 1e6

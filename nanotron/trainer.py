@@ -32,6 +32,7 @@ from nanotron.metrics import (
     memory_record,
     run_line,
     step_record,
+    throughput,
 )
 from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -360,7 +361,7 @@ class Trainer:
                     lr = group["lr"] / group.get("lr_scale", 1.0)
                     record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
                     record |= {f"stability/{name}_z": z for name, z in self.stability.last_z.items()}
-                    record |= _throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
+                    record |= throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
                     self.metrics.log_step(record | memory, t.steps)
             if self.evaluating(t.eval_interval):
                 self.log_eval()
@@ -392,13 +393,3 @@ class Trainer:
 
 def _host(value: torch.Tensor | None) -> float | None:
     return None if value is None else value.item()
-
-
-def _throughput(tokens: int, flops: float, step_time: float, world_size: int, peak_tflops: float) -> dict:
-    tflops = flops / step_time / world_size / 1e12
-    return {
-        "tokens_per_sec": tokens / step_time,
-        "tokens_per_sec_per_device": tokens / step_time / world_size,
-        "tflops": tflops,
-        "mfu": tflops / peak_tflops if peak_tflops else 0.0,
-    }

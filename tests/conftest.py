@@ -37,6 +37,7 @@ class TinyData:
     corpus: Path
     tokenizer: Path
     cache: Path
+    task: Path | None = None  # a multiple-choice evaluation task (tiny_task)
 
     def overrides(self) -> list[str]:
         return [f"--data.path={self.corpus}", f"--data.tokenizer={self.tokenizer}", f"--data.cache_dir={self.cache}"]
@@ -52,7 +53,29 @@ def tiny_data(tmp_path_factory) -> TinyData:
     corpus.mkdir()
     (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     train_tokenizer(docs, root / "tokenizer", vocab_size=512)
-    return TinyData(corpus, root / "tokenizer", root / "cache")
+    return TinyData(corpus, root / "tokenizer", root / "cache", tiny_task(root / "task.jsonl"))
+
+
+def tiny_task(path: Path, n_items: int = 7, seed: int = 5) -> Path:
+    """Multiple-choice items in the native layout: an odd number, with 3 and 4 choices (rows don't divide by dp),
+    and one context longer than a 16-token row (cut from the left)."""
+    rng, items = random.Random(seed), []
+    for index, doc in enumerate(synthetic_documents(n_items, seed=99)):
+        words = doc.split(". ")[0].split()
+        n = 4 if index % 2 else 3
+        choices = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(n - 1)]
+        gold = rng.randrange(n)
+        choices.insert(gold, " ".join(words[2:5]))
+        context = " ".join(words[:2]) if index != 3 else " ".join(rng.choice(WORDS) for _ in range(40))
+        items.append({"context": context, "choices": choices, "gold": gold})
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return path
+
+
+def item_log_likelihoods(run_dir: Path, step: int) -> list[float]:
+    """Every (item, choice) log-likelihood of an evaluation written with evaluation.write_items, in order."""
+    lines = (run_dir / "evaluation" / f"step-{step}.jsonl").read_text().splitlines()
+    return [value for line in lines for value in json.loads(line)["log_likelihoods"]]
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODEL, activation_stats, read_metrics, run_train, train_losses
+from conftest import TINY_MODEL, activation_stats, item_log_likelihoods, read_metrics, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nanotron.config import load_config, parse_overrides
@@ -75,6 +75,8 @@ def train(tiny_data, out: Path, name: str, nproc: int, extra: list[str]) -> Path
             f"--training.eval_interval={STEPS}",  # evaluates before the first step and after the last
             "--training.eval_steps=1",
             "--checkpoint.save_final=true",
+            f"--evaluation.tasks={tiny_data.task}",  # downstream scores at steps 0 and 5, every item written
+            "--evaluation.write_items=true",
             *stats,
             *extra,
         ],
@@ -96,7 +98,8 @@ def eval_losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(tiny_data, tmp_path_factory) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     run_dir = train(tiny_data, tmp_path_factory.mktemp("reference"), "ref", 1, [])
-    return train_losses(run_dir), eval_losses(run_dir), weights(run_dir), activation_stats(run_dir)
+    stats, items = activation_stats(run_dir), item_log_likelihoods(run_dir, STEPS)
+    return train_losses(run_dir), eval_losses(run_dir), weights(run_dir), stats, items
 
 
 @pytest.mark.slow
@@ -110,11 +113,15 @@ def test_layout_matches_one_process(layout, reference, tiny_data, tmp_path):
         world(dp, tp, pp, extra),
         [f"--parallelism.dp={dp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}", *extra],
     )
-    ref_losses, ref_evals, ref_weights, ref_stats = reference
+    ref_losses, ref_evals, ref_weights, ref_stats, ref_items = reference
     losses, evals = train_losses(run_dir), eval_losses(run_dir)
     assert len(losses) == STEPS and len(evals) == len(ref_evals) == 2
     assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0), (losses, ref_losses)
     assert torch.allclose(torch.tensor(evals), torch.tensor(ref_evals), rtol=RTOL, atol=0), (evals, ref_evals)
+    # Downstream evaluation on the layout: every (item, choice) log-likelihood, items split over dp unevenly.
+    items = item_log_likelihoods(run_dir, STEPS)
+    assert len(items) == len(ref_items) == 25
+    assert torch.allclose(torch.tensor(items), torch.tensor(ref_items), rtol=RTOL, atol=0), (items, ref_items)
     # The activation statistics, reduced from each rank's shards: embed, 4 layers x 3, norm, logits per step.
     stats = activation_stats(run_dir)
     assert sorted(stats) == sorted(ref_stats) == [2, 4] and len(ref_stats[2]) == 1 + 3 * 4 + 2
@@ -160,7 +167,7 @@ def test_compiled_layout_matches_its_eager_twin(layout, reference, tiny_data, tm
     compiled = train(tiny_data, tmp_path, "compiled", dp * tp * pp, [*args, "--training.compile=true"])
     dtype = "bfloat16" if "--training.dtype=bfloat16" in extra else "float32"
     if dtype == "float32":
-        ref_losses, ref_evals, ref_weights, _ = reference
+        ref_losses, ref_evals, ref_weights, *_ = reference
     else:
         eager = train(tiny_data, tmp_path, "eager", dp * tp * pp, args)
         ref_losses, ref_evals, ref_weights = train_losses(eager), eval_losses(eager), weights(eager)

@@ -115,7 +115,7 @@ LAYERS = [
     ["nanotron.gpu", "nanotron.tokenizer", "nanotron.models"],
     ["nanotron.parallel", "nanotron.distributed", "nanotron.optim", "nanotron.activations"],
     ["nanotron.tokenize", "nanotron.data"],
-    ["nanotron.checkpoint", "nanotron.lock", "nanotron.watch", "nanotron.stability"],
+    ["nanotron.checkpoint", "nanotron.lock", "nanotron.watch", "nanotron.stability", "nanotron.evaluation"],
     ["nanotron.metrics", "nanotron.trainer"],
     [  # commands
         "nanotron.train",
@@ -126,6 +126,7 @@ LAYERS = [
         "nanotron.convert",
         "nanotron.hf_mixtral",
         "nanotron.generate",
+        "nanotron.evaluate",
         "nanotron.prepare",
         "nanotron.cli",
         "nanotron.doctor",
@@ -141,6 +142,7 @@ NOT_THE_TRAINERS = [
     "nanotron.convert",
     "nanotron.hf_mixtral",
     "nanotron.generate",
+    "nanotron.evaluate",
     "nanotron.prepare",
     "nanotron.cli",
 ]

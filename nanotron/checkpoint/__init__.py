@@ -8,7 +8,7 @@ from nanotron.checkpoint.layout import (
     is_committed,
     latest_checkpoint,
 )
-from nanotron.checkpoint.manager import CheckpointManager, resolve_source
+from nanotron.checkpoint.manager import CheckpointManager, load_states, resolve_source
 from nanotron.checkpoint.safe_io import load_dcp, read_metadata, read_model_weights, verified_checkpoint
 from nanotron.checkpoint.state import ModelState, OptimizerState
 
@@ -22,6 +22,7 @@ __all__ = [
     "is_committed",
     "latest_checkpoint",
     "load_dcp",
+    "load_states",
     "read_metadata",
     "read_model_weights",
     "resolve_source",

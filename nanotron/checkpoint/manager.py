@@ -193,18 +193,8 @@ class CheckpointManager:
         content (None with model_only, which loads the model alone, e.g. from an HF import)."""
         metadata = read_metadata(path)
         saved = None if model_only else self._read_progress(path)  # a bad one fails before the costly read
-        sums = integrity.saved(path, self.options.allow_unverified, "checkpoint.allow_unverified=true")
-        if sums is not None:
-            integrity.verify(path, sums)  # every rank checks its share; all agree before any read
         names = ["model"] if model_only else list(self.states)
-        state = {name: self.states[name].state_dict() for name in names}
-        check_model_shapes(path, metadata, state["model"])
-        for name in names:
-            if not any(key.startswith(f"{name}.") for key in metadata.state_dict_metadata):
-                raise CheckpointError(f"checkpoint '{path}' holds no {name} state; use it with checkpoint.init_from")
-        load_dcp(path, state, metadata)
-        for name in names:
-            self.states[name].load_state_dict(state[name])
+        load_states(path, {name: self.states[name] for name in names}, self.options.allow_unverified, metadata)
         if model_only:
             return None
         self.last_saved_step = layout.step_of(path) if layout.STEP_DIR.match(path.name) else -1
@@ -219,6 +209,26 @@ class CheckpointManager:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"'{file}' is unreadable or incomplete ({short(error)})") from None
         return saved
+
+
+def load_states(
+    path: Path, states: dict[str, Stateful], allow_unverified: bool = False, metadata: Metadata | None = None
+) -> None:
+    """Loads `states` (names as saved: "model", "optimizer") from a checkpoint into this rank's shards, at any
+    layout, after every rank checked its share of the files' checksums. Also for readers of a saved model
+    (`nanotron eval`), which need no manager."""
+    metadata = metadata or read_metadata(path)
+    sums = integrity.saved(path, allow_unverified, "checkpoint.allow_unverified=true")
+    if sums is not None:
+        integrity.verify(path, sums)  # every rank checks its share; all agree before any read
+    state = {name: stateful.state_dict() for name, stateful in states.items()}
+    check_model_shapes(path, metadata, state["model"])
+    for name in states:
+        if not any(key.startswith(f"{name}.") for key in metadata.state_dict_metadata):
+            raise CheckpointError(f"checkpoint '{path}' holds no {name} state; use it with checkpoint.init_from")
+    load_dcp(path, state, metadata)
+    for name, stateful in states.items():
+        stateful.load_state_dict(state[name])
 
 
 def check_model_shapes(path: Path, metadata: Metadata, model_state: dict[str, torch.Tensor]) -> None:

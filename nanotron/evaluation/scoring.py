@@ -55,6 +55,9 @@ class DownstreamEval:
         self.batch_rows = t.grad_accum_steps * t.micro_batch_size
         self.total = sum(task.rows for task in tasks)
         self.dp = p.dp
+        # Without a pipeline (whose stages are built for seq_len) a batch is cut to its longest row, rounded up
+        # to what tp's sequence sharding and cp's load-balanced halves divide: short items cost less.
+        self.multiple = None if p.pp > 1 else p.tp * 2 * p.cp
         self.share = math.ceil(self.total / p.dp)
         first, end = ctx.dp_rank * self.share, min((ctx.dp_rank + 1) * self.share, self.total)
         self.rows = self._encode(tokenizer, cfg.evaluation.delimiter, first, end)
@@ -77,9 +80,14 @@ class DownstreamEval:
         """This rank's share as (tokens, targets) batches of the training step's shape."""
         count = math.ceil(self.share / self.batch_rows) if self.share else 0
         for b in range(count):
-            tokens = torch.full((self.batch_rows, self.seq_len + 1), self.eos_id, dtype=torch.long)
-            targets = torch.full((self.batch_rows, self.seq_len), IGNORE_INDEX, dtype=torch.long)
-            for r, row in enumerate(self.rows[b * self.batch_rows : (b + 1) * self.batch_rows]):
+            rows = self.rows[b * self.batch_rows : (b + 1) * self.batch_rows]
+            width = self.seq_len
+            if self.multiple is not None:
+                longest = max((len(row.tokens) - 1 for row in rows), default=1)
+                width = min(self.seq_len, math.ceil(longest / self.multiple) * self.multiple)
+            tokens = torch.full((self.batch_rows, width + 1), self.eos_id, dtype=torch.long)
+            targets = torch.full((self.batch_rows, width), IGNORE_INDEX, dtype=torch.long)
+            for r, row in enumerate(rows):
                 n = len(row.tokens)
                 tokens[r, :n] = torch.tensor(row.tokens)
                 targets[r, n - 1 - row.scored : n - 1] = tokens[r, n - row.scored : n]
@@ -93,7 +101,7 @@ class DownstreamEval:
         scores = scores[: self.share]  # the share's rows (the last share's padding rows score 0)
         if self.dp_group is not None:
             gathered = scores.new_empty(self.dp * self.share)
-            dist.all_gather_into_tensor(gathered, scores.contiguous(), group=self.dp_group)
+            dist.all_gather_single(gathered, scores.contiguous(), group=self.dp_group)
             scores = gathered
         return scores[: self.total].tolist()
 

@@ -1,0 +1,118 @@
+"""Downstream scores of a saved checkpoint, at any layout:
+
+    nanotron eval CHECKPOINT --tasks ITEMS.jsonl [NAME=ITEMS.jsonl ...] [--out scores.json]
+                  [--items items.jsonl] [--max_items N] [--nproc_per_node N] [--section.key=value ...]
+
+CHECKPOINT is a step-N dir, a checkpoint dir or a run dir (their latest). The model, tokenizer and
+sequence length come from the checkpoint's config.toml; the layout starts as one process (dp = tp = pp = cp
+= 1) and is set with the usual keys, e.g. `--nproc_per_node 4 --parallelism.tp=2 --parallelism.pp=2`, in
+any combination the training run could have used, not necessarily its own. Scoring is the in-training
+evaluation's (`[evaluation]`, README: Downstream evaluation): the same numbers at every layout. Writes the
+per-task scores as JSON to --out (default eval-step-N.json), and each item's log-likelihoods to --items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from nanotron.checkpoint import ModelState, find_checkpoint, load_states
+from nanotron.config import load_config, parse_overrides
+from nanotron.distributed import destroy_distributed, init_distributed, launched_world_size
+from nanotron.errors import ConfigError, run_as_main, run_command
+from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
+from nanotron.gpu import set_matmul_precision
+from nanotron.io import write_atomic
+from nanotron.launch.local import pop_nproc, spawn_local
+from nanotron.parallel.parallelize import build_model
+from nanotron.parallel.runner import MicrobatchRunner
+from nanotron.tokenizer import load_tokenizer
+
+# The layout a checkpoint's config is read with, before the command line's overrides: one process.
+ONE_PROCESS = {
+    "parallelism.dp": "1",
+    "parallelism.dp_shard": "0",
+    "parallelism.tp": "1",
+    "parallelism.pp": "1",
+    "parallelism.cp": "1",
+    "parallelism.ep": "1",
+    "parallelism.zero_stage": "0",
+    "training.grad_accum_steps": "0",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanotron eval", description=__doc__, formatter_class=_Raw)
+    parser.add_argument("checkpoint", type=Path, help="step-N dir, checkpoint dir or run dir")
+    parser.add_argument("--tasks", nargs="+", required=True, help="JSONL item files, as PATH or NAME=PATH")
+    parser.add_argument("--out", type=Path, help="scores JSON (default: eval-step-N.json here)")
+    parser.add_argument("--items", type=Path, help="also write each item's log-likelihoods (JSONL) here")
+    parser.add_argument("--max_items", type=int, default=0, help="score only each task's first N items")
+    parser.add_argument("--allow_unverified", action="store_true", help="load a checkpoint without checksums")
+    return parser
+
+
+class _Raw(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _main(argv: list[str]) -> int:
+    nproc = pop_nproc(argv)
+    args, rest = _parser().parse_known_args(argv)
+    step_dir = find_checkpoint(args.checkpoint)
+    if args.max_items < 0:
+        raise ConfigError(f"--max_items: expected a non-negative integer, got {args.max_items}")
+    path, overrides = parse_overrides(rest)
+    if path is not None:
+        raise ConfigError("--config: nanotron eval reads the checkpoint's own config.toml; set keys with --a.b=...")
+    given = {key for key, _ in overrides}
+    pairs = [(k, v) for k, v in ONE_PROCESS.items() if k not in given] + overrides
+    pairs += [("evaluation.tasks", ",".join(args.tasks)), ("evaluation.max_items", str(args.max_items))]
+    if (step_dir / "tokenizer").is_dir() and "data.tokenizer" not in given:
+        pairs.append(("data.tokenizer", str(step_dir / "tokenizer")))
+    cfg = load_config(step_dir / "config.toml", pairs, world_size=nproc or launched_world_size())
+    tasks = load_tasks(cfg)  # bad task files: one line, before any process starts
+    if nproc:
+        return spawn_local(nproc, ["-m", "nanotron.evaluate", *argv])
+    ctx = init_distributed(cfg)
+    set_matmul_precision(cfg, ctx.device)
+    stages = build_model(cfg, ctx, initialize=False)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    runner = MicrobatchRunner(stages, cfg, ctx, eos_id=tokenizer.eos_id)
+    load_states(step_dir, {"model": ModelState([module for _, module in stages])}, args.allow_unverified)
+    result = DownstreamEval(tasks, cfg, ctx, runner, tokenizer).run()
+    if result is not None and ctx.dp_rank == ctx.cp_rank == ctx.tp_rank == 0:
+        scores, items = result
+        print(scores_line(None, tasks, scores), flush=True)
+        out = args.out or Path(f"eval-{step_dir.name}.json")
+        p = cfg.parallelism
+        report = {
+            "checkpoint": str(step_dir.absolute()),
+            "layout": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
+            "tasks": {
+                t.name: {"acc": scores[f"eval/{t.name}/acc"], "acc_norm": scores[f"eval/{t.name}/acc_norm"]}
+                | {"items": len(t.items), "path": str(t.path)}
+                for t in tasks
+            },
+        }
+        write_atomic(out, json.dumps(report, indent=2) + "\n", durable=False)
+        print(f"eval: scores written to {out}" + (f", items to {args.items}" if args.items else ""), flush=True)
+        if args.items:
+            write_items(args.items, items)
+    destroy_distributed()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        _parser().print_help()
+        return 0
+    return run_command(_main, argv)
+
+
+if __name__ == "__main__":
+    run_as_main(main)

@@ -1,0 +1,116 @@
+"""Downstream evaluation: task files in every accepted layout, the harness's scoring rules, bad input in one line,
+`nanotron eval` of a checkpoint at another layout equal to transformers on its HF export, and the demo task.
+(Every training layout's per-item log-likelihoods are held to one process in test_parallel.py's matrix.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_MODEL, item_log_likelihoods, run_train, train_env
+
+from nanotron.errors import DataError
+from nanotron.evaluation.tasks import Item, Task, accuracy, encode_item, encode_pair, load_task
+from nanotron.tokenizer import load_tokenizer
+
+RECORDS = {
+    "native": {"context": "The cat", "choices": ["runs", "sees far"], "gold": 1},
+    "lighteval": {"query": "The cat", "choices": ["runs", "sees far"], "gold_index": [1]},
+    "hellaswag": {"ctx": "The cat", "endings": ["runs", "sees far"], "label": "1"},
+    "arc": {"question": "The cat", "choices": {"text": ["runs", "sees far"], "label": ["A", "B"]}, "answerKey": "B"},
+}
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("layout", RECORDS)
+def test_each_harness_layout_reads_as_the_same_item(layout, tmp_path):
+    task = load_task("t", write_jsonl(tmp_path / "t.jsonl", [RECORDS[layout]] * 3), max_items=2)
+    context = "Question: The cat\nAnswer:" if layout == "arc" else "The cat"
+    assert task.items == [Item(context, ("runs", "sees far"), 1)] * 2
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("{not json", "t.jsonl:2: not JSON"),
+        ('{"text": "x"}', "t.jsonl:2: no context/query/ctx/question field"),
+        ('{"context": "x", "choices": ["a"], "gold": 0}', "expected 'choices' to be a list of 2 or more"),
+        ('{"context": "x", "choices": ["a", "b"], "gold": 2}', "expected the gold index to be an integer in [0, 2)"),
+    ],
+)
+def test_a_bad_item_is_one_line_naming_file_and_line(line, expected, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(RECORDS["native"]) + "\n" + line + "\n")
+    with pytest.raises(DataError, match=None) as error:
+        load_task("t", path)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_acc_norm_divides_by_the_choices_characters_as_the_harness_does():
+    # lm-evaluation-harness: acc_norm = argmax(ll / len(choice)), len in characters (not tokens, not bytes).
+    item = Item("ctx", ("a", "bbbbbbbb", "ccc"), 1)
+    scores = accuracy(Task("t", Path("t"), [item, Item("ctx", ("x", "y"), 0)]), [-2.0, -8.0, -9.0, -1.0, -3.0])
+    assert scores == {"acc": 0.5, "acc_norm": 1.0}  # -2/1 < -8/8: the long choice wins once normalised
+
+
+def test_trailing_context_whitespace_moves_into_the_continuation(tiny_data):
+    tokenizer = load_tokenizer(tiny_data.tokenizer)
+    assert encode_pair(tokenizer, "the cat ", "runs") == encode_pair(tokenizer, "the cat", " runs")
+    context, continuation = encode_pair(tokenizer, "the cat", " runs")
+    assert tokenizer.decode(continuation) == " runs" and tokenizer.decode(context) == "the cat"
+    rows = encode_item(tokenizer, Item(("the cat " * 20).strip(), ("runs", "sees"), 0), " ", seq_len=16, where="w")
+    assert all(
+        len(row) == 17 and row[-scored:] == encode_pair(tokenizer, "the cat", " " + c)[1]
+        for (row, scored), c in zip(rows, ("runs", "sees"))
+    )
+
+
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_at_another_layout_equals_training_and_transformers(tiny_data, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    task = tiny_data.task
+    run_train(
+        [*tiny_data.overrides(), *TINY_MODEL, f"--job.out_dir={tmp_path}", "--job.name=run", "--training.steps=3"]
+        + [f"--evaluation.tasks=mine={task}", "--evaluation.interval=3", "--evaluation.write_items=true"]
+    )
+    run_dir = tmp_path / "run"
+    records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval/mine/acc" in r]
+    assert [r["step"] for r in records] == [0, 3]
+    in_training = item_log_likelihoods(run_dir, 3)
+    # nanotron eval at tp2 x pp2 (the run was one process), with its own command line.
+    out, items = tmp_path / "scores.json", tmp_path / "items.jsonl"
+    command = [sys.executable, "-m", "nanotron.cli", "eval", str(run_dir), "--tasks", f"mine={task}"]
+    command += ["--out", str(out), "--items", str(items), "--nproc_per_node", "4"]
+    command += ["--parallelism.tp=2", "--parallelism.pp=2"]
+    done = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    scores = json.loads(out.read_text())["tasks"]["mine"]
+    assert scores["items"] == 7 and scores["acc"] == records[-1]["eval/mine/acc"]
+    at_tp2_pp2 = [value for line in items.read_text().splitlines() for value in json.loads(line)["log_likelihoods"]]
+    assert torch.allclose(torch.tensor(at_tp2_pp2), torch.tensor(in_training), rtol=1e-5, atol=0)
+    # transformers on the HF export, scored here the plain way: sum of log p(continuation token | prefix).
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "nanotron.convert", "to-hf", str(run_dir), str(tmp_path / "hf")], cwd=REPO
+        ).returncode
+        == 0
+    )
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = load_tokenizer(tiny_data.tokenizer)
+    expected = []
+    for item in load_task("mine", task).items:
+        expected.append([])
+        for row, scored in encode_item(tokenizer, item, " ", seq_len=16, where="test"):
+            with torch.no_grad():
+                logprobs = hf(torch.tensor([row])).logits[0].log_softmax(-1)
+            positions = range(len(row) - scored, len(row))
+            expected[-1].append(sum(logprobs[p - 1, row[p]].item() for p in positions))
+    assert torch.allclose(torch.tensor(at_tp2_pp2), torch.tensor(sum(expected, [])), rtol=1e-5, atol=0)
