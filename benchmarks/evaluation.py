@@ -36,6 +36,7 @@ def main() -> None:
         str(REPO / "configs" / "tiny.toml"),
         f"--training.steps={args.steps}",
         f"--job.seed={args.seed}",
+        f"--evaluation.tasks={task}",
         "--evaluation.interval=100",
         f"--evaluation.max_items={args.items}",
         "--training.eval_interval=0",  # the validation loss apart: only the downstream tasks are measured
