@@ -80,10 +80,11 @@ METRICS_HINT = "free space or fix the run dir (job.out_dir), then resume from th
 class MetricsLogger:
     """Writes on the logging rank only; every other rank gets a no-op logger."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: Any = None):
         self.enabled = enabled
         self.writer = None
         self.file = None
+        self.wandb = wandb  # a WandbRun, or None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,12 +107,19 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, record["step"])
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(record)
         if line:
             print(line, flush=True)
 
     def log_step(self, record: dict, total_steps: int) -> None:
         """A training step's record as metrics and the step line."""
         self.log(record, step_line(record, total_steps))
+
+    def resumed(self, step: int) -> None:
+        """A resume from `step`'s checkpoint: W&B gets again what an earlier process may have lost (see wandb_log)."""
+        if self.wandb is not None and self.path.is_file():
+            self.wandb.resend(self.path, step)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -125,6 +133,8 @@ class MetricsLogger:
                 pass
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def step_line(r: dict, total_steps: int) -> str:

@@ -42,6 +42,7 @@ from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
 from nanotron.stability import SpikeGuard, Stability
 from nanotron.tokenizer import copy_tokenizer, load_tokenizer
+from nanotron.wandb_log import WandbRun
 from nanotron.watch.doctor import preflight
 from nanotron.watch.heartbeat import Heartbeat
 from nanotron.watch.straggler import StragglerScores
@@ -121,7 +122,8 @@ class Trainer:
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
         first = self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 and self.ctx.tp_rank == 0
         self.is_logging_rank = self.runner.has_last and first
-        self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard)
+        wandb = WandbRun.start(cfg) if self.is_logging_rank and cfg.logging.wandb else None
+        self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard, wandb)
         self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
         dp_cp = loss_mesh(self.ctx.mesh).get_group() if p.dp * p.cp > 1 else None
         self.experts = ExpertBalance(cfg, self.modules, dp_cp, self.ctx.device)
@@ -296,6 +298,7 @@ class Trainer:
             self.metrics.info(f"checkpoint: model weights initialised from {path} ({built})")
         else:
             self.metrics.info(f"checkpoint: resumed from {path} at step {self.state.step} ({built})")
+            self.metrics.resumed(self.state.step)
 
     def data_iterator(self):
         """The global batches from the trainer's position on, outside the skipped windows."""

@@ -116,7 +116,7 @@ LAYERS = [
     ["nanotron.parallel", "nanotron.distributed", "nanotron.optim", "nanotron.activations"],
     ["nanotron.tokenize", "nanotron.data"],
     ["nanotron.checkpoint", "nanotron.lock", "nanotron.watch", "nanotron.stability", "nanotron.evaluation"],
-    ["nanotron.metrics", "nanotron.trainer"],
+    ["nanotron.metrics", "nanotron.wandb_log", "nanotron.trainer"],
     [  # commands
         "nanotron.train",
         "nanotron.launch",

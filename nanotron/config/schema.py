@@ -226,6 +226,13 @@ class LoggingConfig:
     activation_stats_interval: int = _opt(
         0, "steps between activation statistics (mean |x| per layer output, act/* metrics); 0 disables", min=0
     )
+    wandb: bool = _opt(False, "also send every metrics record to Weights & Biases (pip install '.[wandb]')")
+    wandb_project: str = _opt("nanotron", "W&B project")
+    wandb_entity: str = _opt("", "W&B entity (team or user); empty = your default")
+    wandb_group: str = _opt("", "W&B group, e.g. a sweep's name; empty = none")
+    wandb_mode: str = _opt(
+        "online", "online, or offline (no network; `wandb sync` uploads later)", ("online", "offline")
+    )
 
 
 @dataclass

@@ -102,7 +102,7 @@ class DownstreamEval:
         scores = scores[: self.share]  # the share's rows (the last share's padding rows score 0)
         if self.dp_group is not None:
             gathered = scores.new_empty(self.dp * self.share)
-            dist.all_gather_single(gathered, scores.contiguous(), group=self.dp_group)
+            dist.all_gather(list(gathered.chunk(self.dp)), scores.contiguous(), group=self.dp_group)
             scores = gathered
         return scores[: self.total].tolist()
 

@@ -1,0 +1,101 @@
+"""Weights & Biases, optional (`pip install ".[wandb]"`, `logging.wandb = true`): every record that goes to
+metrics.jsonl also goes to one W&B run, from the logging rank only.
+
+One run dir is one W&B run: its id is kept in `<run dir>/wandb.json` (written before the run starts), so a resume,
+a Slurm requeue or an in-place restart continues the same run (`resume="allow"`). W&B keeps each step once: a
+step at or below the last one it holds is dropped (online at once, offline when `wandb sync` uploads the run's
+offline dirs in order). A process killed with SIGKILL loses what W&B had not yet written (measured: a run killed
+after 5 steps left an empty log), so a resumed process first re-sends the records of metrics.jsonl up to its
+checkpoint's step (those W&B already holds are dropped), then logs on: every step once, none missing. Cost: one
+read of metrics.jsonl at a resume, on the logging rank (100k records at 1M steps: seconds).
+
+`logging.wandb_mode = "offline"` needs no network (`wandb sync <run dir>/wandb/offline-run-*` later). No package,
+or no way to start the run: one warning line, and the run goes on with metrics.jsonl and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+from nanotron.config import Config
+from nanotron.io import write_atomic
+
+STATE_FILE = "wandb.json"
+HINT = "logging to metrics.jsonl and TensorBoard only"
+
+
+class WandbRun:
+    def __init__(self, run: Any):
+        self.run = run
+
+    @classmethod
+    def start(cls, cfg: Config) -> WandbRun | None:
+        """The run dir's W&B run, started or continued; None (after one warning line) when it can't be."""
+        log = cfg.logging
+        try:
+            import wandb
+        except ImportError:
+            print(
+                f"warning: logging.wandb=true but the wandb package is not installed "
+                f"(pip install 'nanotron[wandb]'); {HINT}",
+                flush=True,
+            )
+            return None
+        path = cfg.run_dir / STATE_FILE
+        try:
+            state = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError) as error:
+            print(f"warning: '{path}' is unreadable ({error}); a new W&B run is started", flush=True)
+            state = {}
+        run_id = state.get("id") or secrets.token_hex(6)  # W&B ids: lowercase letters and digits
+        write_atomic(path, json.dumps({"id": run_id}) + "\n", durable=False)
+        try:
+            run = wandb.init(
+                project=log.wandb_project,
+                entity=log.wandb_entity or None,
+                group=log.wandb_group or None,
+                name=cfg.job.name,
+                id=run_id,
+                resume="allow",
+                dir=str(cfg.run_dir),
+                mode=log.wandb_mode,
+                config=cfg.to_dict(),
+                settings=wandb.Settings(silent=True, init_timeout=60),
+            )
+        except Exception as error:  # noqa: BLE001 - no network, bad credentials, a W&B server error
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            print(
+                f"warning: W&B run {run_id} did not start ({first}); logging.wandb_mode='offline' needs no network "
+                f"(wandb sync later); {HINT}",
+                flush=True,
+            )
+            return None
+        return cls(run)
+
+    def log(self, record: dict) -> None:
+        step = record.get("step")
+        values = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        if isinstance(step, int) and values:
+            self.run.log(values, step=step)
+
+    def resend(self, metrics: Path, step: int) -> None:
+        """The records of `metrics` (metrics.jsonl) up to `step`, the checkpoint a resumed process starts from,
+        in order (a later process's records for the same step replace an earlier's: they were recomputed)."""
+        records: dict[int, list[dict]] = {}
+        with open(metrics, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut by a kill
+                    continue
+                if isinstance(record.get("step"), int) and record["step"] <= step:
+                    records.setdefault(record["step"], []).append(record)
+        for at in sorted(records):
+            for record in records[at]:
+                self.log(record)
+
+    def close(self) -> None:
+        self.run.finish()
