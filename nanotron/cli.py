@@ -1,4 +1,4 @@
-"""The `nanotron` console script: `nanotron {train,launch,tokenize,convert,generate,eval,prepare,plan,doctor} ...`."""
+"""The `nanotron` console script: `nanotron COMMAND [args...]` for each command of COMMANDS (each takes --help)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ COMMANDS = {
     "convert": "nanotron.convert",
     "generate": "nanotron.generate",
     "eval": "nanotron.evaluate",
+    "report": "nanotron.report",
     "prepare": "nanotron.prepare",
     "plan": "nanotron.plan.cli",
     "doctor": "nanotron.doctor",

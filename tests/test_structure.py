@@ -127,6 +127,7 @@ LAYERS = [
         "nanotron.hf_mixtral",
         "nanotron.generate",
         "nanotron.evaluate",
+        "nanotron.report",
         "nanotron.prepare",
         "nanotron.cli",
         "nanotron.doctor",
@@ -143,6 +144,7 @@ NOT_THE_TRAINERS = [
     "nanotron.hf_mixtral",
     "nanotron.generate",
     "nanotron.evaluate",
+    "nanotron.report",
     "nanotron.prepare",
     "nanotron.cli",
 ]
