@@ -57,12 +57,12 @@ def tiny_data(tmp_path_factory) -> TinyData:
 
 
 def tiny_task(path: Path, n_items: int = 7, seed: int = 5) -> Path:
-    """Multiple-choice items in the native layout: an odd number, with 3 and 4 choices (rows don't divide by dp),
+    """Multiple-choice items in the native layout: 7, with 3 and 4 choices (25 rows: no dp divides them),
     and one context longer than a 16-token row (cut from the left)."""
     rng, items = random.Random(seed), []
     for index, doc in enumerate(synthetic_documents(n_items, seed=99)):
         words = doc.split(". ")[0].split()
-        n = 4 if index % 2 else 3
+        n = 4 if index % 2 or index == n_items - 1 else 3  # 25 rows for 7 items: odd, no dp divides them
         choices = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(n - 1)]
         gold = rng.randrange(n)
         choices.insert(gold, " ".join(words[2:5]))

@@ -120,7 +120,7 @@ def test_layout_matches_one_process(layout, reference, tiny_data, tmp_path):
     assert torch.allclose(torch.tensor(evals), torch.tensor(ref_evals), rtol=RTOL, atol=0), (evals, ref_evals)
     # Downstream evaluation on the layout: every (item, choice) log-likelihood, items split over dp unevenly.
     items = item_log_likelihoods(run_dir, STEPS)
-    assert len(items) == len(ref_items) == 24  # 7 items of 3 and 4 choices
+    assert len(items) == len(ref_items) == 25  # 7 items of 3 and 4 choices
     assert torch.allclose(torch.tensor(items), torch.tensor(ref_items), rtol=RTOL, atol=0), (items, ref_items)
     # The activation statistics, reduced from each rank's shards: embed, 4 layers x 3, norm, logits per step.
     stats = activation_stats(run_dir)
