@@ -55,9 +55,9 @@ class DownstreamEval:
         self.batch_rows = t.grad_accum_steps * t.micro_batch_size
         self.total = sum(task.rows for task in tasks)
         self.dp = p.dp
-        # Without a pipeline (whose stages are built for seq_len) or cp a batch is cut to its longest row, rounded
-        # up to what tp's sequence sharding divides: short items cost less. (Cut rows under cp differed from one
-        # process by 6e-5 in the layout matrix: not understood yet, so cp scores whole rows.)
+        # Without a pipeline (whose stages are built for seq_len) or cp (whose RoPE positions are set once, for
+        # seq_len's zigzag chunks: cut rows got wrong positions, 6e-5 off one process in the layout matrix) a batch
+        # is cut to its longest row, rounded up to what tp's sequence sharding divides: short items cost less.
         self.multiple = None if p.pp > 1 or p.cp > 1 else p.tp
         self.share = math.ceil(self.total / p.dp)
         first, end = ctx.dp_rank * self.share, min((ctx.dp_rank + 1) * self.share, self.total)
