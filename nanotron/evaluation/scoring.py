@@ -34,7 +34,7 @@ from nanotron.tokenizer import Tokenizer
 
 @dataclass
 class Row:
-    tokens: list[int]
+    tokens: torch.Tensor  # int32: 4 bytes a token (HellaSwag's 40k rows of ~100 tokens at dp 1: 16 MB)
     scored: int  # the last `scored` tokens are the continuation
 
 
@@ -62,6 +62,10 @@ class DownstreamEval:
         self.share = math.ceil(self.total / p.dp)
         first, end = ctx.dp_rank * self.share, min((ctx.dp_rank + 1) * self.share, self.total)
         self.rows = self._encode(tokenizer, cfg.evaluation.delimiter, first, end)
+        # Cut batches hold rows of like length (less padding); the scores go back to row order after.
+        self.order = list(range(len(self.rows)))
+        if self.multiple is not None:
+            self.order.sort(key=lambda i: len(self.rows[i].tokens))
         self.dp_group = ctx.mesh["dp"].get_group() if p.dp > 1 else None
 
     def _encode(self, tokenizer: Tokenizer, delimiter: str, first: int, end: int) -> list[Row]:
@@ -73,7 +77,9 @@ class DownstreamEval:
                     where = f"evaluation task '{task.name}' item {number}"
                     encoded = encode_item(tokenizer, item, delimiter, self.seq_len, where)
                     mine = range(max(first, index), min(end, index + len(item.choices)))
-                    rows += [Row(*encoded[i - index]) for i in mine]
+                    rows += [
+                        Row(torch.tensor(encoded[i - index][0], dtype=torch.int32), encoded[i - index][1]) for i in mine
+                    ]
                 index += len(item.choices)
         return rows
 
@@ -81,7 +87,7 @@ class DownstreamEval:
         """This rank's share as (tokens, targets) batches of the training step's shape."""
         count = math.ceil(self.share / self.batch_rows) if self.share else 0
         for b in range(count):
-            rows = self.rows[b * self.batch_rows : (b + 1) * self.batch_rows]
+            rows = [self.rows[i] for i in self.order[b * self.batch_rows : (b + 1) * self.batch_rows]]
             width = self.seq_len
             if self.multiple is not None:
                 longest = max((len(row.tokens) - 1 for row in rows), default=1)
@@ -90,16 +96,18 @@ class DownstreamEval:
             targets = torch.full((self.batch_rows, width), IGNORE_INDEX, dtype=torch.long)
             for r, row in enumerate(rows):
                 n = len(row.tokens)
-                tokens[r, :n] = torch.tensor(row.tokens)
+                tokens[r, :n] = row.tokens
                 targets[r, n - 1 - row.scored : n - 1] = tokens[r, n - row.scored : n]
             yield tokens, targets
 
     def log_likelihoods(self) -> list[float] | None:
         """Every row's log-likelihood, in task order, on the last-stage ranks (None elsewhere)."""
-        scores = self.runner.score(list(self.batches()))
+        scores = self.runner.score(self.batches())  # built one batch at a time
         if scores is None:
             return None
-        scores = scores[: self.share]  # the share's rows (the last share's padding rows score 0)
+        mine = torch.zeros(self.share, dtype=scores.dtype, device=scores.device)  # padding rows score 0
+        mine[torch.tensor(self.order, dtype=torch.long, device=scores.device)] = scores[: len(self.order)]
+        scores = mine
         if self.dp_group is not None:
             gathered = scores.new_empty(self.dp * self.share)
             dist.all_gather(list(gathered.chunk(self.dp)), scores.contiguous(), group=self.dp_group)

@@ -17,7 +17,7 @@ host sync.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -121,7 +121,7 @@ class MicrobatchRunner:
             return torch.stack([_plain(self.loss(self.modules[0](i, d), t)) for i, t, d in chunks]).mean()
 
     @torch.no_grad()
-    def score(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    def score(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Forward only, in eval mode: for each row of each (tokens [B, seq_len + 1], targets [B, seq_len])
         batch, the sum of the log-probabilities of its targets (IGNORE_INDEX where nothing is scored), over
         the whole sequence (cp ranks' parts summed). Rows in order, float64; None without the last stage."""
