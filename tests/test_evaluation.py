@@ -154,3 +154,12 @@ def test_the_next_words_task_is_learned_well_above_chance(tmp_path):
     first, last = scores[0]["eval/next_words/acc"], scores[-1]["eval/next_words/acc"]
     print(f"next_words acc: step 0 {first:.2f}, step 50 {last:.2f} (chance 0.25 + 4 s.e. = {0.25 + margin:.2f})")
     assert [r["step"] for r in scores] == [0, 50] and first < 0.25 + margin < last
+
+
+def test_eval_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    from nanotron import evaluate
+
+    assert evaluate.main([str(tmp_path / "nope"), "--tasks", "t.jsonl"]) == 2
+    assert evaluate.main([str(tmp_path), "--tasks", "t.jsonl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "does not exist" in err[0] and "holds no committed checkpoint" in err[1]
