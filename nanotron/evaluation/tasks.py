@@ -131,17 +131,11 @@ def encode_item(tokenizer: Tokenizer, item: Item, delimiter: str, seq_len: int, 
 
 def accuracy(task: Task, log_likelihoods: list[float]) -> dict[str, float]:
     """acc and acc_norm over the task's items from one log-likelihood per (item, choice), in row order."""
-    correct = correct_norm = 0
-    start = 0
-    for item in task.items:
-        scores = log_likelihoods[start : start + len(item.choices)]
-        start += len(item.choices)
-        normalised = [score / len(choice) for score, choice in zip(scores, item.choices)]
-        correct += _argmax(scores) == item.gold
-        correct_norm += _argmax(normalised) == item.gold
-    if start != len(log_likelihoods):
-        raise ValueError(f"{len(log_likelihoods)} scores for {start} rows of task {task.name}")
-    return {"acc": correct / len(task.items), "acc_norm": correct_norm / len(task.items)}
+    items = predictions(task, log_likelihoods)
+    return {
+        "acc": sum(item["pred"] == item["gold"] for item in items) / len(items),
+        "acc_norm": sum(item["pred_norm"] == item["gold"] for item in items) / len(items),
+    }
 
 
 def predictions(task: Task, log_likelihoods: list[float]) -> list[dict]:
@@ -155,6 +149,8 @@ def predictions(task: Task, log_likelihoods: list[float]) -> list[dict]:
             {"item": index, "log_likelihoods": scores, "gold": item.gold, "pred": _argmax(scores)}
             | {"pred_norm": _argmax(normalised)}
         )
+    if start != len(log_likelihoods):
+        raise ValueError(f"{len(log_likelihoods)} scores for {start} rows of task {task.name}")
     return out
 
 
