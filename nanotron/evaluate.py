@@ -44,7 +44,9 @@ ONE_PROCESS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanotron eval", description=__doc__, formatter_class=_Raw)
+    parser = argparse.ArgumentParser(
+        prog="nanotron eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", type=Path, help="step-N dir, checkpoint dir or run dir")
     parser.add_argument("--tasks", nargs="+", required=True, help="JSONL item files, as PATH or NAME=PATH")
     parser.add_argument("--out", type=Path, help="scores JSON (default: eval-step-N.json here)")
@@ -52,10 +54,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_items", type=int, default=0, help="score only each task's first N items")
     parser.add_argument("--allow_unverified", action="store_true", help="load a checkpoint without checksums")
     return parser
-
-
-class _Raw(argparse.RawDescriptionHelpFormatter):
-    pass
 
 
 def _main(argv: list[str]) -> int:

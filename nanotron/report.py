@@ -174,7 +174,9 @@ def summary(run_dir: Path, data: dict[str, dict[int, float]], found: list[dict],
 
 
 def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="nanotron report", description=__doc__, formatter_class=_Raw)
+    parser = argparse.ArgumentParser(
+        prog="nanotron report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--out", type=Path, help="where figures and summary.md go (default RUN_DIR/report)")
     args = parser.parse_args(argv)
@@ -190,10 +192,6 @@ def _main(argv: list[str]) -> int:
     write_atomic(out / "summary.md", summary(args.run_dir, data, found, written), durable=False)
     print(f"report: {len(written)} figures and summary.md in {out}")
     return 0
-
-
-class _Raw(argparse.RawDescriptionHelpFormatter):
-    pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Downstream tasks scored on the training layout: the trainer's `evaluate` and `nanotron eval` call this.
+"""Downstream tasks scored on the training layout: `Trainer.log_downstream` and `nanotron eval` call this.
 
 Every (item, choice) becomes one token row of seq_len + 1 tokens (see `tasks`), right-padded with EOS and
 with targets only on the continuation's tokens. The rows of all tasks are dealt out to the dp ranks in equal
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from nanotron.config import Config
 from nanotron.distributed import ParallelContext
-from nanotron.evaluation.tasks import Task, accuracy, encode_item, load_task, predictions
+from nanotron.evaluation.tasks import Task, encode_item, load_task, predictions, rates
 from nanotron.io import write_atomic
 from nanotron.parallel.context import IGNORE_INDEX
 from nanotron.parallel.runner import MicrobatchRunner
@@ -124,9 +124,9 @@ class DownstreamEval:
         for task in self.tasks:
             part = values[start : start + task.rows]
             start += task.rows
-            for metric, value in accuracy(task, part).items():
-                scores[f"eval/{task.name}/{metric}"] = value
             items[task.name] = predictions(task, part)
+            for metric, value in rates(items[task.name]).items():
+                scores[f"eval/{task.name}/{metric}"] = value
         return scores, items
 
 

@@ -131,7 +131,11 @@ def encode_item(tokenizer: Tokenizer, item: Item, delimiter: str, seq_len: int, 
 
 def accuracy(task: Task, log_likelihoods: list[float]) -> dict[str, float]:
     """acc and acc_norm over the task's items from one log-likelihood per (item, choice), in row order."""
-    items = predictions(task, log_likelihoods)
+    return rates(predictions(task, log_likelihoods))
+
+
+def rates(items: list[dict]) -> dict[str, float]:
+    """acc and acc_norm of `predictions`' items."""
     return {
         "acc": sum(item["pred"] == item["gold"] for item in items) / len(items),
         "acc_norm": sum(item["pred_norm"] == item["gold"] for item in items) / len(items),
