@@ -163,3 +163,29 @@ def test_eval_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     assert evaluate.main([str(tmp_path), "--tasks", "t.jsonl"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "does not exist" in err[0] and "holds no committed checkpoint" in err[1]
+
+
+def test_batches_score_like_length_rows_with_the_head_on_their_continuations_only(tiny_data):
+    """Rows are batched by length and each batch carries one window of positions holding all of its targets:
+    the head and the loss run there only (scores unchanged: the transformers comparison above)."""
+    from types import SimpleNamespace
+
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.evaluation.scoring import DownstreamEval, load_tasks
+    from nanotron.parallel.context import IGNORE_INDEX
+
+    args = [*tiny_data.overrides(), *TINY_MODEL, f"--evaluation.tasks={tiny_data.task}", "--training.seq_len=16"]
+    cfg = load_config(None, parse_overrides(args)[1], world_size=1)
+    ctx = SimpleNamespace(dp_rank=0)
+    scoring = DownstreamEval(load_tasks(cfg), cfg, ctx, runner=None, tokenizer=load_tokenizer(tiny_data.tokenizer))
+    batches = list(scoring.batches())
+    assert sum(int((targets != IGNORE_INDEX).sum()) for _, targets, _ in batches) == sum(
+        row.scored for row in scoring.rows
+    )
+    for _, targets, (lo, hi) in batches:
+        scored = (targets != IGNORE_INDEX).nonzero()[:, 1]
+        assert lo == scored.min() and hi == scored.max() + 1  # every target inside, and no wider
+    lengths = [len(scoring.rows[i].tokens) for i in scoring.order]
+    assert lengths == sorted(lengths)
+    windows, rows = sum(hi - lo for _, _, (lo, hi) in batches), sum(t.shape[1] for _, t, _ in batches)
+    assert windows < rows / 2, (windows, rows)

@@ -10,8 +10,9 @@ nothing is gathered or converted. The per-row log-likelihoods of a share come ba
 40k rows, per evaluation) gives them to the logging rank, which computes the scores.
 
 Cost per evaluation: R / dp rows forward on each dp rank (padding to whole batches wastes at most one batch
-per rank); at 512 GPUs a 10k-item, 4-choice task is ~80 rows per dp rank at dp 512. Tokenizing happens once,
-at start-up; each rank keeps only its share's token ids.
+per rank), rows sorted by length so that a batch's continuations share a narrow window of positions, the only
+ones the head and the loss run on (not under cp); at 512 GPUs a 10k-item, 4-choice task is ~80 rows per dp rank
+at dp 512. Tokenizing happens once, at start-up; each rank keeps only its share's token ids.
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ class DownstreamEval:
         # seq_len's zigzag chunks: cut rows got wrong positions, 6e-5 off one process in the layout matrix) a batch
         # is cut to its longest row, rounded up to what tp's sequence sharding divides: short items cost less.
         self.multiple = None if p.pp > 1 or p.cp > 1 else p.tp
+        # The head runs on the positions that hold the batch's continuations only, except under cp (where a
+        # rank holds chunks of the sequence).
+        self.windowed = p.cp == 1
         self.share = math.ceil(self.total / p.dp)
         first, end = ctx.dp_rank * self.share, min((ctx.dp_rank + 1) * self.share, self.total)
         self.rows = self._encode(tokenizer, cfg.evaluation.delimiter, first, end)
-        # Cut batches hold rows of like length (less padding); the scores go back to row order after.
-        self.order = list(range(len(self.rows)))
-        if self.multiple is not None:
-            self.order.sort(key=lambda i: len(self.rows[i].tokens))
+        # Batches hold rows of like length (less padding, narrower windows); the scores go back to row order.
+        self.order = sorted(range(len(self.rows)), key=lambda i: len(self.rows[i].tokens))
         self.dp_group = ctx.mesh["dp"].get_group() if p.dp > 1 else None
 
     def _encode(self, tokenizer: Tokenizer, delimiter: str, first: int, end: int) -> list[Row]:
@@ -84,7 +86,8 @@ class DownstreamEval:
         return rows
 
     def batches(self):
-        """This rank's share as (tokens, targets) batches of the training step's shape."""
+        """This rank's share as (tokens, targets, window) batches of the training step's shape; the window
+        (lo, hi) holds every scored target position of the batch (None under cp)."""
         count = math.ceil(self.share / self.batch_rows) if self.share else 0
         for b in range(count):
             rows = [self.rows[i] for i in self.order[b * self.batch_rows : (b + 1) * self.batch_rows]]
@@ -94,11 +97,14 @@ class DownstreamEval:
                 width = min(self.seq_len, math.ceil(longest / self.multiple) * self.multiple)
             tokens = torch.full((self.batch_rows, width + 1), self.eos_id, dtype=torch.long)
             targets = torch.full((self.batch_rows, width), IGNORE_INDEX, dtype=torch.long)
+            lo, hi = width, 0
             for r, row in enumerate(rows):
                 n = len(row.tokens)
                 tokens[r, :n] = row.tokens
                 targets[r, n - 1 - row.scored : n - 1] = tokens[r, n - row.scored : n]
-            yield tokens, targets
+                lo, hi = min(lo, n - 1 - row.scored), max(hi, n - 1)
+            window = (lo, hi) if hi > lo else (0, 1)  # (0, 1): a batch of padding rows only
+            yield tokens, targets, window if self.windowed else None
 
     def log_likelihoods(self) -> list[float] | None:
         """Every row's log-likelihood, in task order, on the last-stage ranks (None elsewhere)."""

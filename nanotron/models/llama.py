@@ -139,9 +139,17 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, doc: torch.Tensor | None = None, window: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """`window` (lo, hi): logits of positions lo..hi-1 only (scoring needs a few positions per row; the head
+        is most of a small model's forward)."""
         h = self.model(x, doc)
-        return _scaled(self.lm_head(h), self.logit_multiplier) if self.lm_head is not None else h
+        if self.lm_head is None:
+            return h
+        if window is not None:  # a sequence-sharded DTensor (sequence parallelism) is gathered by the slice
+            h = h[:, window[0] : window[1]]
+        return _scaled(self.lm_head(h), self.logit_multiplier)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recomputes the RoPE table and zeroes the MoE buffers (a model built on the meta device has none)."""

@@ -34,6 +34,8 @@ from nanotron.parallel.expert import expert_layers
 from nanotron.parallel.fsdp import GradientSync
 from nanotron.parallel.pipeline import build_schedule, forward_only
 
+Window = tuple[int, int] | None  # (lo, hi): the positions a scoring batch's targets lie in
+
 
 def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Mean token loss of one microbatch; microbatches and dp x cp ranks average to the global-batch mean.
@@ -121,24 +123,29 @@ class MicrobatchRunner:
             return torch.stack([_plain(self.loss(self.modules[0](i, d), t)) for i, t, d in chunks]).mean()
 
     @torch.no_grad()
-    def score(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """Forward only, in eval mode: for each row of each (tokens [B, seq_len + 1], targets [B, seq_len])
-        batch, the sum of the log-probabilities of its targets (IGNORE_INDEX where nothing is scored), over
-        the whole sequence (cp ranks' parts summed). Rows in order, float64; None without the last stage."""
+    def score(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor, Window]]) -> torch.Tensor | None:
+        """Forward only, in eval mode: for each row of each (tokens [B, seq_len + 1], targets [B, seq_len],
+        window) batch, the sum of the log-probabilities of its targets (IGNORE_INDEX where nothing is scored),
+        over the whole sequence (cp ranks' parts summed). A window (lo, hi) holds every target of the batch
+        (not under cp): the head runs on those positions only. Rows in order, float64; None without the last
+        stage."""
         for module in self.modules:
             module.eval()
         self.scoring, rows = True, []
         try:
-            for tokens, targets in batches:
+            for tokens, targets, window in batches:
                 inputs, _, doc = self._split(tokens)
                 targets = shard_sequence(targets.to(self.device), self.cp, self.cp_rank)
+                kwargs = {}
+                if window is not None:
+                    targets, kwargs = targets[:, window[0] : window[1]], {"window": window}
                 with self._loss_context():
                     if self.schedule is not None:
                         with forward_only(self.schedule):
-                            rows.extend(self._pipelined_losses(self.schedule.eval, inputs, targets, doc))
+                            rows.extend(self._pipelined_losses(self.schedule.eval, inputs, targets, doc, **kwargs))
                     else:
                         chunks = self._microbatches(inputs, targets, doc)
-                        rows.extend(self.loss(self.modules[0](i, d), t) for i, t, d in chunks)
+                        rows.extend(self.loss(self.modules[0](i, d, **kwargs), t) for i, t, d in chunks)
         finally:
             self.scoring = False
             for module in self.modules:
@@ -181,9 +188,10 @@ class MicrobatchRunner:
         losses = self._pipelined_losses(run, inputs, targets, doc)
         return torch.stack([loss.float() for loss in losses]).mean() if self.has_last else None
 
-    def _pipelined_losses(self, run: Callable, inputs, targets, doc) -> list[torch.Tensor]:
+    def _pipelined_losses(self, run: Callable, inputs, targets, doc, **kwargs) -> list[torch.Tensor]:
         """One schedule call: stage 0 feeds the inputs, the last stage takes the targets, every stage the
-        document ids; the last stage's losses, plain and detached, in microbatch order (none elsewhere)."""
+        document ids and `kwargs`; the last stage's losses, plain and detached, in microbatch order (none
+        elsewhere)."""
         losses: list[torch.Tensor] = []
         run(
             *([inputs] if self.has_first else []),
@@ -191,6 +199,7 @@ class MicrobatchRunner:
             losses=losses if self.has_last else None,
             return_outputs=False,
             **({"doc": doc} if doc is not None else {}),
+            **kwargs,
         )
         return [_plain(loss).detach() for loss in losses]
 
