@@ -91,13 +91,13 @@ def test_search_prints_layouts_that_fit_ranked_by_throughput():
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout, "| # | dp |")
     assert len(rows) == 15
-    throughput = [float(r[12].replace(",", "")) for r in rows]
+    throughput = [float(r[13].replace(",", "")) for r in rows]
     assert throughput == sorted(throughput, reverse=True)
     usable = usable_bytes(parse_gpu("h100")) / GIB
     for r in rows:
         dp, dp_shard, cp, ep, tp, pp = (int(x) for x in r[1:7])
         assert dp * cp * tp * pp == 64 and dp % dp_shard == 0 and tp <= 8 and ep == 1  # a dense model
-        assert float(r[10]) <= usable
+        assert float(r[11]) <= usable
 
 
 def test_search_works_when_the_configs_own_layout_is_larger_than_the_cluster():
@@ -191,6 +191,41 @@ def test_step_estimate_puts_each_dimensions_traffic_on_its_link_and_zero_3_moves
     recompute = step(dp=16, tp=4, pp=1, zero_stage=1, recompute_layer="true")
     assert recompute.compute_s > fsdp[1].compute_s and recompute.mfu < fsdp[1].mfu  # MFU counts model FLOPs
     assert step(dp=8, tp=4, pp=2, zero_stage=1).compute_s > step(dp=16, tp=4, pp=1, zero_stage=1).compute_s  # bubble
+
+
+def test_step_parts_sum_to_the_step_and_name_what_limits_each_layout():
+    def step(**parallelism):
+        pairs = [(f"parallelism.{k}", str(v)) for k, v in parallelism.items()]
+        batch = [("training.global_batch_size", "64"), ("training.micro_batch_size", "1")]
+        cfg = load_config("configs/large.toml", [*pairs, *batch])
+        return estimate_step(cfg, parse_gpu("h100"), gpus_per_node=8, efficiency=0.5)
+
+    cases = {
+        "compute": step(dp=8, tp=1, pp=1, zero_stage=1),  # one node: DP traffic hides under compute
+        "bubble": step(dp=2, tp=1, pp=32, zero_stage=1),  # 32 stages, 32 microbatches: about half idle
+        "tp": step(dp=8, tp=8, pp=1, zero_stage=1),  # 8-way TP: exposed transfers, the largest cost beyond compute
+        "dp": step(dp=64, tp=1, pp=1, zero_stage=3),  # ZeRO-3 over InfiniBand, re-gathered per microbatch
+        "recompute": step(dp=8, tp=1, pp=1, zero_stage=1, recompute_layer="true"),
+    }
+    for limit, estimate in cases.items():
+        assert sum(estimate.parts.values()) == pytest.approx(estimate.step_s, rel=1e-9)
+        assert estimate.limit == limit, (limit, estimate.parts)
+
+
+def test_search_ranks_equal_step_times_by_traffic_and_shows_accumulation_and_limit():
+    """On one node large.toml's DP traffic hides under compute for most layouts: equal estimated step times.
+    They rank by the bytes each GPU sends (ZeRO-3 at micro batch 1 re-gathers the model 64 times: terabytes)."""
+    proc = plan("--config", "configs/large.toml", "--nodes", "1", "--gpus_per_node", "8", "--search", "--top", "40")
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| # | dp |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = [dict(zip(columns, r)) for r in table_rows(proc.stdout, "| # | dp |")]
+    tied = [r for r in rows if r["step s"] == rows[0]["step s"]]
+    assert len(tied) > 3
+    traffic = [float(r["traffic GB"].replace(",", "")) for r in tied]
+    assert traffic == sorted(traffic) and traffic[-1] > 1000 > 10 * traffic[0]
+    assert all(int(r["micro batch"]) * int(r["accum"]) * int(r["dp"]) == 256 for r in rows)
+    assert {r["limit"].split()[0] for r in rows} >= {"compute", "bubble"}
 
 
 @pytest.mark.slow

@@ -141,18 +141,29 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
     lines = [
         f"{len(found)} of {considered} valid layouts fit {world} x {gpu.name} at global batch "
         f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first:",
-        "| # | dp | dp_shard | cp | ep | tp | pp | zero | recompute | micro batch | memory GiB | step s | tokens/s "
-        "| MFU |",
-        "|" + "---|" * 14,
+        "| # | dp | dp_shard | cp | ep | tp | pp | zero | recompute | micro batch | accum | memory GiB | step s "
+        "| tokens/s | MFU | traffic GB | limit |",
+        "|" + "---|" * 17,
     ]
     for index, c in enumerate(found[:top], 1):
         p, t = c.cfg.parallelism, c.cfg.training
         lines.append(
             f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.cp} | {p.ep} | {p.tp} | {p.pp} | {p.zero_stage} | "
-            f"{str(p.recompute_layer).lower()} | {t.micro_batch_size} | {c.memory['total'] / GIB:.1f} | "
-            f"{c.step.step_s:.2f} | {c.step.tokens_per_s:,.0f} | {c.step.mfu:.1%} |"
+            f"{str(p.recompute_layer).lower()} | {t.micro_batch_size} | {t.grad_accum_steps} | "
+            f"{c.memory['total'] / GIB:.1f} | {c.step.step_s:.2f} | {c.step.tokens_per_s:,.0f} | {c.step.mfu:.1%} | "
+            f"{c.step.traffic_gb:,.1f} | {_limit(c)} |"
         )
+    lines.append(
+        "accum: microbatches per step; traffic: GB each GPU sends per step, hidden or not (equal step times rank "
+        "by it, then by memory); limit: what bounds the layout: compute, or the largest cost beyond the model's "
+        "FLOPs (bubble, recompute = the memory that forced it, or exposed tp/pp/cp/ep/dp traffic)"
+    )
     return lines
+
+
+def _limit(c) -> str:
+    limit = c.step.limit
+    return f"{limit} {c.step.parts[limit] / c.step.step_s:.0%}" if limit != "compute" else "compute"
 
 
 def check_table(cfg: Config) -> list[str]:

@@ -72,8 +72,9 @@ def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: f
         pp_rank, memory = worst_stage(cfg)
         if memory["total"] <= usable_bytes(gpu):
             fitting.append(Candidate(cfg, pp_rank, memory, estimate_step(cfg, gpu, gpus_per_node, efficiency)))
-    # Equal estimates (communication hidden under compute) keep the one with the most headroom first.
-    fitting.sort(key=lambda c: (-round(c.step.tokens_per_s, -2), c.memory["total"]))
+    # Equal step times (communication hidden under compute) rank by what is measurable beyond them: the traffic
+    # each GPU sends per step (hidden collectives still contend for links and SMs), then the memory headroom.
+    fitting.sort(key=lambda c: (round(c.step.step_s, 4), round(c.step.traffic_gb, 1), c.memory["total"]))
     return fitting, considered
 
 

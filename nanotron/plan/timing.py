@@ -9,7 +9,7 @@ bandwidth per GPU; a group inside one node uses NVLink, a group spanning nodes I
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
@@ -72,6 +72,22 @@ class StepEstimate:
     tokens_per_s: float
     mfu: float
     comm: dict[str, Transfer]  # by dimension: tp, pp, dp (FSDP/replicate), dp_replicate (HSDP)
+    # The step's seconds by cause, summing to step_s: compute (model FLOPs), recompute (the extra forward that
+    # memory forced), bubble (pipeline idle), and the exposed part of each dimension's traffic (tp, pp, cp,
+    # ep, dp: what FSDP/DP collectives take beyond the compute they overlap).
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def limit(self) -> str:
+        """What bounds this layout most: compute, or the largest cost beyond it."""
+        waste = {k: v for k, v in self.parts.items() if k != "compute" and v > 0}
+        worst = max(waste, key=waste.get, default=None)
+        return "compute" if worst is None or waste[worst] < 0.01 * self.step_s else worst
+
+    @property
+    def traffic_gb(self) -> float:
+        """GB each GPU sends per step over every dimension, hidden or not (a tie-break: what contends)."""
+        return sum(t.gb for t in self.comm.values())
 
 
 def ring_gb(bytes_: float, group: int, all_reduce: bool = False) -> float:
@@ -86,11 +102,13 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     peak = gpu.peak_tflops * (1 if t.dtype == "bfloat16" else 0.5) * 1e12
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
-    flops = model_flops
-    if p.recompute_layer:  # one more forward of every decoder layer
-        flops += tokens_step * m.num_layers * layer_forward_flops(m, t.seq_len)
+    recompute_flops = tokens_step * m.num_layers * layer_forward_flops(m, t.seq_len) if p.recompute_layer else 0
+    flops = model_flops + recompute_flops  # recompute: one more forward of every decoder layer
     bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, n_micro, p.pp_stages_per_rank)
     compute_s = flops / world / (peak * efficiency) * (1 + bubble)
+    achieved = world * peak * efficiency
+    parts = {"compute": model_flops / achieved, "recompute": recompute_flops / achieved}
+    parts["bubble"] = compute_s - parts["compute"] - parts["recompute"]
 
     tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
     nvlink, ib = ("NVLink", gpu.nvlink_gbps), ("InfiniBand", gpu.ib_gbps)
@@ -137,7 +155,10 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     overlapped = sum(comm[k].seconds for k in ("dp", "dp_replicate") if k in comm)
     exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
     step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds
-    return StepEstimate(step_s, compute_s, tokens_step / step_s, model_flops / (step_s * world * peak), comm)
+    parts |= {"tp": comm["tp"].seconds, "pp": comm["pp"].seconds, "cp": exposed_cp, "ep": comm["ep"].seconds}
+    parts["dp"] = max(0.0, overlapped - compute_s)
+    mfu = model_flops / (step_s * world * peak)
+    return StepEstimate(step_s, compute_s, tokens_step / step_s, mfu, comm, parts)
 
 
 def _tp_local(cfg: Config, pp_rank: int) -> int:
