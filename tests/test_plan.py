@@ -304,3 +304,22 @@ def test_search_offers_expert_parallel_layouts_for_a_moe_model():
     assert {cfg.parallelism.ep for cfg in layouts(base, 8, 8)} == {1, 2, 4, 8}
     dense = load_config("configs/tiny.toml", [("training.global_batch_size", "16")])
     assert {cfg.parallelism.ep for cfg in layouts(dense, 8, 8)} == {1}
+
+
+def test_calibration_set_plans_every_published_run_and_solves_its_efficiency():
+    """benchmarks/calibration/published.csv: every row is a layout nanotron can express, and the efficiency the
+    calibration reports reproduces the published tokens/s per GPU (what the per-GPU defaults will come from)."""
+    import csv
+
+    from benchmarks.plan_calibration import CASES, config, matching_efficiency, planned_per_gpu
+
+    with open(CASES, newline="") as f:
+        cases = list(csv.DictReader(f))
+    assert len(cases) >= 6
+    for case in cases:
+        cfg = config(case)
+        assert cfg.world_size == int(case["world"]) and cfg.fsdp_shard_size == int(case["fsdp"])
+        published = float(case["tokens_per_s_per_gpu"])
+        efficiency = matching_efficiency(case, published)
+        assert 0.05 < efficiency < 0.95
+        assert planned_per_gpu(case, efficiency) == pytest.approx(published, rel=1e-3)

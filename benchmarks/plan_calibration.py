@@ -1,0 +1,106 @@
+"""`nanotron plan` against published GPU runs: the calibration set and the planner's ratio to it.
+
+    python -m benchmarks.plan_calibration [--efficiency 0.55]
+
+Reads `benchmarks/calibration/published.csv` (one row per published bf16 run whose layout nanotron can express:
+source, GPU, model, FSDP/TP/PP/CP degrees, sequence length, local and global batch, activation checkpointing,
+compile, published tokens/s per GPU and peak memory) and plans each with `nanotron plan`'s step estimate
+(`estimate_step`) at the given `--efficiency` (default: the planner's); memory is not compared yet. Writes
+`benchmarks/results/plan-calibration.{csv,md}`: planned / published tokens/s per GPU, and the efficiency that
+would make the plan equal the published figure (solved, since communication does not scale with it), with the
+median per GPU type.
+
+Approximations, printed in the table: selective activation checkpointing (torchtitan's default) is planned as no
+recompute (its recomputed element-wise ops are a few % of FLOPs); torch.compile is not modelled (the compiled
+and eager rows of one setup share a plan; their ratio is the compile speed-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+
+from benchmarks.common import REPO, RESULTS_DIR, write_table
+from nanotron.config import load_config
+from nanotron.plan.timing import estimate_step, parse_gpu
+
+CASES = REPO / "benchmarks" / "calibration" / "published.csv"
+DEFAULT_EFFICIENCY = 0.55  # nanotron plan --efficiency's default
+MODELS = {  # Llama 3.1 shapes (Meta's params.json), untied embeddings
+    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8),
+    "llama3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
+}
+COLUMNS = ("case", "gpu", "layout", "published tok/s/GPU", "planned", "planned / published", "efficiency to match")
+
+
+def config(case: dict):
+    world, fsdp, tp, pp, cp = (int(case[k]) for k in ("world", "fsdp", "tp", "pp", "cp"))
+    dp = world // (tp * pp * cp)
+    pairs = [(f"model.{k}", str(v)) for k, v in MODELS[case["model"]].items()]
+    pairs += [("model.vocab_size", "128256"), ("model.max_seq_len", case["seq_len"])]
+    pairs += [("parallelism.dp", str(dp)), ("parallelism.tp", str(tp)), ("parallelism.pp", str(pp))]
+    pairs += [("parallelism.cp", str(cp)), ("parallelism.zero_stage", "3")]
+    pairs += [("parallelism.dp_shard", str(fsdp if fsdp < dp else 0))]
+    pairs += [("parallelism.recompute_layer", "true" if case["recompute"] == "full" else "false")]
+    pairs += [("training.seq_len", case["seq_len"]), ("training.micro_batch_size", case["local_batch"])]
+    pairs += [("training.global_batch_size", case["global_batch"]), ("training.dtype", "bfloat16")]
+    return load_config(None, pairs, world_size=world)
+
+
+def planned_per_gpu(case: dict, efficiency: float) -> float:
+    cfg = config(case)
+    step = estimate_step(cfg, parse_gpu(case["gpu"]), gpus_per_node=8, efficiency=efficiency)
+    return step.tokens_per_s / cfg.world_size
+
+
+def matching_efficiency(case: dict, published: float) -> float:
+    """The efficiency at which the plan equals the published tokens/s per GPU (bisection: monotone in it)."""
+    lo, hi = 0.01, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if planned_per_gpu(case, mid) < published else (lo, mid)
+    return (lo + hi) / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY)
+    args = parser.parse_args()
+    rows, by_gpu = [], {}
+    with open(CASES, newline="") as f:
+        cases = list(csv.DictReader(f))
+    for case in cases:
+        published = float(case["tokens_per_s_per_gpu"])
+        planned = planned_per_gpu(case, args.efficiency)
+        efficiency = matching_efficiency(case, published)
+        by_gpu.setdefault(case["gpu"], []).append((planned / published, efficiency))
+        layout = f"fsdp {case['fsdp']} tp {case['tp']} pp {case['pp']} cp {case['cp']}, lbs {case['local_batch']}"
+        layout += f", seq {case['seq_len']}, AC {case['recompute']}"
+        layout += ", compile" if case["compile"] == "true" else ""
+        rows.append(
+            {
+                "case": case["case"],
+                "gpu": case["gpu"],
+                "layout": layout,
+                "published tok/s/GPU": published,
+                "planned": round(planned),
+                "planned / published": round(planned / published, 2),
+                "efficiency to match": round(efficiency, 3),
+            }
+        )
+    for gpu, values in by_gpu.items():
+        rows.append(
+            {
+                "case": f"median ({len(values)} runs)",
+                "gpu": gpu,
+                "planned / published": round(statistics.median(v[0] for v in values), 2),
+                "efficiency to match": round(statistics.median(v[1] for v in values), 3),
+            }
+        )
+    print(f"planned at --efficiency {args.efficiency}")
+    print(write_table(rows, COLUMNS, RESULTS_DIR / "plan-calibration"))
+
+
+if __name__ == "__main__":
+    main()
