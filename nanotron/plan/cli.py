@@ -18,11 +18,12 @@ from nanotron.config import Config, load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
 from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
-from nanotron.plan.search import reserve_bytes, search, usable_bytes
+from nanotron.plan.search import reserve_bytes, search, shown_seconds, usable_bytes
 from nanotron.plan.timing import GPUS, Gpu, estimate_step, parse_gpu
 
 ASSUMPTIONS = (
-    "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s peak; FSDP/DP collectives overlap compute, TP and PP "
+    "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s peak; FSDP/DP collectives overlap compute (but the "
+    "first unit's gather of each pass and the last unit's reduction), TP and PP "
     "transfers are exposed, the cp K/V ring is exposed only beyond the attention it overlaps; ring collectives at "
     "{nvlink:g} GB/s per GPU over NVLink inside a node, {ib:g} GB/s over InfiniBand across nodes; reserve "
     "{reserve:.1f} GiB per GPU for CUDA context, NCCL and fragmentation"
@@ -150,8 +151,8 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
         lines.append(
             f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.cp} | {p.ep} | {p.tp} | {p.pp} | {p.zero_stage} | "
             f"{str(p.recompute_layer).lower()} | {t.micro_batch_size} | {t.grad_accum_steps} | "
-            f"{c.memory['total'] / GIB:.1f} | {c.step.step_s:.2f} | {c.step.tokens_per_s:,.0f} | {c.step.mfu:.1%} | "
-            f"{c.step.traffic_gb:,.1f} | {_limit(c)} |"
+            f"{c.memory['total'] / GIB:.1f} | {shown_seconds(c.step.step_s):g} | {c.step.tokens_per_s:,.0f} | "
+            f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} |"
         )
     lines.append(
         "accum: microbatches per step; traffic: GB each GPU sends per step, hidden or not (equal step times rank "

@@ -74,8 +74,14 @@ def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: f
             fitting.append(Candidate(cfg, pp_rank, memory, estimate_step(cfg, gpu, gpus_per_node, efficiency)))
     # Equal step times (communication hidden under compute) rank by what is measurable beyond them: the traffic
     # each GPU sends per step (hidden collectives still contend for links and SMs), then the memory headroom.
-    fitting.sort(key=lambda c: (round(c.step.step_s, 4), round(c.step.traffic_gb, 1), c.memory["total"]))
+    fitting.sort(key=lambda c: (shown_seconds(c.step.step_s), round(c.step.traffic_gb, 1), c.memory["total"]))
     return fitting, considered
+
+
+def shown_seconds(seconds: float) -> float:
+    """A step time to 3 significant digits: how the table shows it, and what counts as equal when ranking
+    (differences below that are under the model's own error)."""
+    return float(f"{seconds:.3g}")
 
 
 def reserve_bytes(gpu: Gpu) -> float:

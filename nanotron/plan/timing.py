@@ -2,9 +2,10 @@
 moves per step over stated NVLink / InfiniBand bandwidths.
 
 Assumptions (printed with every plan): FSDP/DP collectives overlap compute (the step pays the larger of
-the two); tensor-parallel and pipeline transfers are exposed; context parallelism's K/V ring overlaps each
-block's attention and is exposed only where it takes longer; collectives run as rings at the link's
-bandwidth per GPU; a group inside one node uses NVLink, a group spanning nodes InfiniBand.
+the two) except the first unit's gather of each pass and the last unit's reduction; tensor-parallel and
+pipeline transfers are exposed; context parallelism's K/V ring overlaps each block's attention and is exposed
+only where it takes longer; collectives run as rings at the link's bandwidth per GPU; a group inside one node
+uses NVLink, a group spanning nodes InfiniBand.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class StepEstimate:
         """What bounds this layout most: compute, or the largest cost beyond it."""
         waste = {k: v for k, v in self.parts.items() if k != "compute" and v > 0}
         worst = max(waste, key=waste.get, default=None)
-        return "compute" if worst is None or waste[worst] < 0.01 * self.step_s else worst
+        return "compute" if worst is None or waste[worst] < 0.05 * self.step_s else worst
 
     @property
     def traffic_gb(self) -> float:
@@ -153,10 +154,20 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
             replicated = reductions * FP32 * tp_local / shard
             comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // cfg.dp_shard_size, all_reduce=True), *ib)
     overlapped = sum(comm[k].seconds for k in ("dp", "dp_replicate") if k in comm)
+    # What no prefetch hides: the first FSDP unit's gather before any compute of a pass (ZeRO-3 frees and
+    # re-gathers for every microbatch's forward and backward; stages 1/2 keep the gathered parameters for the
+    # step) and the last unit's gradient reduction after the step's compute, one layer's worth each.
+    unit = tp_local / max(1.0, layers_per_rank)
+    if p.zero_stage == 0:
+        floor_gb = ring_gb(FP32 * unit, p.dp * p.cp, all_reduce=True)
+    else:
+        floor_gb = (2 * n_micro if p.zero_stage == 3 else 1) * ring_gb(e * unit, shard) + ring_gb(FP32 * unit, shard)
+    floor_s = floor_gb / comm["dp"].gbps
+    data_parallel_s = max(compute_s + floor_s, overlapped)
     exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
-    step_s = max(compute_s, overlapped) + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds
+    step_s = data_parallel_s + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds
     parts |= {"tp": comm["tp"].seconds, "pp": comm["pp"].seconds, "cp": exposed_cp, "ep": comm["ep"].seconds}
-    parts["dp"] = max(0.0, overlapped - compute_s)
+    parts["dp"] = data_parallel_s - compute_s
     mfu = model_flops / (step_s * world * peak)
     return StepEstimate(step_s, compute_s, tokens_step / step_s, mfu, comm, parts)
 
