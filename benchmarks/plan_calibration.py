@@ -1,11 +1,12 @@
 """`nanotron plan` against published GPU runs: the calibration set and the planner's ratio to it.
 
-    python -m benchmarks.plan_calibration [--efficiency 0.55]
+    python -m benchmarks.plan_calibration [--efficiency E]
 
 Reads `benchmarks/calibration/published.csv` (one row per published bf16 run whose layout nanotron can express:
 source, GPU, model, FSDP/TP/PP/CP degrees, sequence length, local and global batch, activation checkpointing,
 compile, published tokens/s per GPU and peak memory) and plans each with `nanotron plan`'s step estimate
-(`estimate_step`) at the given `--efficiency` (default: the planner's); memory is not compared yet. Writes
+(`estimate_step`) at each GPU's default efficiency (`nanotron plan`'s, itself the median this script reports:
+re-derive it when rows are added) or at `--efficiency`; memory is not compared yet. Writes
 `benchmarks/results/plan-calibration.{csv,md}`: planned / published tokens/s per GPU, and the efficiency that
 would make the plan equal the published figure (solved, since communication does not scale with it), with the
 median per GPU type.
@@ -26,7 +27,6 @@ from nanotron.config import load_config
 from nanotron.plan.timing import estimate_step, parse_gpu
 
 CASES = REPO / "benchmarks" / "calibration" / "published.csv"
-DEFAULT_EFFICIENCY = 0.55  # nanotron plan --efficiency's default
 MODELS = {  # Llama 3.1 shapes (Meta's params.json), untied embeddings
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8),
     "llama3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
@@ -48,8 +48,10 @@ def config(case: dict):
     return load_config(None, pairs, world_size=world)
 
 
-def planned_per_gpu(case: dict, efficiency: float) -> float:
+def planned_per_gpu(case: dict, efficiency: float | None = None) -> float:
+    """The plan's tokens/s per GPU at `efficiency` (default: the GPU's, as `nanotron plan` uses)."""
     cfg = config(case)
+    efficiency = efficiency or parse_gpu(case["gpu"]).efficiency.default
     step = estimate_step(cfg, parse_gpu(case["gpu"]), gpus_per_node=8, efficiency=efficiency)
     return step.tokens_per_s / cfg.world_size
 
@@ -65,7 +67,7 @@ def matching_efficiency(case: dict, published: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY)
+    parser.add_argument("--efficiency", type=float, default=None, help="default: each GPU's, as nanotron plan")
     args = parser.parse_args()
     rows, by_gpu = [], {}
     with open(CASES, newline="") as f:
@@ -98,7 +100,7 @@ def main() -> None:
                 "efficiency to match": round(statistics.median(v[1] for v in values), 3),
             }
         )
-    print(f"planned at --efficiency {args.efficiency}")
+    print(f"planned at --efficiency {args.efficiency or 'of each GPU (nanotron plan default)'}")
     print(write_table(rows, COLUMNS, RESULTS_DIR / "plan-calibration"))
 
 

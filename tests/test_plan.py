@@ -340,3 +340,35 @@ def test_calibration_set_plans_every_published_run_and_solves_its_efficiency():
         efficiency = matching_efficiency(case, published)
         assert 0.05 < efficiency < 0.95
         assert planned_per_gpu(case, efficiency) == pytest.approx(published, rel=1e-3)
+
+
+def test_h100_default_efficiency_and_its_range_are_the_calibration_sets():
+    """The planner's H100 (and H200) efficiency is derived from the published runs, not chosen: the median and
+    range of the efficiencies that reproduce them. Adding a row that moves them fails here until re-derived."""
+    import csv
+    import statistics
+
+    from benchmarks.plan_calibration import CASES, matching_efficiency
+
+    with open(CASES, newline="") as f:
+        solved = [
+            matching_efficiency(c, float(c["tokens_per_s_per_gpu"])) for c in csv.DictReader(f) if c["gpu"] == "h100"
+        ]
+    h100 = parse_gpu("h100").efficiency
+    assert h100.default == round(statistics.median(solved), 2)
+    assert (h100.low, h100.high) == (round(min(solved), 2), round(max(solved), 2))
+    assert parse_gpu("h200").efficiency == h100 and parse_gpu("a100").efficiency.low is None
+
+
+def test_plan_states_its_efficiency_its_source_and_the_step_time_range():
+    h100 = plan("--config", "configs/large.toml", "--nodes", "4", "--gpus_per_node", "8")
+    assert h100.returncode == 0, h100.stderr
+    step = re.search(
+        r"^step time ~([\d.]+)s \(range ([\d.]+)-([\d.]+)s at the published runs' efficiencies", h100.stdout, re.M
+    )
+    assert step and float(step[2]) < float(step[1]) < float(step[3]), h100.stdout
+    assert "compute at 36% of the 989.4 TFLOP/s peak (median of 6 published H100 runs" in h100.stdout
+    a100 = plan("--config", "configs/large.toml", "--nodes", "4", "--gpus_per_node", "8", "--gpu", "a100")
+    assert "compute at 55% of the 312 TFLOP/s peak (uncalibrated" in a100.stdout and "(range" not in a100.stdout
+    mine = plan("--config", "configs/large.toml", "--nodes", "4", "--gpus_per_node", "8", "--efficiency", "0.5")
+    assert "compute at 50% of the 989.4 TFLOP/s peak (--efficiency)" in mine.stdout and "(range" not in mine.stdout

@@ -195,7 +195,8 @@ def plan_before_submit(cfg: Config, args: argparse.Namespace, procs: int) -> lis
     if not fits(cfg, gpu) and not args.force:
         raise LaunchError(f"{line}; --force submits anyway")
     if args.dry_run:
-        return ["plan:", *describe(cfg, gpu, math.ceil(cfg.world_size / procs), procs, efficiency=0.55)]
+        nodes = math.ceil(cfg.world_size / procs)
+        return ["plan:", *describe(cfg, gpu, nodes, procs, efficiency=gpu.efficiency.default)]
     return [line]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 
 from nanotron.config import Config, load_config, parse_overrides
@@ -19,11 +20,11 @@ from nanotron.errors import ConfigError, run_command
 from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
 from nanotron.plan.search import reserve_bytes, search, shown_seconds, usable_bytes
-from nanotron.plan.timing import GPUS, Gpu, estimate_step, parse_gpu
+from nanotron.plan.timing import GPUS, UNCALIBRATED_EFFICIENCY, Efficiency, Gpu, estimate_step, parse_gpu
 
 ASSUMPTIONS = (
-    "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s peak; FSDP/DP collectives overlap compute (but the "
-    "first unit's gather of each pass and the last unit's reduction), TP and PP "
+    "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s peak ({source}); FSDP/DP collectives overlap "
+    "compute (but the first unit's gather of each pass and the last unit's reduction), TP and PP "
     "transfers are exposed, the cp K/V ring is exposed only beyond the attention it overlaps; ring collectives at "
     "{nvlink:g} GB/s per GPU over NVLink inside a node, {ib:g} GB/s over InfiniBand across nodes; reserve "
     "{reserve:.1f} GiB per GPU for CUDA context, NCCL and fragmentation"
@@ -43,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu", default="h100", help=f"{', '.join(GPUS)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (default h100)"
     )
-    p.add_argument("--efficiency", type=float, default=0.55, help="achieved fraction of peak compute (default 0.55)")
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="achieved fraction of peak compute (default: the GPU's, from published runs: h100/h200 0.36; "
+        f"a100 and custom GPUs {UNCALIBRATED_EFFICIENCY}, uncalibrated)",
+    )
     p.add_argument("--nvlink_gbps", type=float, help="ring bandwidth per GPU inside a node, GB/s (default: by --gpu)")
     p.add_argument("--ib_gbps", type=float, help="bandwidth per GPU across nodes, GB/s (default: by --gpu)")
     p.add_argument("--search", action="store_true", help="rank every layout that fits this cluster by throughput")
@@ -93,12 +100,18 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     comm = ", ".join(
         f"{name} {t.gb:.2f} GB/GPU over {t.link} {t.seconds:.3f}s" for name, t in step.comm.items() if t.gb
     )
+    spread = ""
+    e = gpu.efficiency
+    if e.low is not None and e.high is not None and e.low <= efficiency <= e.high:
+        fast, slow = (estimate_step(cfg, gpu, gpus_per_node, x).step_s for x in (e.high, e.low))
+        spread = f" (range {fast:.2f}-{slow:.2f}s at the published runs' efficiencies {e.low:g}-{e.high:g})"
     lines += [
-        f"step time ~{step.step_s:.2f}s (compute {step.compute_s:.2f}s incl. pipeline bubble; communication per "
-        f"step: {comm or 'none'}) "
+        f"step time ~{step.step_s:.2f}s{spread} (compute {step.compute_s:.2f}s incl. pipeline bubble; communication "
+        f"per step: {comm or 'none'}) "
         f"-> {step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1%}",
         ASSUMPTIONS.format(
             eff=efficiency,
+            source=gpu.efficiency.source if efficiency == gpu.efficiency.default else "--efficiency",
             peak=gpu.peak_tflops,
             nvlink=gpu.nvlink_gbps,
             ib=gpu.ib_gbps,
@@ -194,9 +207,12 @@ def _plan(argv: list[str]) -> int:
     for flag, value in (("--nodes", args.nodes), ("--gpus_per_node", args.gpus_per_node), ("--top", args.top)):
         if value < 1:
             raise ConfigError(f"{flag}: expected an integer >= 1, got {value}")
-    if not 0 < args.efficiency <= 1:
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency: expected a fraction in (0, 1], got {args.efficiency}")
     gpu = parse_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
+    if args.efficiency is not None:  # the user's figure replaces the GPU's default and its published spread
+        gpu = dataclasses.replace(gpu, efficiency=Efficiency(args.efficiency, source="--efficiency"))
+    args.efficiency = gpu.efficiency.default
     cfg = load_config(args.config, overrides)
     capacity = args.nodes * args.gpus_per_node
     p = cfg.parallelism

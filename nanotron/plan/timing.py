@@ -18,6 +18,24 @@ from nanotron.gpu import GPU_PEAKS
 from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
 from nanotron.plan.memory import FP32, local_numel, rank_stages
 
+UNCALIBRATED_EFFICIENCY = 0.55  # a GPU without published runs in the calibration set
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fraction of peak compute: the default and the spread of the published runs it comes from
+    (`benchmarks/calibration/published.csv`, `python -m benchmarks.plan_calibration`)."""
+
+    default: float
+    low: float | None = None
+    high: float | None = None
+    source: str = "uncalibrated: no published runs of this GPU in the calibration set"
+
+
+# H100: the median and range of the efficiencies that reproduce six torchtitan bf16 runs (Llama 3.1 8B/70B,
+# 8-256 GPUs). H200 has the H100's compute die; no bf16 H200 run is in the set, so it takes the H100's figures.
+H100_EFFICIENCY = Efficiency(0.36, 0.31, 0.47, "median of 6 published H100 runs (torchtitan), range 0.31-0.47")
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -26,12 +44,13 @@ class Gpu:
     peak_tflops: float  # dense bf16 (fp32 runs get half: TF32)
     nvlink_gbps: float  # achievable ring bandwidth per GPU inside a node, GB/s
     ib_gbps: float  # achievable bandwidth per GPU across nodes, GB/s
+    efficiency: Efficiency = Efficiency(UNCALIBRATED_EFFICIENCY)
 
 
 # Memory as the device reports it (80 GB H100 = 79.6 GiB); bandwidths are typical NCCL bus bandwidths.
 GPUS = {
-    "h100": Gpu("h100", 79.6, GPU_PEAKS["H100", ""].bf16, 360.0, 45.0),
-    "h200": Gpu("h200", 139.8, GPU_PEAKS["H200", ""].bf16, 360.0, 45.0),
+    "h100": Gpu("h100", 79.6, GPU_PEAKS["H100", ""].bf16, 360.0, 45.0, H100_EFFICIENCY),
+    "h200": Gpu("h200", 139.8, GPU_PEAKS["H200", ""].bf16, 360.0, 45.0, H100_EFFICIENCY),
     "a100": Gpu("a100", 79.2, GPU_PEAKS["A100", ""].bf16, 230.0, 22.0),
 }
 
@@ -50,7 +69,8 @@ def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None
                 f"--gpu {text!r}: expected {', '.join(GPUS)} or '<memory GiB>,<peak bf16 TFLOP/s>' such as '80,989'"
             ) from None
         gpu = Gpu(f"{memory:g}GiB/{peak:g}TF", memory, peak, GPUS["h100"].nvlink_gbps, GPUS["h100"].ib_gbps)
-    return Gpu(gpu.name, gpu.memory_gib, gpu.peak_tflops, nvlink_gbps or gpu.nvlink_gbps, ib_gbps or gpu.ib_gbps)
+    nvlink, ib = nvlink_gbps or gpu.nvlink_gbps, ib_gbps or gpu.ib_gbps
+    return Gpu(gpu.name, gpu.memory_gib, gpu.peak_tflops, nvlink, ib, gpu.efficiency)
 
 
 @dataclass(frozen=True)
