@@ -348,7 +348,7 @@ def test_h100_default_efficiency_and_its_range_are_the_calibration_sets():
     import csv
     import statistics
 
-    from benchmarks.plan_calibration import CASES, matching_efficiency
+    from benchmarks.plan_calibration import CASES, matching_efficiency, planned_per_gpu
 
     with open(CASES, newline="") as f:
         solved = [
@@ -357,6 +357,9 @@ def test_h100_default_efficiency_and_its_range_are_the_calibration_sets():
     h100 = parse_gpu("h100").efficiency
     assert h100.default == round(statistics.median(solved), 2)
     assert (h100.low, h100.high) == (round(min(solved), 2), round(max(solved), 2))
+    with open(CASES, newline="") as f:
+        ratios = [planned_per_gpu(c) / float(c["tokens_per_s_per_gpu"]) for c in csv.DictReader(f)]
+    assert h100.error == round(max(abs(r - 1) for r in ratios), 2)
     assert parse_gpu("h200").efficiency == h100 and parse_gpu("a100").efficiency.low is None
 
 
@@ -372,3 +375,15 @@ def test_plan_states_its_efficiency_its_source_and_the_step_time_range():
     assert "compute at 55% of the 312 TFLOP/s peak (uncalibrated" in a100.stdout and "(range" not in a100.stdout
     mine = plan("--config", "configs/large.toml", "--nodes", "4", "--gpus_per_node", "8", "--efficiency", "0.5")
     assert "compute at 50% of the 989.4 TFLOP/s peak (--efficiency)" in mine.stdout and "(range" not in mine.stdout
+
+
+def test_search_marks_the_layouts_the_plan_cannot_tell_apart_from_the_best():
+    """Rows whose step time is within the planner's error on published runs of the GPU (H100: 20 %) of the best
+    row are marked equivalent; without a calibration (A100) the column says so."""
+    proc = plan("--config", "configs/large.toml", "--nodes", "8", "--gpus_per_node", "8", "--search", "--top", "400")
+    rows = table_rows(proc.stdout, "| # | dp |")
+    best = float(rows[0][12])
+    marks = {(r[-1], float(r[12]) <= best * 1.2) for r in rows}
+    assert marks == {("yes", True), ("no", False)}, marks
+    a100 = plan("--config", "configs/large.toml", "--nodes", "8", "--gpus_per_node", "8", "--search", "--gpu", "a100")
+    assert {r[-1] for r in table_rows(a100.stdout, "| # | dp |")} == {"?"}

@@ -156,21 +156,26 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
         f"{len(found)} of {considered} valid layouts fit {world} x {gpu.name} at global batch "
         f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first:",
         "| # | dp | dp_shard | cp | ep | tp | pp | zero | recompute | micro batch | accum | memory GiB | step s "
-        "| tokens/s | MFU | traffic GB | limit |",
-        "|" + "---|" * 17,
+        "| tokens/s | MFU | traffic GB | limit | within error |",
+        "|" + "---|" * 18,
     ]
+    error = gpu.efficiency.error if efficiency == gpu.efficiency.default else None
+    best = shown_seconds(found[0].step.step_s) if found else 0.0  # compared as shown
     for index, c in enumerate(found[:top], 1):
+        equivalent = "?" if error is None else ("yes" if shown_seconds(c.step.step_s) <= best * (1 + error) else "no")
         p, t = c.cfg.parallelism, c.cfg.training
         lines.append(
             f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.cp} | {p.ep} | {p.tp} | {p.pp} | {p.zero_stage} | "
             f"{str(p.recompute_layer).lower()} | {t.micro_batch_size} | {t.grad_accum_steps} | "
             f"{c.memory['total'] / GIB:.1f} | {shown_seconds(c.step.step_s):g} | {c.step.tokens_per_s:,.0f} | "
-            f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} |"
+            f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} | {equivalent} |"
         )
     lines.append(
         "accum: microbatches per step; traffic: GB each GPU sends per step, hidden or not (equal step times rank "
         "by it, then by memory); limit: what bounds the layout: compute, or the largest cost beyond the model's "
-        "FLOPs (bubble, recompute = the memory that forced it, or exposed tp/pp/cp/ep/dp traffic)"
+        "FLOPs (bubble, recompute = the memory that forced it, or exposed tp/pp/cp/ep/dp traffic); within error: "
+        "step time within the planner's error on published runs of this GPU of the best row's "
+        + (f"(+{error:.0%}): the plan cannot tell these apart" if error is not None else "(? = not calibrated)")
     )
     return lines
 

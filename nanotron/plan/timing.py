@@ -30,11 +30,14 @@ class Efficiency:
     low: float | None = None
     high: float | None = None
     source: str = "uncalibrated: no published runs of this GPU in the calibration set"
+    error: float | None = None  # the largest |planned / published - 1| over the set at `default`
 
 
 # H100: the median and range of the efficiencies that reproduce six torchtitan bf16 runs (Llama 3.1 8B/70B,
 # 8-256 GPUs). H200 has the H100's compute die; no bf16 H200 run is in the set, so it takes the H100's figures.
-H100_EFFICIENCY = Efficiency(0.36, 0.31, 0.47, "median of 6 published H100 runs (torchtitan), range 0.31-0.47")
+H100_EFFICIENCY = Efficiency(
+    0.36, 0.31, 0.47, "median of 6 published H100 runs (torchtitan), range 0.31-0.47", error=0.20
+)
 
 
 @dataclass(frozen=True)
