@@ -223,6 +223,7 @@ def test_step_parts_sum_to_the_step_and_name_what_limits_each_layout():
     assert exposed_dp(3, 256) > 3 * exposed_dp(3, 64) > 3 * exposed_dp(1, 64)
 
 
+@pytest.mark.slow
 def test_search_ranks_equal_step_times_by_traffic_and_charges_zero_3_re_gathers():
     """On one node large.toml's DP traffic mostly hides under compute: near-equal step times. ZeRO-3 at micro
     batch 1 re-gathers the model for each of 32 microbatches' forward and backward (1.5 TB per GPU per step):
@@ -363,6 +364,7 @@ def test_h100_default_efficiency_and_its_range_are_the_calibration_sets():
     assert parse_gpu("h200").efficiency == h100 and parse_gpu("a100").efficiency.low is None
 
 
+@pytest.mark.slow
 def test_plan_states_its_efficiency_its_source_and_the_step_time_range():
     h100 = plan("--config", "configs/large.toml", "--nodes", "4", "--gpus_per_node", "8")
     assert h100.returncode == 0, h100.stderr
@@ -377,6 +379,7 @@ def test_plan_states_its_efficiency_its_source_and_the_step_time_range():
     assert "compute at 50% of the 989.4 TFLOP/s peak (--efficiency)" in mine.stdout and "(range" not in mine.stdout
 
 
+@pytest.mark.slow
 def test_search_marks_the_layouts_the_plan_cannot_tell_apart_from_the_best():
     """Rows whose step time is within the planner's error on published runs of the GPU (H100: 20 %) of the best
     row are marked equivalent; without a calibration (A100) the column says so."""
