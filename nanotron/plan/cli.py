@@ -19,7 +19,7 @@ from nanotron.config import Config, load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
 from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
-from nanotron.plan.search import reserve_bytes, search, shown_seconds, usable_bytes
+from nanotron.plan.search import Candidate, reserve_bytes, search, shown_seconds, usable_bytes
 from nanotron.plan.timing import GPUS, UNCALIBRATED_EFFICIENCY, Efficiency, Gpu, estimate_step, parse_gpu
 
 ASSUMPTIONS = (
@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--efficiency",
         type=float,
         default=None,
-        help="achieved fraction of peak compute (default: the GPU's, from published runs: h100/h200 0.36; "
-        f"a100 and custom GPUs {UNCALIBRATED_EFFICIENCY}, uncalibrated)",
+        help="achieved fraction of peak compute (default: the GPU's, from published runs where the calibration "
+        f"set has them: {', '.join(f'{name} {gpu.efficiency.default:g}' for name, gpu in GPUS.items())}; "
+        f"custom GPUs {UNCALIBRATED_EFFICIENCY}, uncalibrated)",
     )
     p.add_argument("--nvlink_gbps", type=float, help="ring bandwidth per GPU inside a node, GB/s (default: by --gpu)")
     p.add_argument("--ib_gbps", type=float, help="bandwidth per GPU across nodes, GB/s (default: by --gpu)")
@@ -180,7 +181,7 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
     return lines
 
 
-def _limit(c) -> str:
+def _limit(c: Candidate) -> str:
     limit = c.step.limit
     return f"{limit} {c.step.parts[limit] / c.step.step_s:.0%}" if limit != "compute" else "compute"
 
