@@ -49,7 +49,10 @@ LAYOUTS: list[tuple[str, list[str], float | None]] = [
     ("pp2 1f1b dp2 zero2", ["--parallelism.pp=2", "--parallelism.dp=2", "--parallelism.zero_stage=2"], 0.3),
     ("pp2 afab", ["--parallelism.pp=2", "--parallelism.pp_engine=afab"], None),
     ("pp2 interleaved_1f1b", ["--parallelism.pp=2", "--parallelism.pp_engine=interleaved_1f1b"], None),
-    ("recompute", ["--parallelism.recompute_layer=true"], None),
+    ("recompute full", ["--parallelism.recompute=full"], None),
+    ("recompute selective", ["--parallelism.recompute=selective"], None),
+    ("tp2 recompute selective", ["--parallelism.tp=2", "--parallelism.recompute=selective"], None),
+    ("tp4 recompute selective", ["--parallelism.tp=4", "--parallelism.recompute=selective"], None),
     ("bf16 dp2 zero1", ["--training.dtype=bfloat16", "--parallelism.dp=2", "--parallelism.zero_stage=1"], None),
     ("dp2 tp2 zero3", ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.zero_stage=3"], None),
     (
@@ -119,7 +122,7 @@ def worker(args: list[str], out: Path) -> None:
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0
     cfg = load_config(*parse_overrides(args), world_size=launched_world_size())
     trainer = Trainer(cfg)
-    with StepProbe(trainer.modules, cfg.parallelism.recompute_layer).active() as probe:
+    with StepProbe(trainer.modules, cfg.parallelism.recompute_of).active() as probe:
         trainer.train()
     optimizer_state = [
         value
@@ -226,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--size", default="small", help="a benchmarks.common.MODELS key")
     parser.add_argument("--quick", action="store_true", help="smoke-test settings: nano model, four layouts")
+    parser.add_argument("--layouts", nargs="+", metavar="NAME", help="only these layouts (names as in the table)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for memory.csv/.md (a worker's JSON)")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="synthetic data and run dirs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -237,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         exit_process(0)  # as nanotron.train does: no interpreter teardown after gloo (see errors.exit_process)
     size = "nano" if args.quick else args.size
     layouts = [layout for layout in LAYOUTS if not args.quick or layout[0] in QUICK_LAYOUTS]
+    if args.layouts:  # the one-process run stays first: it is the reference
+        unknown = set(args.layouts) - {name for name, _, _ in LAYOUTS}
+        if unknown:
+            parser.error(f"--layouts: unknown {sorted(unknown)}; expected names from: {[n for n, _, _ in LAYOUTS]}")
+        layouts = [layout for layout in layouts if layout[0] in {"1 process", *args.layouts}]
     base_args = [
         *QUIET_RUN,
         *ensure_data(args.work_dir),

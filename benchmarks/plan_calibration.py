@@ -11,9 +11,10 @@ re-derive it when rows are added) or at `--efficiency`; memory is not compared y
 would make the plan equal the published figure (solved, since communication does not scale with it), with the
 median per GPU type.
 
-Approximations, printed in the table: selective activation checkpointing (torchtitan's default) is planned as no
-recompute (its recomputed element-wise ops are a few % of FLOPs); torch.compile is not modelled (the compiled
-and eager rows of one setup share a plan; their ratio is the compile speed-up).
+Approximations, printed in the table: selective activation checkpointing (torchtitan's default, which keeps every
+other matmul output) is planned as nanotron's `parallelism.recompute = "selective"` (which keeps all of them: the
+same time, its element-wise reruns at the GPU's memory bandwidth, and less memory saved); torch.compile is not
+modelled (the compiled and eager rows of one setup share a plan; their ratio is the compile speed-up).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def config(case: dict):
     pairs += [("parallelism.dp", str(dp)), ("parallelism.tp", str(tp)), ("parallelism.pp", str(pp))]
     pairs += [("parallelism.cp", str(cp)), ("parallelism.zero_stage", "3")]
     pairs += [("parallelism.dp_shard", str(fsdp if fsdp < dp else 0))]
-    pairs += [("parallelism.recompute_layer", "true" if case["recompute"] == "full" else "false")]
+    pairs += [("parallelism.recompute", case["recompute"])]
     pairs += [("training.seq_len", case["seq_len"]), ("training.micro_batch_size", case["local_batch"])]
     pairs += [("training.global_batch_size", case["global_batch"]), ("training.dtype", "bfloat16")]
     return load_config(None, pairs, world_size=world)

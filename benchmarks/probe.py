@@ -3,9 +3,10 @@
 - gradient bytes held: the local gradient shards plus every unsharded gradient FSDP keeps between
   backward passes (its accumulation buffers), sampled after each microbatch's backward;
 - activation bytes: the storages autograd saves for backward (parameters and buffers excluded, each
-  storage once), plus the layer inputs that activation checkpointing keeps, counted from the moment
-  they are saved until they are freed; the peak over the step is what the pipeline's in-flight
-  microbatches really cost;
+  storage once), plus what activation checkpointing keeps instead: each recomputed layer's input, and
+  under selective recompute the outputs its policy keeps (reported by the policy),
+  counted from the moment they are saved until they are freed; the peak over the step is what the
+  pipeline's in-flight microbatches really cost;
 - working-copy bytes: the unsharded (gathered, bf16 under mixed precision) parameters FSDP holds,
   sampled at the same moments as gradients and before and after each FSDP module's forward.
 
@@ -25,11 +26,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from nanotron.parallel import recompute as recompute_policy
 from nanotron.parallel.fsdp import ZeroPipelineStage
+from nanotron.parallel.torch_private import in_backward_pass
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """A DTensor's local shard without running an op (`to_local` is one: inside a selectively checkpointed layer
+    an op the probe adds would be counted by the checkpoint in one pass and not the other)."""
+    return getattr(tensor, tensor.__tensor_flatten__()[0][0]) if isinstance(tensor, DTensor) else tensor
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -96,9 +101,10 @@ def working_copy_bytes(modules: list[nn.Module]) -> int:
 
 
 class StepProbe:
-    """Peaks of held gradients, saved activations and working copies over the steps run inside `active()`."""
+    """Peaks of held gradients, saved activations and working copies over the steps run inside `active()`.
+    `recompute(layer index)`: the layer's parallelism.recompute mode."""
 
-    def __init__(self, modules: list[nn.Module], recompute: bool):
+    def __init__(self, modules: list[nn.Module], recompute=lambda layer: "none"):
         self.modules, self.recompute = modules, recompute
         self.grad_peak = self.activation_peak = self.working_peak = 0
         self.live: dict[int, int] = {}  # storage data_ptr -> bytes, for saved activations still alive
@@ -132,6 +138,17 @@ class StepProbe:
         """Activation checkpointing keeps each layer's input for the recompute in backward."""
         self._track(args[0])
 
+    def _selective_input(self, module: nn.Module, args: tuple) -> None:
+        """Selective recompute keeps the layer's input too (not again in its recompute)."""
+        if not in_backward_pass():
+            self._track(args[0])
+
+    def _kept(self, output: object) -> None:
+        """An output the selective policy keeps (`recompute.on_keep`)."""
+        for tensor in output if isinstance(output, tuple | list) else (output,):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor)
+
     # ---- gradients and working copies -------------------------------------------------------------
 
     def sample(self) -> None:
@@ -157,17 +174,21 @@ class StepProbe:
                     self.handles.append(sub.register_forward_pre_hook(self._remember_weights))
                 if isinstance(sub, FSDPModule):  # after FSDP's own pre-forward: this layer (and a prefetch) gathered
                     self.handles.append(sub.register_forward_pre_hook(lambda *_: self.sample()))
-            if self.recompute:
-                for layer in module.model.layers.values():
+            for name, layer in module.model.layers.items():
+                if self.recompute(int(name)) == "full":
                     self.handles.append(layer.register_forward_pre_hook(self._checkpointed_input))
+                elif self.recompute(int(name)) == "selective":
+                    self.handles.append(layer.register_forward_pre_hook(self._selective_input))
             self.handles.append(module.register_forward_hook(lambda *_: self.sample()))
         saved_backward, saved_stage_backward = torch.autograd.backward, ZeroPipelineStage.backward_maybe_with_nosync
         torch.autograd.backward = self._after(saved_backward)
         ZeroPipelineStage.backward_maybe_with_nosync = self._after(saved_stage_backward)
+        recompute_policy.on_keep.append(self._kept)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
                 yield self
         finally:
+            recompute_policy.on_keep.remove(self._kept)
             torch.autograd.backward, ZeroPipelineStage.backward_maybe_with_nosync = saved_backward, saved_stage_backward
             for handle in self.handles:
                 handle.remove()

@@ -10,7 +10,7 @@ world then combines data-parallel ranks (their own samples), pipeline stages (th
 parallel shards: sequence shards (tp_mode reduce_scatter) and vocab shards of the logits add up, while a tensor
 every tp rank holds whole (the residual stream under tp_mode all_reduce) is counted on tp rank 0 alone. The
 mean is the sum over the global batch divided by its count, so it is the same at every layout and nothing is
-gathered. A layer recomputed in backward (parallelism.recompute_layer) runs its hooks again inside autograd:
+gathered. A layer recomputed in backward (parallelism.recompute full or selective) runs its hooks again inside autograd:
 those calls are skipped.
 
 Cost at scale (512 GPUs, a 70B model of 80 layers): per stats step one extra read of each tracked activation

@@ -106,7 +106,7 @@ def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks(c
 
 EP_LAYOUTS = [  # (dp, tp, pp, ep, extra)
     (2, 1, 1, 2, []),
-    (2, 2, 1, 2, ["--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute_layer=true"]),
+    (2, 2, 1, 2, ["--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective"]),
     (2, 1, 2, 2, ["--parallelism.pp_engine=zero_bubble", "--training.micro_batch_size=1"]),
     (4, 1, 1, 4, ["--parallelism.zero_stage=3"]),
     (

@@ -141,3 +141,45 @@ def test_the_plan_counts_pipeline_boundaries_at_the_sequence_parallel_shard(tiny
     layout = ["--parallelism.pp=2", "--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"]
     ranks, _ = measure(tiny_data, tmp_path, "run", 4, layout, activation_tolerance=0.5)
     assert all(r["pipeline_buffer_bytes"] > 0 for r in ranks)
+
+
+@pytest.fixture(scope="module")
+def full_recompute(tiny_data, tmp_path_factory) -> tuple[list[dict], list[float]]:
+    return measure(tiny_data, tmp_path_factory.mktemp("full"), "full", 1, ["--parallelism.recompute=full"])
+
+
+def planned_activations(layout: list[str]) -> float:
+    cfg = load_config(*parse_overrides([*TINY_MODEL, *EIGHT_MICROBATCHES, *layout]))
+    plan = stage_memory(cfg, 0)
+    return plan["activations_saved"] + plan["logits_saved"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.recompute=selective"],
+        ["--parallelism.recompute=selective", "--parallelism.recompute_every=2"],
+        ["--parallelism.recompute=selective", "--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"],
+    ],
+    ids=["selective", "selective-every-2", "tp2-sp-selective"],
+)
+def test_selective_recompute_keeps_activations_between_none_and_full_as_planned(
+    layout, one_process, full_recompute, tiny_data, tmp_path
+):
+    """Selective recompute keeps matmul and attention outputs and reruns the cheap ops: the activations a rank
+    holds lie between no recompute and full recompute, the plan's estimate is within 10% of the measurement
+    (checked in `measure`; the issue asks 25%) and its saving over no recompute within 3% of the measured one
+    (the layers' part, without the few KB outside them that both runs share), and the losses are those of one
+    process without recompute."""
+    (none,), ref_losses = one_process
+    (full,), _ = full_recompute
+    nproc = 2 if "--parallelism.tp=2" in layout else 1
+    ranks, losses = measure(tiny_data, tmp_path, "run", nproc, layout, activation_tolerance=0.1)
+    held = max(r["activation_bytes"] for r in ranks)
+    print(f"{layout}: activation bytes {held} vs none {none['activation_bytes']}, full {full['activation_bytes']}")
+    assert full["activation_bytes"] < held * nproc < none["activation_bytes"]  # tp ranks hold 1/tp of most
+    if nproc == 1:
+        saved, planned = none["activation_bytes"] - held, planned_activations([]) - planned_activations(layout)
+        assert abs(planned / saved - 1) <= 0.03, (planned, saved)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=0)

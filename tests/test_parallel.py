@@ -24,7 +24,8 @@ STEPS = 5
 RTOL = 1e-5
 STATS = "--logging.activation_stats_interval=2"  # act/* at steps 2 and 4 (not with compile: a config error)
 
-# (dp, tp, pp, extra overrides): every tp_mode, pp_engine, zero stage, HSDP, and recompute on/off.
+# (dp, tp, pp, extra overrides): every tp_mode, pp_engine, zero stage, HSDP, and recompute none/selective (full, as
+# recompute_layer=true, in the cp, ep and µP matrices).
 LAYOUTS = [
     (2, 1, 1, []),
     (2, 1, 1, ["--parallelism.zero_stage=3"]),
@@ -33,7 +34,7 @@ LAYOUTS = [
     (1, 2, 1, ["--parallelism.tp_mode=reduce_scatter"]),
     (1, 2, 1, ["--parallelism.tp_mode=all_reduce"]),
     (1, 1, 2, ["--parallelism.pp_engine=1f1b"]),
-    (2, 2, 1, ["--parallelism.zero_stage=3", "--parallelism.recompute_layer=true"]),
+    (2, 2, 1, ["--parallelism.zero_stage=3", "--parallelism.recompute=selective"]),  # sequence parallel
     (2, 1, 2, ["--parallelism.pp_engine=afab", "--parallelism.zero_stage=1"]),
     (
         1,
@@ -41,7 +42,8 @@ LAYOUTS = [
         2,
         [
             "--parallelism.pp_engine=interleaved_1f1b",
-            "--parallelism.recompute_layer=true",
+            "--parallelism.recompute=selective",
+            "--parallelism.recompute_every=2",
             "--parallelism.tp_mode=all_reduce",
         ],
     ),
@@ -331,13 +333,40 @@ def test_resume_reshards_between_one_process_hsdp_and_fsdp(tiny_data, tmp_path):
         ({"pp": "2", "pp_engine": "zbv", "zero_stage": "3"}, "zero_stage=3 with pp_engine='zbv' computes wrong"),
         (  # torch 2.13's split backward recomputes a checkpointed layer twice and its context manager breaks
             {"pp": "2", "pp_engine": "zero_bubble", "recompute_layer": "true"},
-            "parallelism.recompute_layer=true with pp_engine='zero_bubble' is not supported",
+            "parallelism.recompute='full' with pp_engine='zero_bubble' is not supported",
         ),
+        (
+            {"pp": "2", "pp_engine": "zbv", "recompute": "selective"},
+            "parallelism.recompute='selective' with pp_engine='zbv' is not supported",
+        ),
+        (
+            {"recompute": "selective", "recompute_layer": "true"},
+            "parallelism.recompute_layer=true (the old spelling of recompute='full') contradicts "
+            "parallelism.recompute='selective'",
+        ),
+        ({"recompute": "some"}, "parallelism.recompute: expected one of 'none', 'selective', 'full', got 'some'"),
+        ({"recompute_every": "0"}, "parallelism.recompute_every: expected a value >= 1, got 0"),
     ],
 )
-def test_hsdp_and_zero_stage_misconfigurations_name_the_key(overrides, expected):
+def test_hsdp_zero_stage_and_recompute_misconfigurations_name_the_key(overrides, expected):
     from nanotron.errors import ConfigError
 
     pairs = [(f"parallelism.{k}", v) for k, v in overrides.items()] + [("training.grad_accum_steps", "4")]
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config("configs/tiny.toml", pairs)
+
+
+def test_recompute_layer_is_the_old_spelling_of_full_and_recompute_every_picks_layers(tmp_path):
+    """The old key still turns full recompute on, is cleared once read (a saved config says it once, so a later
+    `recompute` override is not undone by it), and recompute_every=k applies the mode to layers 0, k, 2k, ..."""
+    from nanotron.config import to_toml
+
+    cfg = load_config("configs/tiny.toml", [("parallelism.recompute_layer", "true")])
+    assert (cfg.parallelism.recompute, cfg.parallelism.recompute_layer) == ("full", False)
+    saved = tmp_path / "config.toml"
+    saved.write_text(to_toml(cfg))
+    again = load_config(str(saved), [("parallelism.recompute", "none")])
+    assert again.parallelism.recompute == "none"
+    every_third = [("parallelism.recompute", "selective"), ("parallelism.recompute_every", "3")]
+    cfg = load_config("configs/tiny.toml", every_third)
+    assert [cfg.parallelism.recompute_of(i) for i in range(4)] == ["selective", "none", "none", "selective"]

@@ -4,6 +4,7 @@ from nanotron.config.parse import help_text, load_config, parse_overrides, read_
 from nanotron.config.schema import (
     PP_ENGINES,
     PRESETS,
+    RECOMPUTE_MODES,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -28,6 +29,7 @@ from nanotron.config.validate import validate
 __all__ = [
     "PP_ENGINES",
     "PRESETS",
+    "RECOMPUTE_MODES",
     "CheckpointConfig",
     "Config",
     "DataConfig",

@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanotron.config.engines import PP_ENGINES, PipelineEngine
 from nanotron.config.model import PRESET_COMMON, PRESETS, ModelConfig, MoEConfig, _opt
 
-__all__ = ["PRESET_COMMON", "PRESETS", "ModelConfig", "MoEConfig"]
+__all__ = ["PP_ENGINES", "PRESET_COMMON", "PRESETS", "ModelConfig", "MoEConfig", "PipelineEngine"]
 
 
 @dataclass
@@ -20,39 +21,7 @@ class JobConfig:
     seed: int = _opt(42, "seeds weight init, data order and dropout-free training RNG", min=0)
 
 
-@dataclass(frozen=True)
-class PipelineEngine:
-    """What a `parallelism.pp_engine` is: the one table that the schedule builder (`parallel/pipeline.py`),
-    config validation and the planner read."""
-
-    schedule: str  # class name in torch.distributed.pipelining
-    stage_order: str  # "one": a stage per rank; "loop": rank r runs r, r+pp, ...; "v": rank r runs r and 2pp-1-r
-    split_backward: bool  # input and weight gradients in separate passes (zero bubble)
-    fills_pipeline: bool  # keeps pp microbatches in flight: needs grad_accum_steps >= pp
-    forward_all_first: bool = False  # every forward before any backward (GPipe): all activations held at once
-
-    def stages_per_rank(self, pp_stages_per_rank: int) -> int:
-        return 1 if self.stage_order == "one" else pp_stages_per_rank
-
-    def min_microbatches(self, pp: int) -> int:
-        return pp if self.fills_pipeline else 1
-
-    def bubble_fraction(self, pp: int, n_microbatches: int, pp_stages_per_rank: int) -> float:
-        """Idle time relative to compute: (pp-1)/(microbatches x loop-interleaved stages); a split backward
-        fills two thirds of it with deferred weight gradients."""
-        if pp == 1:
-            return 0.0
-        v = pp_stages_per_rank if self.stage_order == "loop" else 1
-        return (pp - 1) / (n_microbatches * v) * (1 / 3 if self.split_backward else 1)
-
-
-PP_ENGINES = {
-    "1f1b": PipelineEngine("Schedule1F1B", "one", split_backward=False, fills_pipeline=True),
-    "afab": PipelineEngine("ScheduleGPipe", "one", split_backward=False, fills_pipeline=False, forward_all_first=True),
-    "interleaved_1f1b": PipelineEngine("ScheduleInterleaved1F1B", "loop", split_backward=False, fills_pipeline=True),
-    "zero_bubble": PipelineEngine("ScheduleInterleavedZeroBubble", "loop", split_backward=True, fills_pipeline=True),
-    "zbv": PipelineEngine("ScheduleZBVZeroBubble", "v", split_backward=True, fills_pipeline=False),
-}
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass
@@ -94,7 +63,21 @@ class ParallelismConfig:
         "reduce-scatter gradients every microbatch (keep only the shard); 3 also free params after forward",
         (0, 1, 2, 3),
     )
-    recompute_layer: bool = _opt(False, "recompute each decoder layer in backward (activation checkpointing)")
+    recompute: str = _opt(
+        "none",
+        "activation checkpointing of decoder layers: none; full (keep each layer's input, rerun its forward in "
+        "backward); selective (keep matmul, attention and reduce-scatter outputs, rerun the norms, RoPE, SwiGLU's "
+        "element-wise ops and the sequence all-gathers)",
+        RECOMPUTE_MODES,
+    )
+    recompute_every: int = _opt(
+        1, "apply parallelism.recompute to every k-th decoder layer (layers 0, k, 2k, ...); the others keep all", min=1
+    )
+    recompute_layer: bool = _opt(False, "old spelling of recompute='full' (true sets it when recompute is 'none')")
+
+    def recompute_of(self, layer: int) -> str:
+        """How decoder layer `layer` (global index) is checkpointed: 'none', 'full' or 'selective'."""
+        return self.recompute if layer % self.recompute_every == 0 else "none"
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
-from nanotron.config.schema import PP_ENGINES, PRESET_COMMON, PRESETS, Config, ModelConfig
+from nanotron.config.schema import PP_ENGINES, PRESET_COMMON, PRESETS, Config, ModelConfig, ParallelismConfig
 from nanotron.errors import ConfigError
 
 # A run name is one path component (the run dir under job.out_dir) and the Slurm job name: no separators, no "..",
@@ -167,8 +167,21 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
 
 
+def _resolve_recompute(p: ParallelismConfig) -> None:
+    """parallelism.recompute_layer=true is the old spelling of recompute='full'; once read it is cleared, so a
+    saved config says it once (and a later recompute override is not undone by it)."""
+    if p.recompute_layer and p.recompute not in ("none", "full"):
+        raise ConfigError(
+            f"parallelism.recompute_layer=true (the old spelling of recompute='full') contradicts "
+            f"parallelism.recompute='{p.recompute}'; drop recompute_layer"
+        )
+    if p.recompute_layer:
+        p.recompute, p.recompute_layer = "full", False
+
+
 def _validate_parallelism(cfg: Config) -> None:
     m, p, t = cfg.model, cfg.parallelism, cfg.training
+    _resolve_recompute(p)
     if m.num_kv_heads % p.tp:
         raise ConfigError(
             f"parallelism.tp={p.tp} must divide model.num_kv_heads={m.num_kv_heads} "
@@ -214,11 +227,11 @@ def _validate_parallelism(cfg: Config) -> None:
             "backward (parameters freed after forward); use zero_stage=2 (gradients stay sharded) or "
             "pp_engine '1f1b' or 'interleaved_1f1b'"
         )
-    if p.pp > 1 and p.recompute_layer and PP_ENGINES[p.pp_engine].split_backward:
+    if p.pp > 1 and p.recompute != "none" and PP_ENGINES[p.pp_engine].split_backward:
         raise ConfigError(
-            f"parallelism.recompute_layer=true with pp_engine='{p.pp_engine}' is not supported (torch 2.13's split "
-            "backward recomputes each layer twice and its checkpoint fails); use pp_engine '1f1b' or "
-            "'interleaved_1f1b' with recompute, or recompute_layer=false"
+            f"parallelism.recompute='{p.recompute}' with pp_engine='{p.pp_engine}' is not supported (torch 2.13's "
+            "split backward recomputes each layer twice and its checkpoint fails); use pp_engine '1f1b' or "
+            "'interleaved_1f1b' with recompute, or recompute='none'"
         )
     if PP_ENGINES[p.pp_engine].stage_order == "v" and p.pp_stages_per_rank != 2:
         raise ConfigError("parallelism.pp_engine='zbv' needs parallelism.pp_stages_per_rank=2 (a V of two stages)")

@@ -38,8 +38,8 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
             apply_expert_parallel(module, ctx.expert_mesh["ep"])
         if ctx.device.type == "cuda":
             use_grouped_gemm(module)
-        if p.recompute_layer:
-            apply_recompute(module)
+        if p.recompute != "none":
+            apply_recompute(module, p.recompute, p.recompute_every)
         if cfg.training.compile:
             for layer in module.model.layers.values():
                 layer.compile()

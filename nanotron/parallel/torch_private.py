@@ -6,6 +6,7 @@ moves or changes one of them fails its canary in `tests/test_torch_private.py`, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -75,11 +76,19 @@ def replicate(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
     fsdp_replicate(module, mesh=mesh, mp_policy=mp_policy)
 
 
-def checkpoint_in_place(module: nn.Module) -> None:
-    """Activation checkpointing as a hook: unlike the public `checkpoint_wrapper` it keeps parameter names."""
+def checkpoint_in_place(module: nn.Module, context_fn: Callable | None = None) -> None:
+    """Activation checkpointing as a hook: unlike the public `checkpoint_wrapper` it keeps parameter names.
+    `context_fn`: torch.utils.checkpoint's, e.g. `create_selective_checkpoint_contexts` for selective recompute."""
     from torch.distributed._composable import checkpoint
 
-    checkpoint(module)
+    checkpoint(module, context_fn=context_fn)
+
+
+def reduced_output_ops() -> tuple:
+    """The functional collectives whose outputs a tensor-parallel layer reduces its row-parallel matmuls into
+    (sequence-parallel reduce-scatter, all-reduce): ops selective recompute keeps rather than reruns."""
+    ops = torch.ops._c10d_functional
+    return ops.reduce_scatter_tensor.default, ops.all_reduce.default
 
 
 def enable_inductor_async_tp() -> None:

@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import sys
 
-from nanotron.config import Config, load_config, parse_overrides
+from nanotron.config import RECOMPUTE_MODES, Config, ParallelismConfig, load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
 from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
@@ -70,7 +70,7 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     params += f" ({active_params(m) / 1e9:.2f}B active)" if m.moe.enabled else ""
     lines = [
         f"model {params} | {dp} tp={p.tp} pp={p.pp} ({p.pp_engine}) zero_stage={p.zero_stage}"
-        f" recompute={str(p.recompute_layer).lower()} {t.dtype} | {cfg.world_size} of {nodes}x{gpus_per_node} GPUs "
+        f" recompute={recompute_label(p)} {t.dtype} | {cfg.world_size} of {nodes}x{gpus_per_node} GPUs "
         f"({gpu.name}, {gpu.memory_gib:g} GiB)",
         f"global batch {t.global_batch_size} x {t.seq_len} tokens = micro_batch_size {t.micro_batch_size} x "
         f"{t.grad_accum_steps} microbatches x dp {p.dp}",
@@ -86,14 +86,15 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
         fits = "yes" if mem["total"] <= usable else "NO"
         lines.append(f"| {pp_rank} | {cells} | {mem['total'] / GIB:.2f} | {fits} |")
     pp_rank, worst = worst_stage(cfg)
-    other = copy.deepcopy(cfg)
-    other.parallelism.recompute_layer = not p.recompute_layer
-    with_rc, without_rc = (
-        (worst, stage_memory(other, pp_rank)) if p.recompute_layer else (stage_memory(other, pp_rank), worst)
-    )
+    by_mode = []
+    for mode in RECOMPUTE_MODES:
+        other = copy.deepcopy(cfg)
+        other.parallelism.recompute = mode
+        by_mode.append(f"{stage_memory(other, pp_rank)['activations'] / GIB:.2f} GiB {mode}")
+    every = f" (on every {p.recompute_every}th layer)" if p.recompute_every > 1 else ""
     lines += [
-        f"activations on pp rank {pp_rank}: {without_rc['activations'] / GIB:.2f} GiB without recompute, "
-        f"{with_rc['activations'] / GIB:.2f} GiB with recompute ({worst['flights']:g} microbatches in flight)",
+        f"activations on pp rank {pp_rank} by parallelism.recompute{every}: {', '.join(by_mode)} "
+        f"({worst['flights']:g} microbatches in flight)",
         fit_line(cfg, gpu),
         "",
     ]
@@ -127,7 +128,7 @@ HINTS = {
     "grads": "zero_stage 2 or 3 keeps only the gradient shard; or more tp or pp",
     "optimizer": "shard it: zero_stage >= 1, a larger dp_shard, more tp or pp",
     "working": "zero_stage=3 frees gathered parameters after forward; or more tp or pp",
-    "activations": "parallelism.recompute_layer=true, a smaller micro_batch_size, or more tp/pp",
+    "activations": "parallelism.recompute='selective' (or 'full'), a smaller micro_batch_size, or more tp/pp",
     "logits": "a smaller micro_batch_size or more tp",
     "buffers": "fewer microbatches (global_batch_size) or a larger micro_batch_size",
 }
@@ -145,6 +146,10 @@ def fit_line(cfg: Config, gpu: Gpu) -> str:
         f"memory: does not fit: {total:.1f} GiB per GPU{where} but {usable:.1f} GiB usable on {gpu.name}; largest "
         f"part: {label} {mem[key] / GIB:.1f} GiB ({HINTS[key]})"
     )
+
+
+def recompute_label(p: ParallelismConfig) -> str:
+    return p.recompute + (f"/{p.recompute_every}" if p.recompute != "none" and p.recompute_every > 1 else "")
 
 
 def fits(cfg: Config, gpu: Gpu) -> bool:
@@ -167,7 +172,7 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
         p, t = c.cfg.parallelism, c.cfg.training
         lines.append(
             f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.cp} | {p.ep} | {p.tp} | {p.pp} | {p.zero_stage} | "
-            f"{str(p.recompute_layer).lower()} | {t.micro_batch_size} | {t.grad_accum_steps} | "
+            f"{recompute_label(p)} | {t.micro_batch_size} | {t.grad_accum_steps} | "
             f"{c.memory['total'] / GIB:.1f} | {shown_seconds(c.step.step_s):g} | {c.step.tokens_per_s:,.0f} | "
             f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} | {equivalent} |"
         )

@@ -140,16 +140,21 @@ def in_flight(cfg: Config, pp_rank: int) -> float:
     return interleaved + (n - interleaved) * pp_rank / (p.pp - 1)
 
 
-def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> tuple[float, float]:
-    """(saved for backward by one decoder layer, kept per layer under recompute) for `tokens` tokens.
+def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str, float]:
+    """What one decoder layer keeps for backward for `tokens` tokens, by `parallelism.recompute` mode.
 
-    Each RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its normalised value in the
+    none: each RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its normalised value in the
     compute dtype; the q/k/v and gate/up projections save the norm output (all-gathered to the full sequence
     under sequence parallelism); attention saves roped q, k, v, its output and the fp32 log-sum-exp; the MLP
-    saves gate, up, silu(gate) and their product. Recompute keeps only each layer's input. A mixture of experts
-    (layer `index`) runs on every tp rank's whole sequence: it saves the gathered input (sequence parallel), the
-    fp32 router scores, and per routed copy (top_k per token) the permuted input, the expert's gate/up, silu and
-    product, and its output; plus its shared experts' MLP.
+    saves gate, up, silu(gate) and their product. A mixture of experts (layer `index`) runs on every tp rank's
+    whole sequence: it saves the gathered input (sequence parallel), the fp32 router scores, and per routed copy
+    (top_k per token) the permuted input, the expert's gate/up, silu and product, and its output; plus its
+    shared experts' MLP.
+    full: only the layer's input (this rank's sequence shard).
+    selective: the input, plus what the policy keeps (`nanotron.parallel.recompute.KEPT`): the q/k/v, o, gate,
+    up and down matmul outputs (o and down before their reduction: the full sequence), attention's output and
+    log-sum-exp, and the reduce-scattered (or all-reduced) outputs of o and down; a mixture of experts keeps
+    its router's scores and each routed copy's and shared expert's matmul outputs.
     """
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
@@ -158,14 +163,25 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> tuple[fl
     norms = 2 * ((FP32 + e) * h / sp + e * h)
     attention = e * (2 * h + 2 * kv) / tp + FP32 * m.num_heads / tp
     mlp = 4 * e * i / tp
+    reduced = (e * h / tp if sp > 1 else e * h) if tp > 1 else 0.0  # a row-parallel linear's reduced output
+    kept_attention = e * (2 * h + 2 * kv) / tp + FP32 * m.num_heads / tp + e * h + reduced
+    kept_mlp = 2 * e * i / tp + e * h + reduced
+    layer_input = tokens * e * h / sp
     if is_moe_layer(m, index):
         moe = m.moe
         full = tokens  # every tp rank routes the whole sequence (gathered under SP)
         routed = moe.top_k * (2 * e * h + 4 * e * moe.moe_intermediate_size)
         per_token = (e * h if sp > 1 else 0) + 2 * FP32 * moe.num_experts + routed
         per_token += 4 * e * moe.num_shared_experts * moe.moe_intermediate_size
-        return tokens * (norms + attention) + full * per_token, tokens * e * h / sp
-    return tokens * (norms + attention + mlp), tokens * e * h / sp
+        matmuls = (moe.top_k + moe.num_shared_experts) * e * (2 * moe.moe_intermediate_size + h)
+        kept_moe = FP32 * moe.num_experts + matmuls
+        none = tokens * (norms + attention) + full * per_token
+        return {"none": none, "full": layer_input, "selective": layer_input + tokens * kept_attention + full * kept_moe}
+    return {
+        "none": tokens * (norms + attention + mlp),
+        "full": layer_input,
+        "selective": layer_input + tokens * (kept_attention + kept_mlp),
+    }
 
 
 def attention_transient_bytes(cfg: Config, tokens: int) -> float:
@@ -224,10 +240,16 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
 
     flights = in_flight(cfg, pp_rank)
     saved = {i: layer_activation_bytes(cfg, tokens, i) for s in stages for i in s.layer_indices}
-    saved_layer = max((v[0] for v in saved.values()), default=0.0)
+    # Backward of a recomputed layer rebuilds what it did not keep: one layer's worth at a time.
+    rebuilt = [
+        v["none"] - (v["selective"] if p.recompute_of(i) == "selective" else 0.0)
+        for i, v in saved.items()
+        if p.recompute_of(i) != "none"
+    ]
+    recompute_transient = max(rebuilt, default=0.0)
     activations_saved = logits_saved = 0.0
     for stage in stages:
-        held = sum(saved[i][1 if p.recompute_layer else 0] for i in stage.layer_indices)
+        held = sum(saved[i][p.recompute_of(i)] for i in stage.layer_indices)
         # The hidden states crossing a stage boundary are this tp rank's sequence shard under sequence parallelism.
         held += 0 if stage.first else tokens / sp * e * m.hidden_size  # received input, kept for backward
         held += 0 if stage.last else tokens / sp * e * m.hidden_size  # output, kept for backward
@@ -238,7 +260,6 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
         # Measured with torch 2.13: after a pipelined step the first stage still holds most of one microbatch's
         # saved activations (not freed by gc) until the next step replaces them; count one more microbatch.
         activations_saved += held * (flights + (1 if stage.first and p.pp > 1 else 0))
-    recompute_transient = saved_layer if p.recompute_layer else 0.0
     last = any(s.last for s in stages)
     logits_transient = tokens * (e + (FP32 if e == 2 else 0)) * m.vocab_size / p.tp if last else 0.0
 

@@ -6,7 +6,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from nanotron.config import Config, validate
+from nanotron.config import RECOMPUTE_MODES, Config, validate
 from nanotron.errors import ConfigError
 from nanotron.plan.memory import worst_stage
 from nanotron.plan.timing import Gpu, StepEstimate, estimate_step
@@ -44,13 +44,14 @@ def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp
     for zero in (0, 1, 2, 3):
         hsdp = [d for d in divisors(dp) if 1 < d < dp and d * cp * tp <= gpus_per_node] if zero else []
         for dp_shard in [0, *hsdp]:
-            for recompute in (False, True):
+            for recompute in RECOMPUTE_MODES:
                 for micro in MICRO_BATCH_SIZES:
                     for ep in expert_degrees(base, dp * cp):
                         cfg = copy.deepcopy(base)
                         p, t = cfg.parallelism, cfg.training
                         p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
-                        p.recompute_layer, t.micro_batch_size, t.grad_accum_steps, p.ep = recompute, micro, 0, ep
+                        p.recompute, p.recompute_every, p.recompute_layer = recompute, 1, False
+                        t.micro_batch_size, t.grad_accum_steps, p.ep = micro, 0, ep
                         try:
                             validate(cfg, world)
                         except ConfigError:

@@ -36,7 +36,7 @@ class Efficiency:
 # H100: the median and range of the efficiencies that reproduce six torchtitan bf16 runs (Llama 3.1 8B/70B,
 # 8-256 GPUs). H200 has the H100's compute die; no bf16 H200 run is in the set, so it takes the H100's figures.
 H100_EFFICIENCY = Efficiency(
-    0.36, 0.31, 0.47, "median of 6 published H100 runs (torchtitan), range 0.31-0.47", error=0.20
+    0.38, 0.33, 0.47, "median of 6 published H100 runs (torchtitan), range 0.33-0.47", error=0.17
 )
 
 
@@ -48,13 +48,15 @@ class Gpu:
     nvlink_gbps: float  # achievable ring bandwidth per GPU inside a node, GB/s
     ib_gbps: float  # achievable bandwidth per GPU across nodes, GB/s
     efficiency: Efficiency = Efficiency(UNCALIBRATED_EFFICIENCY)
+    hbm_gbps: float = 3350.0  # memory bandwidth (datasheet), GB/s: what selective recompute's element-wise ops cost
 
 
-# Memory as the device reports it (80 GB H100 = 79.6 GiB); bandwidths are typical NCCL bus bandwidths.
+# Memory as the device reports it (80 GB H100 = 79.6 GiB); link bandwidths are typical NCCL bus bandwidths, HBM
+# the datasheets' (H100 SXM 3.35 TB/s, H200 4.8, A100 80 GB 2.04).
 GPUS = {
-    "h100": Gpu("h100", 79.6, GPU_PEAKS["H100", ""].bf16, 360.0, 45.0, H100_EFFICIENCY),
-    "h200": Gpu("h200", 139.8, GPU_PEAKS["H200", ""].bf16, 360.0, 45.0, H100_EFFICIENCY),
-    "a100": Gpu("a100", 79.2, GPU_PEAKS["A100", ""].bf16, 230.0, 22.0),
+    "h100": Gpu("h100", 79.6, GPU_PEAKS["H100", ""].bf16, 360.0, 45.0, H100_EFFICIENCY, 3350.0),
+    "h200": Gpu("h200", 139.8, GPU_PEAKS["H200", ""].bf16, 360.0, 45.0, H100_EFFICIENCY, 4800.0),
+    "a100": Gpu("a100", 79.2, GPU_PEAKS["A100", ""].bf16, 230.0, 22.0, hbm_gbps=2039.0),
 }
 
 
@@ -73,7 +75,7 @@ def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None
             ) from None
         gpu = Gpu(f"{memory:g}GiB/{peak:g}TF", memory, peak, GPUS["h100"].nvlink_gbps, GPUS["h100"].ib_gbps)
     nvlink, ib = nvlink_gbps or gpu.nvlink_gbps, ib_gbps or gpu.ib_gbps
-    return Gpu(gpu.name, gpu.memory_gib, gpu.peak_tflops, nvlink, ib, gpu.efficiency)
+    return Gpu(gpu.name, gpu.memory_gib, gpu.peak_tflops, nvlink, ib, gpu.efficiency, gpu.hbm_gbps)
 
 
 @dataclass(frozen=True)
@@ -126,12 +128,16 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     peak = gpu.peak_tflops * (1 if t.dtype == "bfloat16" else 0.5) * 1e12
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
-    recompute_flops = tokens_step * m.num_layers * layer_forward_flops(m, t.seq_len) if p.recompute_layer else 0
-    flops = model_flops + recompute_flops  # recompute: one more forward of every decoder layer
+    modes = [p.recompute_of(i) for i in range(m.num_layers)]
+    full, selective = modes.count("full"), modes.count("selective")
+    recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
+    flops = model_flops + recompute_flops
     bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, n_micro, p.pp_stages_per_rank)
-    compute_s = flops / world / (peak * efficiency) * (1 + bubble)
+    # Selective recompute reruns element-wise ops only: memory-bound, charged at the GPU's memory bandwidth.
+    rerun_s = tokens_step / world * selective * elementwise_rerun_bytes(cfg) / (gpu.hbm_gbps * 1e9)
+    compute_s = (flops / world / (peak * efficiency) + rerun_s) * (1 + bubble)
     achieved = world * peak * efficiency
-    parts = {"compute": model_flops / achieved, "recompute": recompute_flops / achieved}
+    parts = {"compute": model_flops / achieved, "recompute": recompute_flops / achieved + rerun_s}
     parts["bubble"] = compute_s - parts["compute"] - parts["recompute"]
 
     tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
@@ -139,27 +145,29 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     layers_per_rank = m.num_layers / p.pp
     comm: dict[str, Transfer] = {}
     # TP: per layer, forward and backward each move 4 activations (2 all-gathers + 2 reduce-scatters, or 2
-    # all-reduces); the recomputed forward repeats the forward's share; plus embedding and head.
-    per_layer = (8 + (4 if p.recompute_layer else 0)) * tokens_micro * m.hidden_size * e
-    tp_bytes = n_micro * (layers_per_rank * per_layer + 2 * tokens_micro * m.hidden_size * e)
+    # all-reduces); a fully recomputed forward repeats the forward's share, a selective one its 2 all-gathers
+    # (sequence parallel; it keeps the reduced outputs); plus embedding and head.
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    units = 8 * m.num_layers + 4 * full + (2 * selective if sp > 1 else 0)
+    tp_bytes = n_micro * (units / p.pp + 2) * tokens_micro * m.hidden_size * e
     comm["tp"] = Transfer(ring_gb(tp_bytes, p.tp), *(nvlink if p.tp <= gpus_per_node else ib))
     # PP: each microbatch's activation forward and its gradient backward cross a stage boundary (this tp rank's
     # sequence shard under sequence parallelism).
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
     pp_bytes = 2 * n_micro * tokens_micro / sp * m.hidden_size * e if p.pp > 1 else 0
     comm["pp"] = Transfer(pp_bytes / 1e9, *(nvlink if world <= gpus_per_node else ib))
     # CP: per layer, forward passes this rank's K/V on cp-1 times; backward passes K/V cp-1 times and their
     # fp32 gradients cp times; the recomputed forward repeats the forward's.
     kv_block = 2 * tokens_micro * m.num_kv_heads * m.head_dim / p.tp
     forward = (p.cp - 1) * kv_block * e
-    cp_layer = forward * (2 if p.recompute_layer else 1) + forward + p.cp * kv_block * FP32
-    cp_bytes = n_micro * layers_per_rank * cp_layer if p.cp > 1 else 0
+    cp_layer = 2 * forward + p.cp * kv_block * FP32
+    cp_bytes = n_micro * (layers_per_rank * cp_layer + (full + selective) / p.pp * forward) if p.cp > 1 else 0
     comm["cp"] = Transfer(cp_bytes / 1e9, *(nvlink if p.cp * p.tp <= gpus_per_node else ib))
     # EP: per MoE layer, the token all-to-all there and back in forward, twice again in backward (and once more
-    # for a recomputed forward): top_k copies of each token, of which (ep-1)/ep leave the rank. Not hidden.
-    moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_layers)) / p.pp
+    # for a recomputed forward, full or selective): top_k copies of each token, (ep-1)/ep leave the rank. Not hidden.
+    moe = [is_moe_layer(m, i) for i in range(m.num_layers)]
+    moe_units = sum(4 * is_moe + 2 * (is_moe and mode != "none") for is_moe, mode in zip(moe, modes)) / p.pp
     routed = m.moe.top_k * tokens_micro * m.hidden_size * e * (p.ep - 1) / p.ep
-    ep_bytes = n_micro * moe_layers * (4 + (2 if p.recompute_layer else 0)) * routed if p.ep > 1 else 0
+    ep_bytes = n_micro * moe_units * routed if p.ep > 1 else 0
     comm["ep"] = Transfer(ep_bytes / 1e9, *(nvlink if p.ep * p.tp <= gpus_per_node else ib))
     # ... hidden under the attention blocks' own compute (4·seq·hidden forward FLOPs per token, 3x with backward)
     attention_s = 3 * 4 * t.seq_len * m.hidden_size * tokens_step * m.num_layers / world / (peak * efficiency)
@@ -193,6 +201,20 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     parts["dp"] = data_parallel_s - compute_s
     mfu = model_flops / (step_s * world * peak)
     return StepEstimate(step_s, compute_s, tokens_step / step_s, mfu, comm, parts)
+
+
+def elementwise_rerun_bytes(cfg: Config) -> float:
+    """Bytes per token that one selectively recomputed layer's rerun moves through memory: its two RMSNorms
+    (fp32 cast, square, mean, scale, cast back, weight: ~8 passes of 4-byte values over the sequence shard),
+    RoPE on q and k (~10 passes) and SwiGLU's silu and product (~5 passes of the intermediate width). An
+    estimate: these kernels are memory-bound; their FLOPs are not in the model's."""
+    m, p = cfg.model, cfg.parallelism
+    e = element_bytes(cfg.training.dtype)
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    norms = 2 * (8 * FP32 + 4 * e) * m.hidden_size / sp
+    rope = 10 * e * (m.hidden_size + m.num_kv_heads * m.head_dim) / p.tp
+    swiglu = 5 * e * m.intermediate_size / p.tp
+    return norms + rope + swiglu
 
 
 def _tp_local(cfg: Config, pp_rank: int) -> int:
