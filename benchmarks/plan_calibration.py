@@ -6,10 +6,10 @@ Reads `benchmarks/calibration/published.csv` (one row per published bf16 run who
 source, GPU, model, FSDP/TP/PP/CP degrees, sequence length, local and global batch, activation checkpointing,
 compile, published tokens/s per GPU and peak memory) and plans each with `nanotron plan`'s step estimate
 (`estimate_step`) at each GPU's default efficiency (`nanotron plan`'s, itself the median this script reports:
-re-derive it when rows are added) or at `--efficiency`; memory is not compared yet. Writes
+re-derive it when rows are added) or at `--efficiency`. Writes
 `benchmarks/results/plan-calibration.{csv,md}`: planned / published tokens/s per GPU, and the efficiency that
 would make the plan equal the published figure (solved, since communication does not scale with it), with the
-median per GPU type.
+median per GPU type; and the plan's memory of the worst rank against the published peak where one is given.
 
 Approximations, printed in the table: selective activation checkpointing (torchtitan's default, which keeps every
 other matmul output) is planned as nanotron's `parallelism.recompute = "selective"` (which keeps all of them: the
@@ -25,6 +25,7 @@ import statistics
 
 from benchmarks.common import REPO, RESULTS_DIR, write_table
 from nanotron.config import load_config
+from nanotron.plan.memory import GIB, worst_stage
 from nanotron.plan.timing import estimate_step, parse_gpu
 
 CASES = REPO / "benchmarks" / "calibration" / "published.csv"
@@ -32,7 +33,18 @@ MODELS = {  # Llama 3.1 shapes (Meta's params.json), untied embeddings
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8),
     "llama3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
 }
-COLUMNS = ("case", "gpu", "layout", "published tok/s/GPU", "planned", "planned / published", "efficiency to match")
+COLUMNS = (
+    "case",
+    "gpu",
+    "layout",
+    "published tok/s/GPU",
+    "planned",
+    "planned / published",
+    "efficiency to match",
+    "published GiB",
+    "planned GiB",
+    "memory planned / published",
+)
 
 
 def config(case: dict):
@@ -77,7 +89,9 @@ def main() -> None:
         published = float(case["tokens_per_s_per_gpu"])
         planned = planned_per_gpu(case, args.efficiency)
         efficiency = matching_efficiency(case, published)
-        by_gpu.setdefault(case["gpu"], []).append((planned / published, efficiency))
+        memory = worst_stage(config(case))[1]["total"] / GIB
+        memory_ratio = memory / float(case["memory_gib"]) if case["memory_gib"] else None
+        by_gpu.setdefault(case["gpu"], []).append((planned / published, efficiency, memory_ratio))
         layout = f"fsdp {case['fsdp']} tp {case['tp']} pp {case['pp']} cp {case['cp']}, lbs {case['local_batch']}"
         layout += f", seq {case['seq_len']}, AC {case['recompute']}"
         layout += ", compile" if case["compile"] == "true" else ""
@@ -90,6 +104,9 @@ def main() -> None:
                 "planned": round(planned),
                 "planned / published": round(planned / published, 2),
                 "efficiency to match": round(efficiency, 3),
+                "published GiB": case["memory_gib"],
+                "planned GiB": round(memory, 1),
+                "memory planned / published": round(memory_ratio, 2) if memory_ratio else "",
             }
         )
     for gpu, values in by_gpu.items():
@@ -99,6 +116,7 @@ def main() -> None:
                 "gpu": gpu,
                 "planned / published": round(statistics.median(v[0] for v in values), 2),
                 "efficiency to match": round(statistics.median(v[1] for v in values), 3),
+                "memory planned / published": round(statistics.median(v[2] for v in values if v[2]), 2),
             }
         )
     print(f"planned at --efficiency {args.efficiency or 'of each GPU (nanotron plan default)'}")
