@@ -45,6 +45,7 @@ LAYOUTS: list[tuple[str, list[str], float | None]] = [
     ("dp4 hsdp2x2 zero2", ["--parallelism.dp=4", "--parallelism.dp_shard=2", "--parallelism.zero_stage=2"], 0.55),
     ("tp2 reduce_scatter", ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"], 0.55),
     ("tp2 all_reduce", ["--parallelism.tp=2", "--parallelism.tp_mode=all_reduce"], 0.55),
+    ("tp4 reduce_scatter", ["--parallelism.tp=4", "--parallelism.tp_mode=reduce_scatter"], 0.3),
     ("pp2 1f1b", ["--parallelism.pp=2"], 0.6),
     ("pp2 1f1b dp2 zero2", ["--parallelism.pp=2", "--parallelism.dp=2", "--parallelism.zero_stage=2"], 0.3),
     ("pp2 afab", ["--parallelism.pp=2", "--parallelism.pp_engine=afab"], None),
@@ -122,7 +123,7 @@ def worker(args: list[str], out: Path) -> None:
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0
     cfg = load_config(*parse_overrides(args), world_size=launched_world_size())
     trainer = Trainer(cfg)
-    with StepProbe(trainer.modules, cfg.parallelism.recompute_of).active() as probe:
+    with StepProbe(trainer.modules, cfg.recompute_of).active() as probe:
         trainer.train()
     optimizer_state = [
         value

@@ -4,7 +4,8 @@
   backward passes (its accumulation buffers), sampled after each microbatch's backward;
 - activation bytes: the storages autograd saves for backward (parameters and buffers excluded, each
   storage once), plus what activation checkpointing keeps instead: each recomputed layer's input, and
-  under selective recompute the outputs its policy keeps (reported by the policy),
+  under selective recompute the outputs its policy keeps (reported by the policy); inside the blocks whose
+  gathered sequence-parallel input is kept as a shard, what those hooks keep (they report it),
   counted from the moment they are saved until they are freed; the peak over the step is what the
   pipeline's in-flight microbatches really cost;
 - working-copy bytes: the unsharded (gathered, bf16 under mixed precision) parameters FSDP holds,
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nanotron.parallel import recompute as recompute_policy
+from nanotron.parallel import regather
 from nanotron.parallel.fsdp import ZeroPipelineStage
 from nanotron.parallel.torch_private import in_backward_pass
 
@@ -184,11 +186,13 @@ class StepProbe:
         torch.autograd.backward = self._after(saved_backward)
         ZeroPipelineStage.backward_maybe_with_nosync = self._after(saved_stage_backward)
         recompute_policy.on_keep.append(self._kept)
+        regather.on_save.append(self._pack)  # inside attention/MLP blocks under SP its hooks replace this one's
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
                 yield self
         finally:
             recompute_policy.on_keep.remove(self._kept)
+            regather.on_save.remove(self._pack)
             torch.autograd.backward, ZeroPipelineStage.backward_maybe_with_nosync = saved_backward, saved_stage_backward
             for handle in self.handles:
                 handle.remove()

@@ -99,6 +99,10 @@ class ModelConfig:
         min=0,
     )
 
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has a mixture of experts in place of its dense MLP."""
+        return self.moe.num_experts > 0 and index >= self.moe.first_dense_layers
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads

@@ -21,7 +21,7 @@ def element_bytes(dtype: str) -> int:
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
     """Whether decoder layer `index` has a mixture of experts in place of its dense MLP."""
-    return m.moe.num_experts > 0 and index >= m.moe.first_dense_layers
+    return m.is_moe_layer(index)
 
 
 def layer_shapes(m: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:

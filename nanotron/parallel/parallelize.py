@@ -18,6 +18,7 @@ from nanotron.parallel.fsdp import apply_fsdp
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import split_model
 from nanotron.parallel.recompute import apply_recompute
+from nanotron.parallel.regather import apply_regather
 from nanotron.parallel.tensor import apply_tensor_parallel
 from nanotron.parallel.torch_private import enable_inductor_async_tp
 
@@ -39,7 +40,9 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
         if ctx.device.type == "cuda":
             use_grouped_gemm(module)
         if p.recompute != "none":
-            apply_recompute(module, p.recompute, p.recompute_every)
+            apply_recompute(module, cfg.recompute_of)
+        if p.tp > 1 and p.tp_mode == "reduce_scatter" and not cfg.training.compile:
+            apply_regather(module, lambda layer: cfg.recompute_of(layer) != "none")
         if cfg.training.compile:
             for layer in module.model.layers.values():
                 layer.compile()

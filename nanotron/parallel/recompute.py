@@ -1,4 +1,5 @@
-"""Activation checkpointing of decoder layers (`parallelism.recompute`, on every `recompute_every`-th layer).
+"""Activation checkpointing of decoder layers (`parallelism.recompute`, on every `recompute_every`-th layer;
+a mixture-of-experts layer under selective is recomputed in full: `Config.recompute_of`).
 
 full:      the layer keeps only its input; backward reruns its whole forward.
 selective: torch's selective checkpointing with one policy: keep what is expensive to recompute (matmul and
@@ -48,10 +49,12 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-def apply_recompute(model: LlamaForCausalLM, mode: str = "full", every: int = 1) -> None:
-    """Hooks the layers in place (parameter names don't change): `mode` on global layers 0, every, 2*every, ..."""
+def apply_recompute(model: LlamaForCausalLM, mode_of: Callable[[int], str] = lambda layer: "full") -> None:
+    """Hooks the layers in place (parameter names don't change), each as `mode_of(global index)` says
+    (`Config.recompute_of`): 'none', 'full' or 'selective'."""
     for name, layer in model.model.layers.items():
-        if mode == "none" or int(name) % every:
+        mode = mode_of(int(name))
+        if mode == "none":
             continue
         if mode == "selective":
             checkpoint_in_place(layer, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))

@@ -144,12 +144,12 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     """What one decoder layer keeps for backward for `tokens` tokens, by `parallelism.recompute` mode.
 
     none: each RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its normalised value in the
-    compute dtype; the q/k/v and gate/up projections save the norm output (all-gathered to the full sequence
-    under sequence parallelism); attention saves roped q, k, v, its output and the fp32 log-sum-exp; the MLP
-    saves gate, up, silu(gate) and their product. A mixture of experts (layer `index`) runs on every tp rank's
-    whole sequence: it saves the gathered input (sequence parallel), the fp32 router scores, and per routed copy
-    (top_k per token) the permuted input, the expert's gate/up, silu and product, and its output; plus its
-    shared experts' MLP.
+    compute dtype; the q/k/v and gate/up projections save the norm output (under sequence parallelism its shard,
+    gathered again in backward; a compiled layer keeps the gathered copy); attention saves roped q, k, v, its
+    output and the fp32 log-sum-exp; the MLP saves gate, up, silu(gate) and their product. A mixture of experts
+    (layer `index`) runs on every tp rank's whole sequence: it saves the gathered input (sequence parallel), the
+    fp32 router scores, and per routed copy (top_k per token) the permuted input, the expert's gate/up, silu and
+    product, and its output; plus its shared experts' MLP.
     full: only the layer's input (this rank's sequence shard).
     selective: the input, plus what the policy keeps (`nanotron.parallel.recompute.KEPT`): the q/k/v, o, gate,
     up and down matmul outputs (o and down before their reduction: the full sequence), attention's output and
@@ -160,7 +160,13 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     e = element_bytes(cfg.training.dtype)
     tp, sp = p.tp, p.tp if p.tp_mode == "reduce_scatter" else 1
     h, kv, i = m.hidden_size, m.num_kv_heads * m.head_dim, m.intermediate_size
-    norms = 2 * ((FP32 + e) * h / sp + e * h)
+    # Under sequence parallelism (eager) a layer that is not recomputed keeps the shard of each gathered norm output
+    # and gathers it again in backward (`nanotron.parallel.regather`); a mixture of experts keeps its own gather.
+    regather = sp > 1 and not cfg.training.compile
+    gathered = e * h / sp if regather else e * h
+    norms = 2 * ((FP32 + e) * h / sp + gathered)
+    if regather and is_moe_layer(m, index):
+        norms += e * h - gathered
     attention = e * (2 * h + 2 * kv) / tp + FP32 * m.num_heads / tp
     mlp = 4 * e * i / tp
     reduced = (e * h / tp if sp > 1 else e * h) if tp > 1 else 0.0  # a row-parallel linear's reduced output
@@ -242,14 +248,14 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     saved = {i: layer_activation_bytes(cfg, tokens, i) for s in stages for i in s.layer_indices}
     # Backward of a recomputed layer rebuilds what it did not keep: one layer's worth at a time.
     rebuilt = [
-        v["none"] - (v["selective"] if p.recompute_of(i) == "selective" else 0.0)
+        v["none"] - (v["selective"] if cfg.recompute_of(i) == "selective" else 0.0)
         for i, v in saved.items()
-        if p.recompute_of(i) != "none"
+        if cfg.recompute_of(i) != "none"
     ]
     recompute_transient = max(rebuilt, default=0.0)
     activations_saved = logits_saved = 0.0
     for stage in stages:
-        held = sum(saved[i][p.recompute_of(i)] for i in stage.layer_indices)
+        held = sum(saved[i][cfg.recompute_of(i)] for i in stage.layer_indices)
         # The hidden states crossing a stage boundary are this tp rank's sequence shard under sequence parallelism.
         held += 0 if stage.first else tokens / sp * e * m.hidden_size  # received input, kept for backward
         held += 0 if stage.last else tokens / sp * e * m.hidden_size  # output, kept for backward

@@ -128,7 +128,7 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     peak = gpu.peak_tflops * (1 if t.dtype == "bfloat16" else 0.5) * 1e12
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
-    modes = [p.recompute_of(i) for i in range(m.num_layers)]
+    modes = [cfg.recompute_of(i) for i in range(m.num_layers)]
     full, selective = modes.count("full"), modes.count("selective")
     recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
     flops = model_flops + recompute_flops
@@ -146,9 +146,12 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     comm: dict[str, Transfer] = {}
     # TP: per layer, forward and backward each move 4 activations (2 all-gathers + 2 reduce-scatters, or 2
     # all-reduces); a fully recomputed forward repeats the forward's share, a selective one its 2 all-gathers
-    # (sequence parallel; it keeps the reduced outputs); plus embedding and head.
+    # (sequence parallel; it keeps the reduced outputs), and under sequence parallelism (eager) a layer that is
+    # not recomputed gathers its attention and dense MLP inputs again in backward; plus embedding and head.
     sp = p.tp if p.tp_mode == "reduce_scatter" else 1
     units = 8 * m.num_layers + 4 * full + (2 * selective if sp > 1 else 0)
+    if sp > 1 and not t.compile:  # nanotron.parallel.regather
+        units += sum(1 + (not is_moe_layer(m, i)) for i, mode in enumerate(modes) if mode == "none")
     tp_bytes = n_micro * (units / p.pp + 2) * tokens_micro * m.hidden_size * e
     comm["tp"] = Transfer(ring_gb(tp_bytes, p.tp), *(nvlink if p.tp <= gpus_per_node else ib))
     # PP: each microbatch's activation forward and its gradient backward cross a stage boundary (this tp rank's

@@ -1,0 +1,124 @@
+"""Sequence parallelism's gathered inputs, kept as shards: all-gathered again when backward needs them.
+
+Under `tp_mode = "reduce_scatter"` the norm output is all-gathered to the whole sequence before q/k/v and before
+gate/up, and autograd keeps that gathered tensor for the weight gradients: tp times the shard it came from. Here
+each attention and dense MLP block of a layer that is not recomputed keeps the rank's shard instead and gathers
+it again the first time its backward unpacks it, once for all the projections that share it (Megatron's
+re-gather in backward): per layer 2 x hidden x (1 - 1/tp) fewer bytes per token, and 2 more all-gathers of the
+sequence in backward. Recomputed layers need none of this (full recompute keeps only the layer's input;
+selective reruns the all-gathers), nor does a mixture of experts (it keeps its own copies); a compiled layer
+decides what it saves itself. Implemented with saved-tensor hooks around the block's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from nanotron.models.moe import MoE
+
+# Called with each tensor the hooks keep for backward (the shard in place of a gathered input, or any other saved
+# tensor as it is): how benchmarks/probe.py measures what a block holds (these hooks hide its own).
+on_save: list[Callable[[torch.Tensor], None]] = []
+
+
+def apply_regather(model: nn.Module, recomputed: Callable[[int], bool]) -> None:
+    """Hooks the attention and dense MLP blocks of every layer of `model` (a whole model or a pipeline stage, after
+    the TP plan) that `recomputed(global index)` says is not checkpointed."""
+    for name, layer in model.model.layers.items():
+        if recomputed(int(name)):
+            continue
+        blocks = [layer.self_attn] + ([] if isinstance(layer.mlp, MoE) else [layer.mlp])
+        for block in blocks:
+            _Regather().attach(block)
+
+
+def _local(tensor: DTensor) -> torch.Tensor:
+    """The local tensor without running an op (hooks that pack saved tensors must not add any)."""
+    return getattr(tensor, tensor.__tensor_flatten__()[0][0])
+
+
+class _Gathered:
+    """One gathered input: the shard it came from, and the gathered copy rebuilt in backward until every saved
+    view of it has been unpacked."""
+
+    def __init__(self, shard: DTensor):
+        self.shard, self.full, self.pending = shard, None, 0
+
+    def unpack(self) -> torch.Tensor:
+        if self.full is None:
+            with torch.no_grad():
+                self.full = self.shard.full_tensor()
+        full = self.full
+        self.pending -= 1
+        if self.pending == 0:
+            self.full = None
+        return full
+
+
+class _Saved:
+    """What a saved view of the gathered input is packed into: its layout and the shared `_Gathered`."""
+
+    def __init__(self, gathered: _Gathered, view: DTensor):
+        local = _local(view)
+        self.gathered = gathered
+        self.local_layout = (local.size(), local.stride(), local.storage_offset())
+        self.mesh, self.placements, self.shape, self.stride = (
+            view.device_mesh,
+            view.placements,
+            view.shape,
+            view.stride(),
+        )
+        gathered.pending += 1
+
+    def unpack(self) -> DTensor:
+        local = self.gathered.unpack().as_strided(*self.local_layout)
+        return DTensor.from_local(local, self.mesh, self.placements, shape=self.shape, stride=self.stride)
+
+
+class _Regather:
+    def __init__(self):
+        self.shard: DTensor | None = None
+        self.gathered: _Gathered | None = None
+        self.storage = None
+        self.context = None
+
+    def attach(self, block: nn.Module) -> None:
+        block.register_forward_pre_hook(self._keep_shard, prepend=True)  # before the TP plan gathers the input
+        block.register_forward_pre_hook(self._enter)  # after it
+        block.register_forward_hook(self._exit, always_call=True)
+
+    def _keep_shard(self, block: nn.Module, args: tuple) -> None:
+        self.shard = args[0] if isinstance(args[0], DTensor) else None
+
+    def _enter(self, block: nn.Module, args: tuple) -> None:
+        x = args[0]
+        if not torch.is_grad_enabled() or self.shard is None or not isinstance(x, DTensor):
+            return
+        local = _local(x)
+        if not local.is_contiguous() or local.storage_offset() != 0 or x.shape != self.shard.shape:
+            return  # not a plain gathered copy of the shard: keep what autograd keeps
+        self.gathered, self.storage = _Gathered(self.shard), local.untyped_storage().data_ptr()
+        self.context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.context.__enter__()
+
+    def _exit(self, *_: object) -> None:
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+        self.context = self.gathered = self.shard = None
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        if isinstance(tensor, DTensor) and _local(tensor).untyped_storage().data_ptr() == self.storage:
+            for hook in on_save:
+                hook(self.gathered.shard)
+            return _Saved(self.gathered, tensor)
+        for hook in on_save:
+            hook(tensor)
+        return tensor
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.unpack() if isinstance(packed, _Saved) else packed
