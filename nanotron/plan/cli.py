@@ -159,7 +159,8 @@ def fits(cfg: Config, gpu: Gpu) -> bool:
 def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficiency: float, top: int) -> list[str]:
     found, considered = search(cfg, world, gpus_per_node, gpu, efficiency)
     lines = [
-        f"{len(found)} of {considered} valid layouts fit {world} x {gpu.name} at global batch "
+        f"{len(found)} of {considered} valid layouts fit {world} x {gpu.name} (each with the least recompute that "
+        "fits) at global batch "
         f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first:",
         "| # | dp | dp_shard | cp | ep | tp | pp | zero | recompute | micro batch | accum | memory GiB | step s "
         "| tokens/s | MFU | traffic GB | limit | within error |",

@@ -66,12 +66,20 @@ def expert_degrees(base: Config, dp_cp: int) -> list[int]:
 
 
 def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: float) -> tuple[list[Candidate], int]:
-    """(layouts that fit, fastest first; how many layouts were considered)."""
-    fitting, considered = [], 0
+    """(layouts that fit, fastest first; how many layouts were considered).
+
+    Of the recompute modes of one layout only the first that fits is kept (none, then selective, then full: each
+    is slower than the one before and buys only memory that the fitting one does not need)."""
+    fitting, considered, fitted = [], 0, set()
     for cfg in layouts(base, world, gpus_per_node):
         considered += 1
+        p, t = cfg.parallelism, cfg.training
+        layout = (p.dp, cfg.dp_shard_size, p.cp, p.ep, p.tp, p.pp, p.zero_stage, t.micro_batch_size)
+        if layout in fitted:
+            continue
         pp_rank, memory = worst_stage(cfg)
         if memory["total"] <= usable_bytes(gpu):
+            fitted.add(layout)
             fitting.append(Candidate(cfg, pp_rank, memory, estimate_step(cfg, gpu, gpus_per_node, efficiency)))
     # Equal step times (communication hidden under compute) rank by what is measurable beyond them: the traffic
     # each GPU sends per step (hidden collectives still contend for links and SMs), then the memory headroom.
