@@ -1,5 +1,4 @@
-"""Pipeline engines: what each `parallelism.pp_engine` is, the one table the schedule builder
-(`parallel/pipeline.py`), config validation and the planner read."""
+"""The pipeline engines `parallelism.pp_engine` names (`PP_ENGINES`)."""
 
 from __future__ import annotations
 
