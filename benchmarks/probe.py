@@ -24,19 +24,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nanotron.parallel import recompute as recompute_policy
 from nanotron.parallel import regather
 from nanotron.parallel.fsdp import ZeroPipelineStage
+from nanotron.parallel.regather import local_tensor as local
 from nanotron.parallel.torch_private import in_backward_pass
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard without running an op (`to_local` is one: inside a selectively checkpointed layer
-    an op the probe adds would be counted by the checkpoint in one pass and not the other)."""
-    return getattr(tensor, tensor.__tensor_flatten__()[0][0]) if isinstance(tensor, DTensor) else tensor
 
 
 def nbytes(tensor: torch.Tensor) -> int:

@@ -36,9 +36,10 @@ def apply_regather(model: nn.Module, recomputed: Callable[[int], bool]) -> None:
             _Regather().attach(block)
 
 
-def _local(tensor: DTensor) -> torch.Tensor:
-    """The local tensor without running an op (hooks that pack saved tensors must not add any)."""
-    return getattr(tensor, tensor.__tensor_flatten__()[0][0])
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (any other tensor itself) without running an op: hooks that pack saved tensors, or
+    run inside a selectively checkpointed layer (whose reruns must see the same ops), must not add any."""
+    return getattr(tensor, tensor.__tensor_flatten__()[0][0]) if isinstance(tensor, DTensor) else tensor
 
 
 class _Gathered:
@@ -63,7 +64,7 @@ class _Saved:
     """What a saved view of the gathered input is packed into: its layout and the shared `_Gathered`."""
 
     def __init__(self, gathered: _Gathered, view: DTensor):
-        local = _local(view)
+        local = local_tensor(view)
         self.gathered = gathered
         self.local_layout = (local.size(), local.stride(), local.storage_offset())
         self.mesh, self.placements, self.shape, self.stride = (
@@ -98,7 +99,7 @@ class _Regather:
         x = args[0]
         if not torch.is_grad_enabled() or self.shard is None or not isinstance(x, DTensor):
             return
-        local = _local(x)
+        local = local_tensor(x)
         if not local.is_contiguous() or local.storage_offset() != 0 or x.shape != self.shard.shape:
             return  # not a plain gathered copy of the shard: keep what autograd keeps
         self.gathered, self.storage = _Gathered(self.shard), local.untyped_storage().data_ptr()
@@ -111,7 +112,7 @@ class _Regather:
         self.context = self.gathered = self.shard = None
 
     def _pack(self, tensor: torch.Tensor) -> object:
-        if isinstance(tensor, DTensor) and _local(tensor).untyped_storage().data_ptr() == self.storage:
+        if isinstance(tensor, DTensor) and local_tensor(tensor).untyped_storage().data_ptr() == self.storage:
             for hook in on_save:
                 hook(self.gathered.shard)
             return _Saved(self.gathered, tensor)
