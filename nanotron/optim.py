@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nanotron.config import ModelConfig, OptimizerConfig
-from nanotron.models.parametrization import param_lr_scale
+from nanotron.models.parametrization import param_eps_scale, param_lr_scale, param_weight_decay_scale
 
 
 def build_optimizer(
@@ -20,19 +20,23 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """No weight decay on norms and embeddings: decaying them only hurts (they are scales and lookups).
 
-    Each group carries the `lr_scale` its parameters get from the parametrization (µP's per-width and
-    per-depth LR; 1 under standard). Groups are keyed by parameter name, so every layout builds the same ones.
+    Each group carries the `lr_scale`, weight decay and epsilon its parameters get from the parametrization
+    (µP's per-width and per-depth LR, `optimizer.weight_decay_mode`, `optimizer.eps_mode`; the config's values
+    under standard). Groups are keyed by parameter name, so every layout builds the same ones.
     Params are also grouped by their DTensor mesh: fused/foreach kernels can't mix plain tensors (e.g.
     replicated norms under plain TP) with DTensors, nor DTensors of different meshes, in one call.
     """
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for name, param in module.named_parameters():  # tied weights are yielded once
-        decay = 0.0 if "norm" in name or "embed_tokens" in name else cfg.weight_decay
+        decay = 0.0
+        if "norm" not in name and "embed_tokens" not in name:
+            decay = cfg.weight_decay * param_weight_decay_scale(model, name, cfg.weight_decay_mode)
+        eps = cfg.eps * param_eps_scale(model, name, cfg.eps_mode)
         mesh = param.device_mesh if isinstance(param, DTensor) else None
-        groups[decay, param_lr_scale(model, name), mesh].append(param)
+        groups[decay, param_lr_scale(model, name), eps, mesh].append(param)
     param_groups = [
-        {"params": params, "weight_decay": decay, "lr_scale": lr_scale}
-        for (decay, lr_scale, _), params in groups.items()
+        {"params": params, "weight_decay": decay, "lr_scale": lr_scale, "eps": eps}
+        for (decay, lr_scale, eps, _), params in groups.items()
     ]
     optimizer = torch.optim.AdamW(
         param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused and device.type in ("cuda", "cpu")

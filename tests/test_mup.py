@@ -5,6 +5,7 @@ and param-group settings that follow the config on resume."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,13 @@ from nanotron.checkpoint import OptimizerState
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.models.parametrization import multipliers, param_init_std, param_lr_scale
+from nanotron.models.parametrization import (
+    multipliers,
+    param_eps_scale,
+    param_init_std,
+    param_lr_scale,
+    param_weight_decay_scale,
+)
 from nanotron.optim import build_optimizer, set_lr
 from nanotron.parallel.init import init_weights
 
@@ -40,7 +47,8 @@ def config(*extra: str):
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
 def test_mup_rules_per_parameter(alpha):
     m = config(*MUP, f"--model.mup_depth_exponent={alpha}").model  # m = 2, r = 2, base head dim 16 / 4 = 4
-    assert m.mup_base_head_dim == 4
+    assert asdict(m.mup_base) == dict(hidden=16, intermediate=32, heads=4, kv_heads=2, head_dim=4, layers=2)
+    assert m.mup_base_width == m.mup_base_depth == m.mup_base_head_dim == 0  # read into mup_base, said once
     std, lr = (lambda name: param_init_std(m, name)), (lambda name: param_lr_scale(m, name))
     assert std("model.embed_tokens.weight") == std("lm_head.weight") == 0.02
     assert std("model.layers.3.self_attn.q_proj.weight") == pytest.approx(0.02 / 2**0.5)
@@ -54,6 +62,63 @@ def test_mup_rules_per_parameter(alpha):
     mult = multipliers(m)
     assert mult.attention_scale == pytest.approx(4**0.5 / 8)  # 1/head_dim, = 1/sqrt(4) at the base head dim
     assert (mult.residual, mult.logits) == (pytest.approx(2**-alpha), 0.5)
+
+
+def base(**shape: int) -> list[str]:
+    return ["--model.parametrization=mup", *(f"--model.mup_base.{k}={v}" for k, v in shape.items())]
+
+
+def test_a_head_count_change_at_fixed_head_dim_keeps_the_standard_attention_scale():
+    """TINY_MODEL (4 heads of 8) grown from a 1-head base of 8: µP's 1/head_dim scale equals 1/sqrt(8) at the
+    base head dim, so the logits keep the standard scale. The old keys took the base head dim from this model's
+    head count (mup_base_width 8 / 4 heads = 2): sqrt(2)/8, 2x too small; they keep meaning that."""
+    m = config(*base(hidden=8, heads=1, kv_heads=1, intermediate=16)).model
+    assert m.mup_base.head_dim == 8 and multipliers(m).attention_scale is None  # SDPA's 1/sqrt(head_dim)
+    assert multipliers(m).logits == 0.25  # the width ratio is still 4
+    old = config("--model.parametrization=mup", "--model.mup_base_width=8").model
+    assert old.mup_base.head_dim == 2 and multipliers(old).attention_scale == pytest.approx(2**0.5 / 8)
+
+
+def test_each_matrix_scales_by_its_own_fans():
+    """Grouped-query attention at a fixed K/V width and an MLP width that did not grow: k/v and gate/up only gain
+    fan-in (output-like: init / m_in, LR / m_in), down_proj only fan-out (input-like: unchanged), q/o both."""
+    m = config(*base(hidden=16, heads=2, kv_heads=1, intermediate=64), "--model.num_kv_heads=2").model
+    # model: hidden 32 = 4 heads of 8, 2 K/V heads (K/V width 16); base: 2 heads of 8, 1 K/V head (width 8).
+    std, lr = (lambda name: param_init_std(m, name)), (lambda name: param_lr_scale(m, name))
+    assert std("model.layers.0.self_attn.q_proj.weight") == pytest.approx(0.02 / 2**0.5)
+    assert lr("model.layers.0.self_attn.q_proj.weight") == lr("model.layers.0.self_attn.k_proj.weight") == 0.5
+    assert std("model.layers.0.self_attn.k_proj.weight") == pytest.approx(0.02 / 2**0.5)  # K/V width grew 2x too
+    assert std("model.layers.1.mlp.up_proj.weight") == pytest.approx(0.02 / 2)  # fan-out stayed at 64
+    assert lr("model.layers.1.mlp.up_proj.weight") == 0.5
+    assert std("model.layers.1.mlp.down_proj.weight") == pytest.approx(0.02 / (2 * 4) ** 0.5)  # fan-in stayed
+    assert lr("model.layers.1.mlp.down_proj.weight") == 1.0
+    fixed_kv = config(*base(hidden=16, heads=2, kv_heads=2, intermediate=32)).model  # K/V width 16 at both
+    assert param_init_std(fixed_kv, "model.layers.0.self_attn.v_proj.weight") == pytest.approx(0.02 / 2)
+    assert param_lr_scale(fixed_kv, "model.layers.0.self_attn.v_proj.weight") == 0.5
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_eps_and_weight_decay_follow_completep_and_the_weight_decay_mode(alpha):
+    """eps / m outside the layers and eps / (m r^alpha) inside (CompleteP); weight decay x m_in under
+    `independent`, so lr x weight_decay is the same at every width; coupled and fixed leave the config's."""
+    extra = ("--optimizer.weight_decay_mode=independent", f"--model.mup_depth_exponent={alpha}")
+    cfg = config(*MUP, *extra)  # m = 2, r = 2
+    m, eps, wd = cfg.model, cfg.optimizer.eps, cfg.optimizer.weight_decay
+    model = LlamaForCausalLM(m)
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), m)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for name, param in model.named_parameters():
+        group, layer = group_of[id(param)], name.startswith("model.layers.")
+        assert group["eps"] == pytest.approx(eps / 2 / (2**alpha if layer else 1.0)), name
+        matrix = layer and not name.endswith("norm.weight")
+        assert group["weight_decay"] == pytest.approx(wd * 2 if matrix else (wd if name == "lm_head.weight" else 0))
+        if matrix:  # the decay per step, lr x lr_scale x weight_decay, does not shrink with width
+            assert group["lr_scale"] * group["weight_decay"] == pytest.approx(wd * 2 ** (alpha - 1))
+    plain = config(*MUP, "--optimizer.eps_mode=fixed").model
+    assert param_eps_scale(plain, "model.layers.0.mlp.up_proj.weight", "fixed") == 1.0
+    assert param_weight_decay_scale(m, "model.layers.0.mlp.up_proj.weight", "coupled") == 1.0
+    standard = config().model
+    assert param_eps_scale(standard, "model.norm.weight") == param_weight_decay_scale(standard, "x", "independent")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -102,6 +167,18 @@ def test_the_first_adam_step_moves_each_weight_by_its_scaled_learning_rate():
         (["--model.parametrization=mup", "--model.mup_base_width=18"], "mup_base_width=18 is not divisible by"),
         (["--model.mup_depth_exponent=0.5"], "model.mup_depth_exponent=0.5 only applies with"),
         (["--model.parametrization=mup", "--model.mup_depth_exponent=2"], r"expected a value in \[0.5, 1\]"),
+        (["--model.mup_base.hidden=16"], "model.mup_base.hidden=16 only applies with model.parametrization='mup'"),
+        (base(hidden=16), "the base's attention shape is unset: set model.mup_base.heads"),
+        (base(hidden=16, heads=2), "model.mup_base.intermediate is unset .*e.g. 32 for this model's ratio"),
+        (base(hidden=16, heads=2, intermediate=32), "model.mup_base.kv_heads is unset"),
+        (base(hidden=16, heads=3), "model.mup_base.hidden=16 is not divisible by model.mup_base.heads=3"),
+        (base(hidden=16, heads=2, head_dim=4), "heads x head_dim = 2 x 4 is not hidden=16"),
+        (base(heads=4, kv_heads=3), "model.mup_base.heads=4 is not divisible by model.mup_base.kv_heads=3"),
+        ([*base(layers=2), "--model.mup_base_depth=2"], "model.mup_base_depth and model.mup_base both describe"),
+        (
+            ["--model.parametrization=mup", "--model.mup_base_width=16", "--model.mup_base_head_dim=16"],
+            "does not scale",
+        ),
     ],
 )
 def test_mup_misconfigurations_name_the_key(overrides, expected):
@@ -109,7 +186,7 @@ def test_mup_misconfigurations_name_the_key(overrides, expected):
         config(*overrides)
 
 
-def test_resumed_param_groups_take_lr_scale_and_weight_decay_from_the_config():
+def test_resumed_param_groups_take_lr_scale_weight_decay_and_eps_from_the_config():
     """Torch would copy each group's settings from the checkpoint; the config's must win (like the LR)."""
     cfg = config(*MUP)
     model = LlamaForCausalLM(cfg.model)
@@ -117,7 +194,7 @@ def test_resumed_param_groups_take_lr_scale_and_weight_decay_from_the_config():
     state = OptimizerState([model], [optimizer])
     saved = state.state_dict()
     for key in saved:  # a checkpoint of another µP base and weight decay
-        if key.endswith((".lr_scale", ".weight_decay")):
+        if key.endswith((".lr_scale", ".weight_decay", ".eps")):
             saved[key] = 0.123
     state.load_state_dict(saved)
     by_name = {id(p): n for n, p in model.named_parameters()}
@@ -125,6 +202,7 @@ def test_resumed_param_groups_take_lr_scale_and_weight_decay_from_the_config():
         names = [by_name[id(p)] for p in group["params"]]
         assert {param_lr_scale(cfg.model, n) for n in names} == {group["lr_scale"]}
         assert group["weight_decay"] in (0.0, cfg.optimizer.weight_decay)
+        assert {cfg.optimizer.eps * param_eps_scale(cfg.model, n) for n in names} == {group["eps"]}
 
 
 # ---- every layout against one process (slow: real process groups) -------------------------------------------

@@ -3,7 +3,7 @@ Part of the config schema (`schema.py` re-exports it); fields declared as there,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -55,6 +55,25 @@ class MoEConfig:
 
 
 @dataclass
+class MupBase:
+    """[model.mup_base]: the shape of the base model µP's hyperparameters were tuned on (as microsoft/mup's base
+    shapes). Each parameter's fan-in and fan-out are compared with the base's, so every matrix gets its own
+    width multiplier. 0 = this model's own value where that is unambiguous; once the base width differs, the
+    MLP width and the attention shape must be stated (model.validate says which)."""
+
+    hidden: int = _opt(0, "hidden_size of the base model; 0 = this model's", min=0)
+    intermediate: int = _opt(0, "intermediate_size of the base model; 0 = this model's (only at its width)", min=0)
+    heads: int = _opt(0, "num_heads of the base model; 0 = hidden / head_dim, or this model's", min=0)
+    kv_heads: int = _opt(0, "num_kv_heads of the base model; 0 = this model's (only at its head count)", min=0)
+    head_dim: int = _opt(0, "head dim of the base model; 0 = hidden / heads", min=0)
+    layers: int = _opt(0, "num_layers of the base model; 0 = this model's", min=0)
+
+    @property
+    def set(self) -> bool:
+        return any(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass
 class ModelConfig:
     size: str = _opt("tiny", "preset filling the fields left unset", ("tiny", "small", "base", "large"))
     hidden_size: int | None = _opt(None, "model width", min=1)
@@ -83,20 +102,23 @@ class ModelConfig:
         "shape transfer to this width and depth)",
         ("standard", "mup"),
     )
-    mup_base_width: int = _opt(
-        0, "µP: hidden_size of the base model the hyperparameters were tuned on; 0 = hidden_size", min=0
+    mup_base: MupBase = field(
+        default_factory=MupBase,
+        metadata={"help": "µP: the base model's shape, a [model.mup_base] table", "choices": None},
     )
-    mup_base_depth: int = _opt(0, "µP: num_layers of the base model; 0 = num_layers", min=0)
     mup_depth_exponent: float = _opt(
         1.0,
-        "µP: alpha of the depth scaling, with r = num_layers / mup_base_depth: residual branches x r^-alpha, "
+        "µP: alpha of the depth scaling, with r = num_layers / mup_base.layers: residual branches x r^-alpha, "
         "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",
         min=0.5,
     )
+    # The old spelling of the base (one width ratio for every matrix), read into mup_base and cleared.
+    mup_base_width: int = _opt(
+        0, "µP, old spelling of mup_base.hidden (every matrix scaled by hidden_size / this)", min=0
+    )
+    mup_base_depth: int = _opt(0, "µP, old spelling of mup_base.layers", min=0)
     mup_base_head_dim: int = _opt(
-        0,
-        "µP: head dim where the 1/head_dim attention scale equals 1/sqrt(head_dim); 0 = mup_base_width / num_heads",
-        min=0,
+        0, "µP, old spelling of mup_base.head_dim; 0 = mup_base_width / num_heads (this model's head count)", min=0
     )
 
     def is_moe_layer(self, index: int) -> bool:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from nanotron.config.engines import PP_ENGINES, PipelineEngine
-from nanotron.config.model import PRESET_COMMON, PRESETS, ModelConfig, MoEConfig, _opt
+from nanotron.config.model import PRESET_COMMON, PRESETS, ModelConfig, MoEConfig, MupBase, _opt
 
-__all__ = ["PP_ENGINES", "PRESET_COMMON", "PRESETS", "ModelConfig", "MoEConfig", "PipelineEngine"]
+__all__ = ["PP_ENGINES", "PRESET_COMMON", "PRESETS", "ModelConfig", "MoEConfig", "MupBase", "PipelineEngine"]
 
 
 @dataclass
@@ -120,8 +120,21 @@ class OptimizerConfig:
     decay_style: str = _opt("cosine", "decay after warmup", ("cosine", "linear", "1-sqrt", "constant"))
     decay_steps: int = _opt(0, "steps of decay after warmup; 0 = until training.steps", min=0)
     weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to norms and embeddings)", min=0.0)
+    weight_decay_mode: str = _opt(
+        "coupled",
+        "µP: coupled (AdamW's lr x weight_decay with each matrix's µP LR, so wider matrices decay less per step) "
+        "or independent (weight_decay x each matrix's width LR divisor, so lr x weight_decay does not shrink "
+        "with width: microsoft/mup's MuAdam and CompleteP's reference code)",
+        ("coupled", "independent"),
+    )
     betas: list[float] = _opt([0.9, 0.95], "AdamW betas")
     eps: float = _opt(1e-8, "AdamW epsilon", min=0.0)
+    eps_mode: str = _opt(
+        "scaled",
+        "µP: scaled (CompleteP's rule: eps / m for the embedding, head and final norm, eps / (m r^alpha) for "
+        "each layer's parameters, following their gradients' scale) or fixed (eps everywhere)",
+        ("scaled", "fixed"),
+    )
     fused: bool = _opt(True, "fused AdamW kernel where the device has one")
 
 

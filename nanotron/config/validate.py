@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
+from nanotron.config.mup import resolve_mup
 from nanotron.config.schema import PP_ENGINES, PRESET_COMMON, PRESETS, Config, ModelConfig, ParallelismConfig
 from nanotron.errors import ConfigError
 
@@ -45,7 +46,8 @@ def resolve_model(model: ModelConfig) -> None:
             f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
             "pick num_kv_heads among its divisors"
         )
-    _resolve_mup(m)
+    check_ranges("model.mup_base", m.mup_base)
+    resolve_mup(m)
     _resolve_moe(m)
 
 
@@ -71,36 +73,6 @@ def _resolve_moe(m: ModelConfig) -> None:
             "model.parametrization='mup' with model.moe.num_experts > 0 is not supported (µP's rules for routers "
             "and experts are not implemented); use parametrization='standard' for MoE models"
         )
-
-
-_MUP_KEYS = {f.name: f.default for f in fields(ModelConfig) if f.name.startswith("mup_")}  # standard: defaults only
-
-
-def _resolve_mup(m: ModelConfig) -> None:
-    """µP's base shape, 0s filled from this model (µP at its own shape is standard); recorded in the resolved
-    config, so a wider or deeper copy of it keeps the base the hyperparameters were tuned on."""
-    if m.parametrization == "standard":
-        for key, default in _MUP_KEYS.items():
-            if getattr(m, key) != default:
-                raise ConfigError(
-                    f"model.{key}={getattr(m, key)} only applies with model.parametrization='mup'; "
-                    f"set model.parametrization='mup', or drop model.{key}"
-                )
-        return
-    if m.mup_depth_exponent > 1.0:
-        raise ConfigError(
-            f"model.mup_depth_exponent={m.mup_depth_exponent}: expected a value in [0.5, 1] (1 = CompleteP, "
-            "0.5 = depth-µP); above 1 deep models would learn less the deeper they are"
-        )
-    m.mup_base_width = m.mup_base_width or m.hidden_size
-    m.mup_base_depth = m.mup_base_depth or m.num_layers
-    if not m.mup_base_head_dim and m.mup_base_width % m.num_heads:
-        raise ConfigError(
-            f"model.mup_base_width={m.mup_base_width} is not divisible by model.num_heads={m.num_heads}, so the "
-            "base head dim is undefined; pick a base width that is a multiple of num_heads, or set "
-            "model.mup_base_head_dim"
-        )
-    m.mup_base_head_dim = m.mup_base_head_dim or m.mup_base_width // m.num_heads
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
