@@ -16,6 +16,7 @@ COMMANDS = {
     "prepare": "nanotron.prepare",
     "plan": "nanotron.plan.cli",
     "doctor": "nanotron.doctor",
+    "coord-check": "nanotron.coord_check.cli",
 }
 
 

@@ -112,19 +112,24 @@ def test_data_quick_measures_every_target_of_issue_10(tmp_path, work_dir):
 
 
 @pytest.mark.slow
-def test_coord_check_quick_writes_spreads_values_and_figures(tmp_path, work_dir):
+def test_coord_check_quick_writes_slopes_values_and_figures(tmp_path, work_dir):
+    """The benchmark is a thin caller of `nanotron coord-check` (tests/test_coord_check.py checks its verdict)."""
     stdout = run_benchmark("benchmarks.coord_check", tmp_path, work_dir)
     rows = read_csv(tmp_path / "coord_check.csv")
-    variants = {(r["sweep"], r["parametrization"]) for r in rows}
-    assert variants == {(s, p) for s in ("width", "depth") for p in ("standard", "mup")} | {("depth", "mup-alpha0.5")}
-    assert "| activation | width standard | width µP | depth standard | depth µP |" in (
-        summary := (tmp_path / "coord_check.md").read_text()
-    )
-    assert "| residual @1/2 |" in summary and "| worst compared (target: ≤ 2 under µP) |" in summary
+    assert {(r["sweep"], r["parametrization"]) for r in rows} == {
+        (s, p) for s in ("width", "depth") for p in ("standard", "mup")
+    }
+    assert {r["statistic"].split("/")[0] for r in rows} == {"size", "change", "update"}
+    summary = (tmp_path / "coord_check.md").read_text()
+    assert "| sweep | statistic | standard slope |" in summary and "| width | update/down_proj |" in summary
+    assert "coord check: standard" in stdout
     if importlib.util.find_spec("matplotlib"):
-        assert all((tmp_path / f"scale-across-{s}.png").stat().st_size > 0 for s in ("width", "depth"))
+        for sweep in ("width", "depth"):
+            assert all(
+                (tmp_path / f"coord-check-{sweep}-{s}.png").stat().st_size > 0 for s in ("size", "change", "update")
+            )
     else:
-        assert "no plot written" in stdout
+        assert "no figures written" in stdout
 
 
 @pytest.mark.slow

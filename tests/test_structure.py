@@ -131,6 +131,7 @@ LAYERS = [
         "nanotron.prepare",
         "nanotron.cli",
         "nanotron.doctor",
+        "nanotron.coord_check",
     ],
 ]
 # Commands a training process never runs, so never loads (the launcher's local part, `launch.local`, it does).
@@ -147,6 +148,7 @@ NOT_THE_TRAINERS = [
     "nanotron.report",
     "nanotron.prepare",
     "nanotron.cli",
+    "nanotron.coord_check",
 ]
 PRIVATE_DOORS = {PACKAGE / "parallel" / "torch_private.py", PACKAGE / "checkpoint" / "torch_private.py"}
 # A private name reached through torch's modules (in code or in a pickle allow-list string), or one of the private

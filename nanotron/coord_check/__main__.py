@@ -1,0 +1,5 @@
+import sys
+
+from nanotron.coord_check.cli import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""The coordinate check's verdict (log-log slopes per statistic), table and figures."""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from pathlib import Path
+
+from nanotron.coord_check.runs import ACTIVATIONS, MATRICES
+
+PARAMETRIZATIONS = ("standard", "mup")
+LABEL = {"standard": "standard", "mup": "µP"}
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) against log(x)."""
+    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-30)) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def verdicts(rows: list[dict], steps: int, tolerance: float) -> list[dict]:
+    """A row per (sweep, statistic): its slope under each parametrization at the last step, and the verdict."""
+    table: dict[tuple[str, str], dict] = {}
+    for sweep in ("width", "depth"):
+        for parametrization in PARAMETRIZATIONS:
+            points: dict[str, dict[int, list[float]]] = {}
+            for r in rows:
+                if (r["sweep"], r["parametrization"], r["step"]) == (sweep, parametrization, steps):
+                    points.setdefault(r["statistic"], {}).setdefault(r["size"], []).append(r["value"])
+            for statistic, by_size in points.items():
+                xs = sorted(by_size)
+                if len(xs) < 2:
+                    continue
+                s = slope(xs, [statistics.fmean(by_size[x]) for x in xs])
+                spread = max(statistics.fmean(v) for v in by_size.values()) / min(
+                    statistics.fmean(v) for v in by_size.values()
+                )
+                row = table.setdefault((sweep, statistic), {"sweep": sweep, "statistic": statistic})
+                row[f"{LABEL[parametrization]} slope"] = round(s, 3)
+                row[f"{LABEL[parametrization]} max/min"] = round(spread, 3)
+                row[f"{LABEL[parametrization]} flat"] = abs(s) <= tolerance
+    return list(table.values())
+
+
+def plot(rows: list[dict], sweep: str, family: str, steps: int, out: Path, caption: str) -> bool:
+    """One figure per statistic family: a row per quantity, standard and µP side by side on shared y-axes,
+    x the size (log), y the value (log), a line per step coloured by the step (colour bar)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    kinds = sorted({r["statistic"] for r in rows if r["statistic"].startswith(family + "/")}, key=_order)
+    labels = [p for p in PARAMETRIZATIONS if any(r["parametrization"] == p for r in rows)]
+    if not kinds or not labels:
+        return False
+    fig, axes = plt.subplots(
+        len(kinds), len(labels), figsize=(4.2 * len(labels), 2.2 * len(kinds)), sharey="row", squeeze=False
+    )
+    cmap = plt.get_cmap("viridis")
+    norm = matplotlib.colors.Normalize(vmin=1, vmax=max(steps, 2))
+    for i, kind in enumerate(kinds):
+        for j, parametrization in enumerate(labels):
+            ax = axes[i][j]
+            chosen = [
+                r for r in rows if (r["sweep"], r["parametrization"], r["statistic"]) == (sweep, parametrization, kind)
+            ]
+            for step in sorted({r["step"] for r in chosen}):
+                by_size: dict[int, list[float]] = {}
+                for r in chosen:
+                    if r["step"] == step:
+                        by_size.setdefault(r["size"], []).append(r["value"])
+                xs = sorted(by_size)
+                means = [statistics.fmean(by_size[x]) for x in xs]
+                errors = [statistics.stdev(by_size[x]) if len(by_size[x]) > 1 else 0.0 for x in xs]
+                ax.errorbar(xs, means, yerr=errors, marker="o", markersize=3, color=cmap(norm(step)), capsize=2)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            sizes_ = sorted({r["size"] for r in chosen})
+            ax.set_xticks(sizes_, [str(s) for s in sizes_])
+            ax.set_title(f"{LABEL[parametrization]}: {kind}", fontsize=9)
+            if i == len(kinds) - 1:
+                ax.set_xlabel("width (hidden size)" if sweep == "width" else "depth (layers)")
+        axes[i][0].set_ylabel("mean |x|")
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes, label="step", shrink=0.6)
+    fig.suptitle(f"Coordinate check across {sweep}: {family} (flat = scale kept)\n{caption}", fontsize=9)
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def _order(kind: str) -> int:
+    name = kind.split("/", 1)[1]
+    order = (*ACTIVATIONS, *MATRICES)
+    return order.index(name) if name in order else len(order)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

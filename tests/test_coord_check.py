@@ -1,0 +1,79 @@
+"""`nanotron coord-check`: the slope verdict, bad flags as one line, and a real check that passes µP and fails
+standard parametrization at a tensor-parallel layout."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+
+import pytest
+from conftest import TINY_MODEL
+
+from nanotron.coord_check.cli import main
+from nanotron.coord_check.report import slope, verdicts
+
+
+def rows_for(values: dict[int, float], parametrization: str, statistic: str = "update/q_proj") -> list[dict]:
+    return [
+        dict(sweep="width", parametrization=parametrization, size=size, seed=0, step=3, statistic=statistic, value=v)
+        for size, v in values.items()
+    ]
+
+
+def test_the_verdict_is_the_log_log_slope_over_the_sweep():
+    """A statistic growing like width^1 has slope 1 and is not flat; one within noise of constant is flat."""
+    assert slope([64, 128, 256], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
+    assert slope([64, 128, 256], [5.0, 5.0 * 2**-0.5, 2.5]) == pytest.approx(-0.5)
+    rows = rows_for({64: 1.0, 128: 2.0, 256: 4.0}, "standard") + rows_for({64: 1.0, 128: 1.1, 256: 0.95}, "mup")
+    (row,) = verdicts(rows, steps=3, tolerance=0.2)
+    assert row["standard slope"] == 1.0 and row["standard flat"] is False and row["standard max/min"] == 4.0
+    assert abs(row["µP slope"]) < 0.05 and row["µP flat"] is True
+    # Only the last step is judged: an earlier step's values do not move the slope.
+    early = [dict(r, step=1, value=r["value"] * r["size"]) for r in rows_for({64: 1.0, 128: 1.0, 256: 1.0}, "mup")]
+    (again,) = verdicts(rows + early, steps=3, tolerance=0.2)
+    assert again["µP slope"] == row["µP slope"]
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--widths", "64"], "--widths='64': expected at least two distinct positive sizes"),
+        (["--widths", "64,x"], "--widths='64,x': expected comma-separated positive integers"),
+        (["--model.intermediate_size=200", "--widths", "50,100"], "--widths: 50 x the config's MLP ratio 200/128"),
+        (["--widths", "36,72"], "--widths: width 36 cannot hold 4"),
+        (["--parametrizations", "sp"], "--parametrizations='sp': expected standard, mup or standard,mup"),
+        (["--model.hidden_sise=3"], "hidden_sise"),
+    ],
+)
+def test_bad_flags_are_one_line_and_nothing_runs(flags, expected, tmp_path, capsys):
+    assert main([*flags, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_coord_check_passes_mup_and_fails_standard_at_tp2(tiny_data, tmp_path, capsys):
+    """The tiny family at tp2 (2 processes; the README's target is tiny.toml at tp2 x pp2): µP's slopes flat,
+    standard's not (its updates grow ~width^1); the table, every value and the figures written."""
+    out = tmp_path / "cc"
+    model = [o for o in TINY_MODEL if not o.startswith(("--model.hidden_size", "--model.intermediate_size"))]
+    args = ["--widths", "32,64,128", "--depths", "2,4", "--steps", "3", "--out", str(out), "--parallelism.tp=2"]
+    args += ["--tolerance", "0.45"]  # widths from 32 (head dim 8): µP's worst slope here ~0.38, standard's >= 0.78
+    args += [*model, "--model.hidden_size=32", "--model.intermediate_size=96", *tiny_data.overrides()]
+    args += ["--training.device=cpu", "--optimizer.lr=0.004", "--training.eval_steps=1", "--logging.peak_tflops=1"]
+    status = main(args)
+    stdout = capsys.readouterr().out
+    assert "coord check: standard fails, µP passes" in stdout, stdout[-3000:]
+    assert status == 0
+    table = (out / "coord_check.md").read_text()
+    assert "| width | update/down_proj |" in table and "| depth | change/residual |" in table
+    with open(out / "coord_check.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    families = {r["statistic"].split("/")[0] for r in rows}
+    assert families == {"size", "change", "update"} and all(math.isfinite(float(r["value"])) for r in rows)
+    assert {int(r["step"]) for r in rows if r["statistic"].startswith("size/")} == {1, 2, 3}
+    if importlib.util.find_spec("matplotlib"):
+        for sweep in ("width", "depth"):
+            assert all((out / f"coord-check-{sweep}-{s}.png").stat().st_size > 0 for s in ("size", "change", "update"))
