@@ -81,12 +81,12 @@ def late_train_loss(records: list[dict], finished: bool, fraction: float = 0.2) 
     return sum(tail) / len(tail)
 
 
-def family_overrides(width: int, depth: int, heads: int = 4, mlp_ratio: int = 4) -> list[str]:
-    """One member of a model family that grows in width (fixed head count: head_dim grows) and depth."""
+def family_overrides(width: int, depth: int, heads: int = 4, mlp_ratio: int = 4, kv_heads: int = 0) -> list[str]:
+    """One member of a model family that grows in width and depth (`heads` per model; `kv_heads`: 0 = heads)."""
     return [
         f"--model.hidden_size={width}",
         f"--model.intermediate_size={mlp_ratio * width}",
         f"--model.num_layers={depth}",
         f"--model.num_heads={heads}",
-        f"--model.num_kv_heads={heads}",
+        f"--model.num_kv_heads={kv_heads or heads}",
     ]

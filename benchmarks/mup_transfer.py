@@ -1,32 +1,37 @@
 """µTransfer: does the best learning rate of a small model stay best as it grows? Standard parametrization vs µP.
 
     python -m benchmarks.mup_transfer [--widths 32,64,128,256] [--depths 4,16] [--lrs=-11,-3] [--steps 200]
-                                      [--wider-steps 600] [--seeds 3] [--workers 2] [--quick]
+                                      [--wider-steps 600] [--seeds 3] [--lr-seeds 3] [--kv-heads N]
+                                      [--device cpu|cuda] [--preset cpu|gpu] [--workers 2] [--quick]
+    python -m benchmarks.mup_transfer --replot                      # the figures again from the CSV
+    python -m benchmarks.mup_transfer --wider-only -6 --wider-steps 1000   # the loss-vs-width stage alone
 
-For each parametrization, a learning-rate sweep (a log2 grid) trains every width at the first depth and every
-depth at the first width of a model family (heads of 16 dims, so the head count grows with the width;
-intermediate 4x). The base model is (first width, first depth), where µP equals standard parametrization.
+For each parametrization, a learning-rate sweep (a log2 grid, --lr-seeds seeds per point) trains every width at
+the first depth and every depth at the first width of a model family (heads of --head-dim dims, so the head
+count grows with the width; intermediate 4x; --kv-heads N: N K/V heads at every width, a fixed K/V width, the
+grouped-query case). The base model is (first width, first depth), where µP equals standard parametrization.
 Each run is short, on the Shakespeare corpus of `make data` (synthetic text with --quick): batch 16 x 64
 tokens, warmup 10% of the steps, cosine decay to lr/10, AdamW. Its loss is the mean training loss of the last
 20% of the steps: less than one pass over the data, so every batch is new to the model (held out) and the
-estimate covers ~40k tokens. The best LR of a size is the vertex of a parabola fitted to its curve's lowest
-points (the grid argmin is noisier; both are reported). Standard parametrization keeps init std 0.02 and one
-LR for every parameter at every size; µP scales them (README, µP). The loss-vs-width curve at the base
-model's best LR averages --seeds seeds (one run's noise, mostly early loss spikes, is as large as the gain of
-a width doubling at these sizes). Runs go to --workers processes (one core each). Writes lr-transfer.png
-(loss vs LR, a curve per width and one per depth, standard vs µP), wider-is-better.png (loss vs width at the
-base model's best LR), mup_transfer.csv (every run) and mup_transfer.md (best LR per size, loss vs width at
-the base's best LR, the targets) to --out.
+estimate covers ~40k tokens. The best LR of a size is the vertex of a parabola fitted to its seed-mean curve's
+lowest points (the grid argmin is noisier; both are reported), with a 95% bootstrap interval (the seeds of
+every LR resampled). Standard parametrization keeps init std 0.02 and one LR for every parameter at every size;
+µP scales them (README, µP). Runs go to --workers processes (one core each). Writes lr-transfer.png (loss vs LR,
+a curve per width and one per depth, standard vs µP), wider-is-better.png (loss vs width), mup_transfer.csv
+(every run) and mup_transfer.md (best LR per size with its interval, loss vs width, the targets) to --out.
 
 The loss-vs-width curve has its own, longer horizon (--wider-steps): in --steps = 200 steps of these sizes
 every width reaches the same loss under µP (the wide models learn more slowly at first and overtake the
 narrow ones after ~300 steps). For it the base model's LR grid is run again at --wider-steps, and every width
-trains at the best LR of that sweep (µP over --seeds seeds; standard parametrization over one).
+trains at the best LR of that sweep (µP over --seeds seeds), against standard parametrization both at that LR
+and tuned per width (its own sweep's best LR at each width and the grid steps either side, the best of those
+over --seeds seeds). --preset gpu: widths 128 -> 2048 (16x), heads of 64, 256-token sequences, on CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import multiprocessing
 import statistics
@@ -48,15 +53,20 @@ def run_point(point: tuple[str, int, int, int, int, int], common: list[str], arg
     """One (parametrization, width, depth, log2 lr, seed, steps) run, in this process; its row."""
     parametrization, width, depth, log2_lr, seed, steps = point
     lr = 2.0**log2_lr
+    base_width = args.widths[0]
+    base_heads = max(base_width // args.head_dim, 1)
     mup = [
         "--model.parametrization=mup",
-        f"--model.mup_base_width={args.widths[0]}",
-        f"--model.mup_base_depth={args.depths[0]}",
-        f"--model.mup_base_head_dim={args.head_dim}",
+        f"--model.mup_base.hidden={base_width}",
+        f"--model.mup_base.intermediate={4 * base_width}",
+        f"--model.mup_base.heads={base_heads}",
+        f"--model.mup_base.kv_heads={args.kv_heads or base_heads}",
+        f"--model.mup_base.layers={args.depths[0]}",
     ]
+    heads = max(width // args.head_dim, 1)
     overrides = [
         *common,
-        *family_overrides(width, depth, heads=max(width // args.head_dim, 1)),
+        *family_overrides(width, depth, heads=heads, kv_heads=args.kv_heads or heads),
         *(mup if parametrization == "mup" else []),
         f"--optimizer.lr={lr}",
         f"--optimizer.min_lr={lr / 10}",
@@ -82,12 +92,36 @@ def run_all(points: list[tuple], common: list[str], args: argparse.Namespace) ->
         return list(pool.map(run_point, points, [common] * len(points), [args] * len(points)))
 
 
+def seed_losses(rows: list[dict], parametrization: str, width: int, depth: int, steps: int) -> dict[int, list]:
+    """log2 lr -> every seed's loss, of one model size in the sweep of `steps`-step runs."""
+    by_lr: dict[int, list[float]] = {}
+    for r in rows:
+        if (r["parametrization"], r["width"], r["depth"], r["steps"]) == (parametrization, width, depth, steps):
+            by_lr.setdefault(r["log2_lr"], []).append(r["loss"])
+    return by_lr
+
+
 def curve(rows: list[dict], parametrization: str, width: int, depth: int, steps: int) -> list[tuple[int, float]]:
-    """(log2 lr, loss) of one model size in the sweep of `steps`-step runs (seed 0), diverged runs left out."""
-    key = (parametrization, width, depth, 0, steps)
-    points = [(r["log2_lr"], r["loss"]) for r in rows if (r["parametrization"], r["width"], r["depth"], r["seed"],
-              r["steps"]) == key]  # fmt: skip
-    return sorted((x, y) for x, y in points if math.isfinite(y))
+    """(log2 lr, mean loss over seeds) of one model size; an LR where any seed diverged is left out."""
+    by_lr = seed_losses(rows, parametrization, width, depth, steps)
+    means = [(x, statistics.fmean(v)) for x, v in by_lr.items()]
+    return sorted((x, y) for x, y in means if math.isfinite(y))
+
+
+def best_lr_interval(by_lr: dict[int, list[float]], resamples: int = 1000) -> tuple[float, float] | None:
+    """A 95% bootstrap interval of the fitted best log2 LR: the seeds of every LR resampled with replacement,
+    the parabola refitted each time (percentiles 2.5 and 97.5); None with one seed per LR."""
+    if min(len(v) for v in by_lr.values()) < 2:
+        return None
+    rng, fits = numpy.random.default_rng(0), []
+    lrs = sorted(by_lr)
+    for _ in range(resamples):
+        means = [(x, float(numpy.mean(rng.choice(by_lr[x], len(by_lr[x]))))) for x in lrs]
+        points = [(x, y) for x, y in means if math.isfinite(y)]
+        if len(points) >= 2:
+            fits.append(best_log2_lr(points)[0])
+    low, high = numpy.percentile(fits, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def best_log2_lr(points: list[tuple[int, float]]) -> tuple[float, int]:
@@ -118,7 +152,9 @@ def analyse(rows: list[dict], args, width_depth: int) -> tuple[list[dict], list[
                 points = curve(rows, p, width, depth, args.steps)
                 fit, grid = best_log2_lr(points)
                 fitted[p].append(fit)
-                row[f"{LABEL[p]} best log2 lr (fit; grid)"] = f"{fit:.2f}; {grid}"
+                interval = best_lr_interval(seed_losses(rows, p, width, depth, args.steps))
+                ci = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
+                row[f"{LABEL[p]} best log2 lr (fit [95% CI]; grid)"] = f"{fit:.2f}{ci}; {grid}"
                 row[f"{LABEL[p]} loss"] = min(y for _, y in points)
             table.append(row)
         first, last = sizes[0][0 if sweep == "width" else 1], sizes[-1][0 if sweep == "width" else 1]
@@ -149,6 +185,26 @@ def width_losses(rows: list[dict], args, parametrization: str, depth: int, log2_
     return losses
 
 
+def tuned_standard(rows: list[dict], args, depth: int, base_lr: int, steps: int) -> tuple[dict, dict]:
+    """Standard parametrization at each width's own best LR at this horizon (the lowest seed-0 loss among the
+    LRs it ran): every seed's loss there, and the LR. The base width is µP's base model at its best LR."""
+    losses, lrs = {}, {}
+    for w in args.widths:
+        if w == args.widths[0]:
+            losses[w], lrs[w] = width_losses(rows, args, "mup", depth, base_lr, steps)[w], base_lr
+            continue
+        by_lr = seed_losses(rows, "standard", w, depth, steps)
+        key = ("standard", w, depth, steps, 0)
+        seed0 = {
+            r["log2_lr"]: r["loss"]
+            for r in rows
+            if (r["parametrization"], r["width"], r["depth"], r["steps"], r["seed"]) == key
+        }
+        lrs[w] = min(seed0, key=seed0.get)
+        losses[w] = by_lr[lrs[w]]
+    return losses, lrs
+
+
 def wider_is_better(rows: list[dict], args, width_depth: int, log2_lr: int, steps: int, target: bool) -> list[str]:
     lines = []
     for p in ("mup", "standard"):
@@ -167,6 +223,31 @@ def wider_is_better(rows: list[dict], args, width_depth: int, log2_lr: int, step
     return lines
 
 
+def loss_axis(rows: list[dict], steps: int) -> tuple[float, float]:
+    """The y-range of the LR sweeps' panels: their own runs' losses only (the longer wider-is-better runs reach
+    lower losses and would squash every curve), from the lowest to at most 2 nats above it."""
+    finite = [r["loss"] for r in rows if r["steps"] == steps and math.isfinite(r["loss"])]
+    return min(finite) - 0.05, min(max(finite), min(finite) + 2.0) + 0.05
+
+
+def width_claim(losses: dict[int, list[float]], widths: list[int]) -> str:
+    """What the loss-vs-width data supports, doubling by doubling: a width is better than the one before when
+    its mean loss is lower by more than twice the standard error of the difference (seeds), else a tie."""
+    verdicts = []
+    for a, b in zip(widths, widths[1:]):
+        ma, mb = statistics.fmean(losses[a]), statistics.fmean(losses[b])
+        var = sum(statistics.variance(x) / len(x) for x in (losses[a], losses[b]) if len(x) > 1)
+        if len(losses[a]) < 2 or len(losses[b]) < 2:
+            verdicts.append(f"{a}->{b}: {'lower' if mb < ma else 'higher'} (one seed: untested)")
+        elif ma - mb > 2 * var**0.5:
+            verdicts.append(f"{a}->{b}: better")
+        elif mb - ma > 2 * var**0.5:
+            verdicts.append(f"{a}->{b}: worse")
+        else:
+            verdicts.append(f"{a}->{b}: tie")
+    return ", ".join(verdicts)
+
+
 def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
     """lr-transfer.png (the --steps sweeps) and wider-is-better.png (the --wider-steps stage at `log2_lr`)."""
     try:
@@ -176,8 +257,7 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    finite = [r["loss"] for r in rows if math.isfinite(r["loss"])]
-    low, high = min(finite) - 0.05, min(max(finite), min(finite) + 2.0)
+    low, high = loss_axis(rows, args.steps)
     sweeps = (("width", [(w, width_depth) for w in args.widths]), ("depth", [(args.widths[0], d) for d in args.depths]))
     fig, axes = plt.subplots(len(sweeps), 2, figsize=(11, 4.2 * len(sweeps)), sharey=True, squeeze=False)
     colors = plt.get_cmap("viridis")
@@ -193,34 +273,107 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
                 ax.axvline(fit, color=color, linestyle=":", linewidth=1)
             ax.set_ylim(low, high)
             ax.set_xlabel("log2 learning rate")
-            ax.set_title(f"{LABEL[p]}: loss vs LR across {sweep} (dotted: fitted best)", fontsize=10)
+            ax.set_title(f"{LABEL[p]}: loss vs LR across {sweep} (dotted: fitted best; seed 0)", fontsize=10)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         axes[i][0].set_ylabel(f"train loss, last 20% of {args.steps} steps")
     fig.tight_layout()
     fig.savefig(args.out / "lr-transfer.png", dpi=100)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    plot_wider(rows, args, width_depth, log2_lr, args.out / "wider-is-better.png")
+    return True
+
+
+def plot_wider(rows: list[dict], args, width_depth: int, log2_lr: int, path: Path) -> None:
+    """Loss vs width at one LR and the --wider-steps horizon: means with standard errors, every seed, and what
+    each doubling's data supports (width_claim)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    claims = []
     for p, marker in zip(PARAMETRIZATIONS, ("s", "o")):
         losses = width_losses(rows, args, p, width_depth, log2_lr, args.wider_steps)
         means = {w: statistics.fmean(losses[w]) for w in args.widths}
         xs = [w for w in args.widths if math.isfinite(means[w])]
-        ax.plot(xs, [means[w] for w in xs], marker=marker, label=f"{LABEL[p]} at lr 2^{log2_lr} (base's best)")
+        errors = [statistics.stdev(losses[w]) / len(losses[w]) ** 0.5 if len(losses[w]) > 1 else 0 for w in xs]
+        seeds = max(len(losses[w]) for w in xs)
+        label = f"{LABEL[p]} ({seeds} seed{'s' * (seeds > 1)} per width)"
+        line = ax.errorbar(xs, [means[w] for w in xs], yerr=errors, marker=marker, capsize=3, label=label)
         for w in xs:
-            ax.plot(
-                [w] * len(losses[w]), losses[w], marker=marker, linestyle="", alpha=0.3, color=ax.lines[-1].get_color()
-            )
+            ax.plot([w] * len(losses[w]), losses[w], marker=marker, linestyle="", alpha=0.3, color=line[0].get_color())
+        claims.append(f"{LABEL[p]}: {width_claim(losses, xs)}")
+    losses, lrs = tuned_standard(rows, args, width_depth, log2_lr, args.wider_steps)
+    if any(lr != log2_lr for lr in lrs.values()):  # standard tuned per width (when the run has it)
+        xs = [w for w in args.widths if math.isfinite(statistics.fmean(losses[w]))]
+        means = [statistics.fmean(losses[w]) for w in xs]
+        errors = [statistics.stdev(losses[w]) / len(losses[w]) ** 0.5 if len(losses[w]) > 1 else 0 for w in xs]
+        label = "standard tuned per width (LR " + ", ".join(f"2^{lrs[w]}" for w in xs) + ")"
+        ax.errorbar(xs, means, yerr=errors, marker="^", capsize=3, linestyle="--", label=label)
+        claims.append(f"standard tuned: {width_claim(losses, xs)}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(args.widths, [str(w) for w in args.widths])
     ax.set_xlabel("width (hidden size)")
     ax.set_ylabel(f"train loss, last 20% of {args.wider_steps} steps")
-    ax.set_title("Wider is better: loss vs width at the base model's best LR (mean, and each seed)", fontsize=9)
+    ax.set_title(
+        f"Loss vs width at the base model's best LR 2^{log2_lr} ({args.wider_steps} steps, depth {width_depth}, "
+        f"head dim {args.head_dim})\nmean ± standard error over seeds, each seed faint",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    fig.text(0.02, -0.02, "per doubling ('better': lower by > 2 s.e.; 'tie': within):\n" + "\n".join(claims),
+             fontsize=7, va="top")  # fmt: skip
     fig.tight_layout()
-    fig.savefig(args.out / "wider-is-better.png", dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
-    return True
+
+
+def replot(args, width_depth: int) -> int:
+    """The figures again from a finished run's CSV (same analysis, no training)."""
+    with open(args.out / "mup_transfer.csv", newline="") as f:
+        rows = [
+            {
+                k: (v if k == "parametrization" else float(v) if k in ("lr", "loss", "seconds") else int(v))
+                for k, v in r.items()
+            }
+            for r in csv.DictReader(f)
+        ]
+    base_lr = round(base_best_log2_lr(rows, args, width_depth, args.wider_steps)[0])
+    if not plot(rows, args, width_depth, base_lr):
+        print("matplotlib missing (pip install -e '.[bench]'): no plot written")
+    return 0
+
+
+def wider_only(args, common: list[str], width_depth: int, log2_lr: int) -> int:
+    """The loss-vs-width stage alone at a given LR: µP over --seeds seeds per width, standard over one."""
+    started, n = time.perf_counter(), args.wider_steps
+    points = [("mup", w, width_depth, log2_lr, s, n) for w in args.widths for s in range(args.seeds)]
+    points += [("standard", w, width_depth, log2_lr, 0, n) for w in args.widths[1:]]
+    rows = [run_point(points[0], common, args)]  # alone first: it tokenizes the corpus the workers then read
+    rows += run_all(points[1:], common, args)
+    lines = wider_is_better(rows, args, width_depth, log2_lr, n, target=True)
+    for p in ("mup", "standard"):
+        losses = width_losses(rows, args, p, width_depth, log2_lr, n)
+        lines.append(f"{LABEL[p]} per doubling: {width_claim(losses, args.widths)}")
+    rows.sort(key=lambda r: (r["seed"], r["width"], r["parametrization"]))
+    write_csv(rows, args.out / f"mup_transfer_wider{n}.csv")
+    elapsed = time.perf_counter() - started
+    (args.out / f"mup_transfer_wider{n}.md").write_text(
+        f"{len(rows)} runs of {n} steps at lr 2^{log2_lr} (depth {width_depth}, head dim {args.head_dim}, batch 16 x "
+        f"64 tokens, warmup {max(n // 10, 1)}, cosine to lr/10); {elapsed / 60:.1f} min\n\n"
+        + "\n".join(f"- {line}" for line in lines)
+        + "\n"
+    )
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plot_wider(rows, args, width_depth, log2_lr, args.out / f"wider-is-better-{n}.png")
+    except ImportError:
+        print("matplotlib missing (pip install -e '.[bench]'): no plot written")
+    print(f"mup transfer (wider only): {len(rows)} runs in {elapsed / 60:.1f} min")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,30 +381,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", default="32,64,128,256", help="width sweep; the first is µP's base width")
     parser.add_argument("--depths", default="4,16", help="depth sweep at the first width; the first is µP's base")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the loss-vs-width curve at the base's best LR")
+    parser.add_argument("--lr-seeds", type=int, default=3, help="seeds of every point of the LR sweeps (>= 2: CIs)")
+    parser.add_argument("--kv-heads", type=int, default=0, help="K/V heads of every model (a fixed K/V width: GQA)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the runs train")
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        choices=("cpu", "gpu"),
+        help="gpu: widths 128..2048 (16x, base 128), heads of 64, 256-token sequences, --device cuda, one worker",
+    )
     parser.add_argument("--lrs", default="-11,-3", help="log2 LR grid: first,last (every integer between)")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run of the LR sweeps")
     parser.add_argument("--wider-steps", type=int, default=600, help="steps per run, loss vs width")
     parser.add_argument("--head-dim", type=int, default=16, help="head dim of every model (heads = width / it)")
     parser.add_argument("--workers", type=int, default=2, help="processes running the sweep's runs")
-    parser.add_argument("--quick", action="store_true", help="2 widths, 2 depths, 3 LRs, 3 steps, synthetic text")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 widths, 2 depths, 2 LRs, 2 seeds, 3 steps, synthetic text"
+    )
+    parser.add_argument("--replot", action="store_true", help="redraw the figures from --out's mup_transfer.csv")
+    parser.add_argument(
+        "--wider-only",
+        type=int,
+        metavar="LOG2_LR",
+        help="only the loss-vs-width stage, at this log2 LR and --wider-steps (no sweeps, no base grid): writes "
+        "mup_transfer_wider<N>.csv/.md and wider-is-better-<N>.png",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     args = parser.parse_args(argv)
     if args.quick:
-        args.widths, args.depths, args.lrs, args.steps, args.workers, args.seeds = "32,64", "1,2", "-8,-6", 3, 1, 2
-        args.wider_steps = 4
+        args.widths, args.depths, args.lrs, args.steps, args.workers, args.seeds = "32,64", "1,2", "-7,-6", 3, 1, 2
+        args.wider_steps, args.lr_seeds = 4, 2
+    seq_len = 64
+    if args.preset == "gpu":
+        args.widths, args.head_dim, args.device, args.workers, seq_len = "128,256,512,1024,2048", 64, "cuda", 1, 256
     args.widths = [int(w) for w in args.widths.split(",")]
     args.depths = [int(d) for d in args.depths.split(",")]
     first, last = (int(x) for x in args.lrs.split(","))
     grid = list(range(first, last + 1))
     args.shape = [
         "--model.vocab_size=1024",
-        "--model.max_seq_len=64",
-        "--training.seq_len=64",
+        f"--model.max_seq_len={seq_len}",
+        f"--training.seq_len={seq_len}",
         "--training.micro_batch_size=16",
         "--training.grad_accum_steps=1",
+        f"--training.device={args.device}",
     ]
     args.out.mkdir(parents=True, exist_ok=True)
+    width_depth = args.depths[0]
+    if args.replot:
+        return replot(args, width_depth)
     common = [
         *corpus_overrides(args.work_dir, args.quick),
         *args.shape,
@@ -259,9 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         "--logging.log_interval=1",
         "--optimizer.decay_style=cosine",
     ]
-    width_depth = args.depths[0]
+    if args.wider_only is not None:
+        return wider_only(args, common, width_depth, args.wider_only)
     sizes = [(w, width_depth) for w in args.widths] + [(args.widths[0], d) for d in args.depths[1:]]
-    points = [(p, w, d, lr, 0, args.steps) for w, d in sizes for p in PARAMETRIZATIONS for lr in grid]
+    points = [(p, w, d, lr, s, args.steps) for s in range(args.lr_seeds) for w, d in sizes for p in PARAMETRIZATIONS
+              for lr in grid]  # fmt: skip
     started = time.perf_counter()
     # The first run alone, in this process: it tokenizes the corpus into the cache the workers then read.
     rows = [run_point(points[0], common, args)]
@@ -275,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += wider_is_better(rows, args, width_depth, sweep_lr, args.steps, target=False)
     # Wider is better, at its own horizon: the base's LR grid again, then every width at its best LR (µP over
     # --seeds seeds, since one run's noise is as large as a width doubling's gain; standard over one).
-    base = [("mup", args.widths[0], width_depth, lr, 0, args.wider_steps) for lr in grid]
+    base = [("mup", args.widths[0], width_depth, lr, s, args.wider_steps) for lr in grid for s in range(args.lr_seeds)]
     rows += run_all(base, common, args)
     fit, grid_best = base_best_log2_lr(rows, args, width_depth, args.wider_steps)
     base_lr = round(fit)
@@ -283,11 +464,30 @@ def main(argv: list[str] | None = None) -> int:
         f"base model at {args.wider_steps} steps: best lr 2^{fit:.2f} fitted (grid minimum 2^{grid_best}); every "
         f"width trains at the grid LR nearest the fit, 2^{base_lr}"
     )
-    wider = [("mup", w, width_depth, base_lr, s, args.wider_steps) for w in args.widths for s in range(args.seeds)
-             if (w, s) != (args.widths[0], 0)]  # fmt: skip  # the base's seed 0 ran in its grid
+    done = {(p, w, d, lr, s, n) for p, w, d, lr, s, n in base}
+    wider = [("mup", w, width_depth, base_lr, s, args.wider_steps) for w in args.widths for s in range(args.seeds)]
     wider += [("standard", w, width_depth, base_lr, 0, args.wider_steps) for w in args.widths[1:]]
-    rows += run_all(wider, common, args)
+    # Standard parametrization tuned per width at this horizon: its own sweep's best LR at each width and the
+    # grid steps either side (seed 0), then the best of those over --seeds seeds.
+    for w in args.widths[1:]:
+        own = round(best_log2_lr(curve(rows, "standard", w, width_depth, args.steps))[0])
+        wider += [("standard", w, width_depth, lr, 0, args.wider_steps) for lr in (own - 1, own, own + 1)]
+    rows += run_all(sorted(set(wider) - done), common, args)
+    tuned = tuned_standard(rows, args, width_depth, base_lr, args.wider_steps)[1]
+    extra = [("standard", w, width_depth, lr, s, args.wider_steps) for w, lr in tuned.items() if w != args.widths[0]
+             for s in range(1, args.seeds)]  # fmt: skip
+    rows += run_all(extra, common, args)
     lines += wider_is_better(rows, args, width_depth, base_lr, args.wider_steps, target=True)
+    losses, lrs = tuned_standard(rows, args, width_depth, base_lr, args.wider_steps)
+    mup = width_losses(rows, args, "mup", width_depth, base_lr, args.wider_steps)
+    gaps = ", ".join(f"{w}: {statistics.fmean(mup[w]) - statistics.fmean(losses[w]):+.4f}" for w in args.widths)
+    lines.append(
+        f"standard tuned per width ({args.wider_steps} steps, its best LR per width "
+        + ", ".join(f"{w}: 2^{lrs[w]}" for w in args.widths)
+        + "): mean loss "
+        + ", ".join(f"{statistics.fmean(losses[w]):.4f}" for w in args.widths)
+        + f" over {len(losses[args.widths[-1]])} seed(s) per width; µP at the base's LR minus tuned standard: {gaps}"
+    )
     rows.sort(key=lambda r: (r["steps"], r["seed"], r["depth"], r["width"], r["parametrization"], r["log2_lr"]))
     write_csv(rows, args.out / "mup_transfer.csv")
     markdown = markdown_table(table, list(table[0]))

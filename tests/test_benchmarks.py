@@ -136,13 +136,17 @@ def test_coord_check_quick_writes_slopes_values_and_figures(tmp_path, work_dir):
 def test_mup_transfer_quick_writes_runs_best_lrs_and_figures(tmp_path, work_dir):
     stdout = run_benchmark("benchmarks.mup_transfer", tmp_path, work_dir)
     rows = read_csv(tmp_path / "mup_transfer.csv")
-    # parametrizations x (2 widths + 1 depth) x 3 lrs; the longer horizon's base LR grid (3), then µP's 2 seeds at
-    # both widths (the base's seed 0 is in that grid) and standard at the wider one
-    assert len(rows) == 2 * 3 * 3 + 3 + 3 + 1
-    assert {r["steps"] for r in rows} == {"3", "4"}
+    # The sweep: parametrizations x (2 widths + 1 depth) x 2 lrs x 2 seeds; then the 4-step stage: the base's LR grid
+    # (2 seeds), µP's seeds at width 64, standard at µP's LR and tuned around its own best LR (+ a second seed).
+    sweep = [r for r in rows if r["steps"] == "3"]
+    assert len(sweep) == 2 * 3 * 2 * 2 and {r["seed"] for r in sweep} == {"0", "1"}
+    wider = [r for r in rows if r["steps"] == "4"]
+    assert {(r["parametrization"], r["width"]) for r in wider} == {("mup", "32"), ("mup", "64"), ("standard", "64")}
+    assert len({r["log2_lr"] for r in wider if r["parametrization"] == "standard"}) >= 3  # tuned per width
     summary = (tmp_path / "mup_transfer.md").read_text()
-    assert "| sweep | size | standard best log2 lr (fit; grid) |" in summary
+    assert "| sweep | size | standard best log2 lr (fit [95% CI]; grid) |" in summary
     assert "4 steps at the base's best lr" in summary and "base model at 4 steps: best lr" in summary
+    assert "standard tuned per width (4 steps" in summary
     if importlib.util.find_spec("matplotlib"):
         assert all((tmp_path / f).stat().st_size > 0 for f in ("lr-transfer.png", "wider-is-better.png"))
     else:
@@ -155,3 +159,23 @@ def test_stability_quick_counts_detections_and_measures_the_cost(tmp_path, work_
     rows = {r["measure"]: r for r in read_csv(tmp_path / "stability.csv")}
     assert rows["detections"]["value"] == "0"
     assert float(rows["step time on / off"]["value"]) > 0 and float(rows["detector host time / step"]["value"]) > 0
+
+
+def test_lr_transfer_axes_come_from_the_sweeps_own_runs():
+    """The bug: the y-range of lr-transfer.png was taken over every run, the longer wider-is-better runs too,
+    whose lower losses stretched every panel."""
+    from benchmarks.mup_transfer import loss_axis
+
+    rows = [dict(steps=200, loss=x) for x in (4.0, 4.5, float("inf"))] + [dict(steps=600, loss=3.2)]
+    assert loss_axis(rows, 200) == (pytest.approx(3.95), pytest.approx(4.55))
+
+
+def test_the_width_claim_is_what_the_seeds_support():
+    """'better' only when a doubling lowers the mean loss by more than 2 standard errors; else a tie."""
+    from benchmarks.mup_transfer import width_claim
+
+    losses = {64: [4.00, 4.02, 3.98], 128: [3.90, 3.91, 3.89], 256: [3.89, 3.93, 3.86], 512: [3.95]}
+    assert width_claim(losses, [64, 128, 256, 512]) == (
+        "64->128: better, 128->256: tie, 256->512: higher (one seed: untested)"
+    )
+    assert width_claim({1: [2.0, 2.1], 2: [3.0, 3.1]}, [1, 2]) == "1->2: worse"

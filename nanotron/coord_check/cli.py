@@ -1,14 +1,15 @@
 """`nanotron coord-check`: µP's coordinate check on your own config, at its own layout.
 
     nanotron coord-check --config CFG [--widths 64,128,256] [--depths 2,4,8] [--steps 4] [--seeds 1]
-                         [--parametrizations standard,mup] [--fixed-head-dim] [--tolerance 0.35]
+                         [--parametrizations standard,mup] [--fixed-head-dim] [--kv-heads N] [--tolerance 0.35]
                          [--out DIR] [--section.key=value ...]
 
 Trains the config's model family for a few steps at each width (at the first depth) and each depth (at the
 first width), under standard parametrization and under µP with the first width and depth as its base, each run
 a real `nanotron train` at the config's parallel layout (tp/pp/dp/cp, as many processes as it needs), at the
 config's learning rate held constant. A family member keeps the config's MLP ratio and head count (head dim
-grows; --fixed-head-dim: the head dim stays and heads are added, K/V heads keeping the group size). Three
+grows; --fixed-head-dim: the head dim stays and heads are added, K/V heads keeping the group size, or fixed at
+--kv-heads: with a fixed head dim, a fixed K/V width, whose projections µP scales as output weights). Three
 statistics, each a mean |x| per element (an L1 norm per coordinate, as in Yang et al. 2022's coordinate check):
 
   size    the activations of every step (the trainer's `act/*`): embedding, attention and MLP outputs (mean over
@@ -30,12 +31,13 @@ as a colour bar) to --out. Exit status 0 when µP passes (or was not run), 1 whe
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 from nanotron.config import load_config, parse_overrides
-from nanotron.coord_check.report import LABEL, PARAMETRIZATIONS, markdown, plot, verdicts, write_csv
+from nanotron.coord_check.report import LABEL, PARAMETRIZATIONS, markdown, plot, read_rows, verdicts, write_csv
 from nanotron.coord_check.runs import family, measure, parametrization_overrides, probe_batch, run_overrides, train
 from nanotron.errors import ConfigError, UserError
 
@@ -51,10 +53,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seeds", type=int, default=1, help="runs per point (error bars, mean for the slopes)")
     parser.add_argument("--parametrizations", default="standard,mup", help="which to run: standard, mup or both")
     parser.add_argument("--fixed-head-dim", action="store_true", help="grow by adding heads of the config's dim")
+    parser.add_argument("--kv-heads", type=int, default=0, help="K/V heads of every member (0: the config's group)")
     parser.add_argument("--tolerance", type=float, default=0.35, help="a |log-log slope| up to this is flat")
     parser.add_argument("--probe-tokens", type=int, default=1024, help="validation tokens in the probe batch")
     parser.add_argument("--out", type=Path, default=Path("coord-check"), help="directory for the table and figures")
     parser.add_argument("--work-dir", type=Path, help="where the runs go (default: OUT/runs)")
+    parser.add_argument("--replot", action="store_true", help="redraw OUT's figures from its coord_check.csv/.json")
     args, overrides = parser.parse_known_args(argv)
     unknown = [o for o in overrides if not o.startswith("--") or "." not in o.split("=")[0]]
     if unknown:
@@ -74,11 +78,27 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.replot:
+        return 0 if draw(args.out) else 1
     try:
         return check(args, overrides)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
+
+
+def draw(out: Path) -> bool:
+    """coord-check-{width,depth}-{size,change,update}.png from OUT's coord_check.csv and .json."""
+    meta = json.loads((out / "coord_check.json").read_text())
+    rows = read_rows(out / "coord_check.csv")
+    drawn = [
+        plot(rows, sweep, stat, meta["steps"], out / f"coord-check-{sweep}-{stat}.png", meta["caption"])
+        for sweep in ("width", "depth")
+        for stat in ("size", "change", "update")
+    ]
+    if not all(drawn):
+        print("matplotlib missing (pip install -e '.[bench]'): no figures written")
+    return all(drawn)
 
 
 def resolve(config: Path | None, overrides: list[str], world_size: int | None = None):
@@ -100,9 +120,9 @@ def check(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--parametrizations={args.parametrizations!r}: expected standard, mup or standard,mup")
     if args.steps < 1 or args.seeds < 1:
         raise ConfigError("--steps and --seeds: expected positive integers")
-    base = family(cfg, widths[0], depths[0], args.fixed_head_dim)
-    points = [("width", family(cfg, w, depths[0], args.fixed_head_dim)) for w in widths]
-    points += [("depth", family(cfg, widths[0], d, args.fixed_head_dim)) for d in depths]
+    base = family(cfg, widths[0], depths[0], args.fixed_head_dim, args.kv_heads)
+    points = [("width", family(cfg, w, depths[0], args.fixed_head_dim, args.kv_heads)) for w in widths]
+    points += [("depth", family(cfg, widths[0], d, args.fixed_head_dim, args.kv_heads)) for d in depths]
     nproc = cfg.world_size
     for _, member in points:  # every shape and layout checked before the first run: one line, nothing trained
         for parametrization in chosen:
@@ -144,14 +164,9 @@ def check(args: argparse.Namespace, overrides: list[str]) -> int:
         f"log(size) at step {args.steps}; flat = |slope| <= {args.tolerance}. **{summary}** "
         f"({len(done)} runs in {(time.perf_counter() - started) / 60:.1f} min).\n\n{markdown(table)}\n"
     )
-    drawn = [
-        plot(rows, sweep, stat, args.steps, args.out / f"coord-check-{sweep}-{stat}.png", caption)
-        for sweep in ("width", "depth")
-        for stat in ("size", "change", "update")
-    ]
+    (args.out / "coord_check.json").write_text(json.dumps(dict(steps=args.steps, caption=caption)) + "\n")
     print(markdown(table))
-    if not all(drawn):
-        print("matplotlib missing (pip install -e '.[bench]'): no figures written")
+    draw(args.out)
     print(f"coord check: {summary} ({len(done)} runs in {time.perf_counter() - started:.0f} s; {args.out})")
     return 0 if results.get("mup", True) else 1
 

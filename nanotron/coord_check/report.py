@@ -45,8 +45,9 @@ def verdicts(rows: list[dict], steps: int, tolerance: float) -> list[dict]:
 
 
 def plot(rows: list[dict], sweep: str, family: str, steps: int, out: Path, caption: str) -> bool:
-    """One figure per statistic family: a row per quantity, standard and µP side by side on shared y-axes,
-    x the size (log), y the value (log), a line per step coloured by the step (colour bar)."""
+    """One figure per sweep and statistic family: a column per quantity, a row per parametrization (standard
+    above µP, each column on one shared y-axis), x the size and y the value (both log), a line per step coloured
+    by the step (colour bar), error bars ±1 s.d. over seeds, and the last step's slope in each panel."""
     try:
         import matplotlib
 
@@ -59,16 +60,18 @@ def plot(rows: list[dict], sweep: str, family: str, steps: int, out: Path, capti
     if not kinds or not labels:
         return False
     fig, axes = plt.subplots(
-        len(kinds), len(labels), figsize=(4.2 * len(labels), 2.2 * len(kinds)), sharey="row", squeeze=False
-    )
+        len(labels), len(kinds), figsize=(2.6 * len(kinds) + 1.2, 2.5 * len(labels) + 0.9), sharey="col",
+        squeeze=False, layout="constrained",
+    )  # fmt: skip
     cmap = plt.get_cmap("viridis")
     norm = matplotlib.colors.Normalize(vmin=1, vmax=max(steps, 2))
-    for i, kind in enumerate(kinds):
-        for j, parametrization in enumerate(labels):
+    for i, parametrization in enumerate(labels):
+        for j, kind in enumerate(kinds):
             ax = axes[i][j]
             chosen = [
                 r for r in rows if (r["sweep"], r["parametrization"], r["statistic"]) == (sweep, parametrization, kind)
             ]
+            last = []
             for step in sorted({r["step"] for r in chosen}):
                 by_size: dict[int, list[float]] = {}
                 for r in chosen:
@@ -78,17 +81,27 @@ def plot(rows: list[dict], sweep: str, family: str, steps: int, out: Path, capti
                 means = [statistics.fmean(by_size[x]) for x in xs]
                 errors = [statistics.stdev(by_size[x]) if len(by_size[x]) > 1 else 0.0 for x in xs]
                 ax.errorbar(xs, means, yerr=errors, marker="o", markersize=3, color=cmap(norm(step)), capsize=2)
+                last = (xs, means) if step == steps else last
+            if last and len(last[0]) > 1:
+                ax.text(0.03, 0.95, f"slope {slope(*last):+.2f}", transform=ax.transAxes, fontsize=8, va="top")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             sizes_ = sorted({r["size"] for r in chosen})
-            ax.set_xticks(sizes_, [str(s) for s in sizes_])
-            ax.set_title(f"{LABEL[parametrization]}: {kind}", fontsize=9)
-            if i == len(kinds) - 1:
-                ax.set_xlabel("width (hidden size)" if sweep == "width" else "depth (layers)")
-        axes[i][0].set_ylabel("mean |x|")
-    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes, label="step", shrink=0.6)
-    fig.suptitle(f"Coordinate check across {sweep}: {family} (flat = scale kept)\n{caption}", fontsize=9)
-    fig.savefig(out, dpi=100, bbox_inches="tight")
+            ax.set_xticks(sizes_, [str(s) for s in sizes_], fontsize=7)
+            ax.minorticks_off()
+            ax.set_title(f"{LABEL[parametrization]}: {kind.split('/', 1)[1]}", fontsize=9)
+            if i == len(labels) - 1:
+                ax.set_xlabel("width (hidden size)" if sweep == "width" else "depth (layers)", fontsize=8)
+        axes[i][0].set_ylabel(f"{family}: mean |x|", fontsize=8)
+    if len({r["step"] for r in rows if r["statistic"] in kinds}) > 1:  # change/update: the last step only
+        fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes, label="step", shrink=0.8)
+    what = {"size": "activation size", "change": "change since init", "update": "update effect (W_T - W_0) x"}
+    fig.suptitle(
+        f"Coordinate check across {sweep}: {what[family]} (flat = scale kept; slope of log-log at step {steps})\n"
+        f"{caption}; error bars ±1 s.d. over seeds",
+        fontsize=9,
+    )
+    fig.savefig(out, dpi=90)
     plt.close(fig)
     return True
 
@@ -104,6 +117,15 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """coord_check.csv's rows with their numbers back."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r.update(size=int(r["size"]), seed=int(r["seed"]), step=int(r["step"]), value=float(r["value"]))
+    return rows
 
 
 def markdown(rows: list[dict]) -> str:

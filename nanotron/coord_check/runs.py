@@ -51,8 +51,10 @@ class Member:
         return [f"--model.mup_base.{key}={value}" for key, value in shape.items()]
 
 
-def family(cfg: Config, width: int, depth: int, fixed_head_dim: bool) -> Member:
-    """The member of the config's family at (width, depth); a shape the family cannot take is one line."""
+def family(cfg: Config, width: int, depth: int, fixed_head_dim: bool, kv_heads: int = 0) -> Member:
+    """The member of the config's family at (width, depth); a shape the family cannot take is one line.
+    `kv_heads` > 0 fixes the K/V head count (with a fixed head dim: a fixed K/V width, grouped-query attention
+    whose K/V projections only gain fan-in); 0 keeps the config's query heads per K/V head."""
     m = cfg.model
     if (m.intermediate_size * width) % m.hidden_size:
         raise ConfigError(
@@ -67,7 +69,10 @@ def family(cfg: Config, width: int, depth: int, fixed_head_dim: bool) -> Member:
             f"(an even head dim, {group} query heads per K/V head); pick widths that are multiples of "
             f"{m.head_dim * group if fixed_head_dim else 2 * m.num_heads}"
         )
-    return Member(width, depth, heads, heads // group, m.intermediate_size * width // m.hidden_size)
+    if kv_heads and heads % kv_heads:
+        raise ConfigError(f"--kv-heads={kv_heads} does not divide the {heads} query heads at width {width}")
+    intermediate = m.intermediate_size * width // m.hidden_size
+    return Member(width, depth, heads, kv_heads or heads // group, intermediate)
 
 
 def probe_batch(cfg: Config, tokens: int) -> torch.Tensor:
