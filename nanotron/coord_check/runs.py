@@ -129,17 +129,20 @@ def parametrization_overrides(parametrization: str, base: Member) -> list[str]:
 
 
 def train(config: Path | None, args: list[str], nproc: int, run_dir: Path) -> None:
-    """One `nanotron train` in its own process(es); its output in run_dir/train.log."""
+    """One `nanotron train` in its own process(es); its console output in <run dir>.log beside the run dir."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     command = [sys.executable, "-m", "nanotron.train", *(["--config", str(config)] if config else []), *args]
     if nproc > 1:
         command += ["--nproc_per_node", str(nproc)]
-    with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with open(log_path, "w") as log:
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
     if result.returncode:
-        tail = (run_dir.parent / f"{run_dir.name}.log").read_text().strip().splitlines()[-5:]
-        raise UserError(f"coord-check: the run {run_dir.name} failed (exit {result.returncode}): " + " | ".join(tail))
+        last = (log_path.read_text().strip().splitlines() or [""])[-1]
+        raise UserError(
+            f"coord-check: the run {run_dir.name} failed (exit {result.returncode}): {last} (see {log_path})"
+        )
 
 
 def sizes(run_dir: Path, depth: int) -> dict[int, dict[str, float]]:
