@@ -248,7 +248,7 @@ def width_claim(losses: dict[int, list[float]], widths: list[int]) -> str:
     return ", ".join(verdicts)
 
 
-def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
+def plot(rows: list[dict], args, width_depth: int, log2_lr: int | None, name: str = "lr-transfer.png") -> bool:
     """lr-transfer.png (the --steps sweeps) and wider-is-better.png (the --wider-steps stage at `log2_lr`)."""
     try:
         import matplotlib
@@ -268,19 +268,33 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int) -> bool:
                 points = curve(rows, p, width, depth, args.steps)
                 color = colors(k / max(len(sizes) - 1, 1))
                 label = f"width {width}" if sweep == "width" else f"depth {depth}"
-                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", color=color, label=label)
+                by_lr = seed_losses(rows, p, width, depth, args.steps)
+                errors = [
+                    statistics.stdev(by_lr[x]) / len(by_lr[x]) ** 0.5 if len(by_lr[x]) > 1 else 0 for x, _ in points
+                ]
+                xs, ys = [x for x, _ in points], [y for _, y in points]
+                ax.errorbar(xs, ys, yerr=errors, marker="o", color=color, label=label, capsize=2)
                 fit, _ = best_log2_lr(points)
                 ax.axvline(fit, color=color, linestyle=":", linewidth=1)
+                interval = best_lr_interval(by_lr)
+                if interval:  # the best LR's 95% bootstrap interval, a band at the panel's foot
+                    ax.axvspan(*interval, ymin=0.0, ymax=0.04 + 0.03 * k, color=color, alpha=0.35, linewidth=0)
             ax.set_ylim(low, high)
             ax.set_xlabel("log2 learning rate")
-            ax.set_title(f"{LABEL[p]}: loss vs LR across {sweep} (dotted: fitted best; seed 0)", fontsize=10)
+            seeds = max(len(v) for w, d in sizes for v in seed_losses(rows, p, w, d, args.steps).values())
+            ax.set_title(
+                f"{LABEL[p]}: loss vs LR across {sweep}, mean ± s.e. of {seeds} seed(s)\n(dotted: fitted best LR; "
+                "bands at the foot: its 95% bootstrap interval)",
+                fontsize=9,
+            )
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         axes[i][0].set_ylabel(f"train loss, last 20% of {args.steps} steps")
     fig.tight_layout()
-    fig.savefig(args.out / "lr-transfer.png", dpi=100)
+    fig.savefig(args.out / name, dpi=100)
     plt.close(fig)
-    plot_wider(rows, args, width_depth, log2_lr, args.out / "wider-is-better.png")
+    if log2_lr is not None:
+        plot_wider(rows, args, width_depth, log2_lr, args.out / "wider-is-better.png")
     return True
 
 
@@ -376,6 +390,24 @@ def wider_only(args, common: list[str], width_depth: int, log2_lr: int) -> int:
     return 0
 
 
+def write_sweep(rows: list[dict], table: list[dict], lines: list[str], args, width_depth: int, elapsed: float) -> int:
+    """--sweep-only's outputs: every run, the best LR per size with its interval, the LR-transfer figure."""
+    rows.sort(key=lambda r: (r["seed"], r["depth"], r["width"], r["parametrization"], r["log2_lr"]))
+    write_csv(rows, args.out / "mup_transfer_sweep.csv")
+    (args.out / "mup_transfer_sweep.md").write_text(
+        f"{len(rows)} runs: lr grid {args.lrs} at {args.steps} steps, {args.lr_seeds} seeds per point, width sweep "
+        f"at depth {width_depth}, depth sweep at width {args.widths[0]}; {elapsed / 60:.1f} min\n\n"
+        + markdown_table(table, list(table[0]))
+        + "\n\n"
+        + "\n".join(f"- {line}" for line in lines)
+        + "\n"
+    )
+    print("\n".join(lines))
+    if not plot(rows, args, width_depth, None, "lr-transfer-sweep.png"):
+        print("matplotlib missing (pip install -e '.[bench]'): no plot written")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", default="32,64,128,256", help="width sweep; the first is µP's base width")
@@ -399,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="2 widths, 2 depths, 2 LRs, 2 seeds, 3 steps, synthetic text"
     )
     parser.add_argument("--replot", action="store_true", help="redraw the figures from --out's mup_transfer.csv")
+    parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="only the LR sweeps (no loss-vs-width stage): mup_transfer_sweep.csv/.md and lr-transfer-sweep.png",
+    )
     parser.add_argument(
         "--wider-only",
         type=int,
@@ -454,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     table, lines = analyse(rows, args, width_depth)
     sweep_lr = round(base_best_log2_lr(rows, args, width_depth, args.steps)[0])
     lines += wider_is_better(rows, args, width_depth, sweep_lr, args.steps, target=False)
+    if args.sweep_only:
+        return write_sweep(rows, table, lines, args, width_depth, time.perf_counter() - started)
     # Wider is better, at its own horizon: the base's LR grid again, then every width at its best LR (µP over
     # --seeds seeds, since one run's noise is as large as a width doubling's gain; standard over one).
     base = [("mup", args.widths[0], width_depth, lr, s, args.wider_steps) for lr in grid for s in range(args.lr_seeds)]

@@ -179,3 +179,19 @@ def test_the_width_claim_is_what_the_seeds_support():
         "64->128: better, 128->256: tie, 256->512: higher (one seed: untested)"
     )
     assert width_claim({1: [2.0, 2.1], 2: [3.0, 3.1]}, [1, 2]) == "1->2: worse"
+
+
+def test_the_best_lr_interval_comes_from_resampling_the_seeds():
+    """Seeds that agree pin the fitted best LR; seeds that disagree widen its interval; one seed has none."""
+    from benchmarks.mup_transfer import best_lr_interval
+
+    def parabola(x: int, shift: float = 0.0) -> float:
+        return 4.0 + 0.1 * (x + 6 + shift) ** 2
+
+    agree = {x: [parabola(x)] * 3 for x in range(-9, -2)}
+    low, high = best_lr_interval(agree)
+    assert low == pytest.approx(-6.0) and high == pytest.approx(-6.0)
+    disagree = {x: [parabola(x, -1.0), parabola(x), parabola(x, 1.0)] for x in range(-9, -2)}
+    low, high = best_lr_interval(disagree)
+    assert -8.0 <= low < -6.2 and -5.8 < high <= -4.0
+    assert best_lr_interval({x: [parabola(x)] for x in range(-9, -2)}) is None
