@@ -8,14 +8,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanotron.config import Config
+from nanotron.config import Config, MupBase
 from nanotron.errors import ConfigError, UserError
 
 ACTIVATIONS = ("embed", "attn", "mlp", "residual", "norm", "logits")
@@ -124,7 +124,7 @@ def parametrization_overrides(parametrization: str, base: Member) -> list[str]:
     cleared = ["--model.mup_base_width=0", "--model.mup_base_depth=0", "--model.mup_base_head_dim=0"]
     if parametrization == "mup":
         return ["--model.parametrization=mup", *cleared, *base.as_base()]
-    zero = [f"--model.mup_base.{k}=0" for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers")]
+    zero = [f"--model.mup_base.{f.name}=0" for f in fields(MupBase)]
     return ["--model.parametrization=standard", "--model.mup_depth_exponent=1.0", *cleared, *zero]
 
 
