@@ -2,19 +2,25 @@
 
     python -m benchmarks.plan_calibration [--efficiency E]
 
-Reads `benchmarks/calibration/published.csv` (one row per published bf16 run whose layout nanotron can express:
-source, GPU, model, FSDP/TP/PP/CP degrees, sequence length, local and global batch, activation checkpointing,
-compile, published tokens/s per GPU and peak memory) and plans each with `nanotron plan`'s step estimate
-(`estimate_step`) at each GPU's default efficiency (`nanotron plan`'s, itself the median this script reports:
-re-derive it when rows are added) or at `--efficiency`. Writes
-`benchmarks/results/plan-calibration.{csv,md}`: planned / published tokens/s per GPU, and the efficiency that
-would make the plan equal the published figure (solved, since communication does not scale with it), with the
-median per GPU type; and the plan's memory of the worst rank against the published peak where one is given.
+Reads `benchmarks/calibration/published.csv` (one row per published run whose layout nanotron can express:
+source, GPU, model, FSDP/TP/PP/CP degrees, sequence length, local batch (sequences per data-parallel rank per
+step), pipeline microbatches and schedule, global batch, activation checkpointing, compile, precision, published
+tokens/s per GPU and peak memory, the capacity of the GPUs it ran on, and `zero_stage`: the nanotron ZeRO stage
+that does what the run's FSDP did — 3 (parameters freed after forward: torchtitan's default) or 1 (parameters
+kept gathered and gradients reduced once per step: torchtitan's FSDP under pipeline parallelism)). Each row is
+planned with `nanotron plan`'s step estimate (`estimate_step`) at each GPU's default efficiency (`nanotron plan`'s,
+itself the median this script reports: re-derive it when rows are added) or at `--efficiency`. Writes
+`benchmarks/results/plan-calibration.{csv,md}`: planned / published tokens/s per GPU and the efficiency that would
+make the plan equal the published figure (solved, since communication does not scale with it) for the bf16 runs,
+with the median per GPU type; the plan's memory of the worst rank against the published peak for every run that
+gives one (Float8 runs too: Table 1 of torchtitan's December 2024 page shows Float8 moving the peak by 0.2 GiB),
+its median overall and per activation-checkpointing mode, and whether the plan would refuse a run that ran.
 
 Approximations, printed in the table: selective activation checkpointing (torchtitan's default, which keeps every
 other matmul output) is planned as nanotron's `parallelism.recompute = "selective"` (which keeps all of them: the
 same time, its element-wise reruns at the GPU's memory bandwidth, and less memory saved); torch.compile is not
-modelled (the compiled and eager rows of one setup share a plan; their ratio is the compile speed-up).
+modelled (the compiled and eager rows of one setup share a plan; their ratio is the compile speed-up); the published
+peaks are torchtitan's reserved memory (the caching allocator's), the plan counts allocated bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ CASES = REPO / "benchmarks" / "calibration" / "published.csv"
 MODELS = {  # Llama 3.1 shapes (Meta's params.json), untied embeddings
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8),
     "llama3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
+    "llama3.1-405b": dict(hidden_size=16384, intermediate_size=53248, num_layers=126, num_heads=128, num_kv_heads=8),
 }
 COLUMNS = (
     "case",
@@ -44,21 +51,30 @@ COLUMNS = (
     "published GiB",
     "planned GiB",
     "memory planned / published",
+    "plan fits",
 )
 
 
 def config(case: dict):
     world, fsdp, tp, pp, cp = (int(case[k]) for k in ("world", "fsdp", "tp", "pp", "cp"))
     dp = world // (tp * pp * cp)
+    micro_batch = int(case["local_batch"]) // int(case["microbatches"])
     pairs = [(f"model.{k}", str(v)) for k, v in MODELS[case["model"]].items()]
     pairs += [("model.vocab_size", "128256"), ("model.max_seq_len", case["seq_len"])]
     pairs += [("parallelism.dp", str(dp)), ("parallelism.tp", str(tp)), ("parallelism.pp", str(pp))]
-    pairs += [("parallelism.cp", str(cp)), ("parallelism.zero_stage", "3")]
+    pairs += [("parallelism.cp", str(cp)), ("parallelism.zero_stage", case["zero_stage"])]
     pairs += [("parallelism.dp_shard", str(fsdp if fsdp < dp else 0))]
     pairs += [("parallelism.recompute", case["recompute"])]
-    pairs += [("training.seq_len", case["seq_len"]), ("training.micro_batch_size", case["local_batch"])]
-    pairs += [("training.global_batch_size", case["global_batch"]), ("training.dtype", "bfloat16")]
+    pairs += [("parallelism.pp_engine", case["pp_schedule"])] if case["pp_schedule"] else []
+    pairs += [("training.seq_len", case["seq_len"]), ("training.micro_batch_size", str(micro_batch))]
+    pairs += [("training.global_batch_size", case["global_batch"]), ("training.grad_accum_steps", "0")]
+    pairs += [("training.dtype", "bfloat16")]
     return load_config(None, pairs, world_size=world)
+
+
+def speed_cases(cases: list[dict]) -> list[dict]:
+    """The rows whose speed nanotron can be held to: bf16 runs with a published tokens/s."""
+    return [c for c in cases if c["precision"] == "bf16" and c["tokens_per_s_per_gpu"]]
 
 
 def planned_per_gpu(case: dict, efficiency: float | None = None) -> float:
@@ -82,41 +98,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--efficiency", type=float, default=None, help="default: each GPU's, as nanotron plan")
     args = parser.parse_args()
-    rows, by_gpu = [], {}
+    rows, speed, memory_ratios = [], {}, {}
     with open(CASES, newline="") as f:
         cases = list(csv.DictReader(f))
+    timed = {c["case"] for c in speed_cases(cases)}
     for case in cases:
-        published = float(case["tokens_per_s_per_gpu"])
-        planned = planned_per_gpu(case, args.efficiency)
-        efficiency = matching_efficiency(case, published)
-        memory = worst_stage(config(case))[1]["total"] / GIB
-        memory_ratio = memory / float(case["memory_gib"]) if case["memory_gib"] else None
-        by_gpu.setdefault(case["gpu"], []).append((planned / published, efficiency, memory_ratio))
+        row = {"case": case["case"], "gpu": case["gpu"]}
         layout = f"fsdp {case['fsdp']} tp {case['tp']} pp {case['pp']} cp {case['cp']}, lbs {case['local_batch']}"
-        layout += f", seq {case['seq_len']}, AC {case['recompute']}"
+        layout += f" in {case['microbatches']} {case['pp_schedule']} microbatches" if case["pp_schedule"] else ""
+        layout += f", seq {case['seq_len']}, AC {case['recompute']}, zero {case['zero_stage']}"
         layout += ", compile" if case["compile"] == "true" else ""
+        layout += f", {case['precision']}" if case["precision"] != "bf16" else ""
+        row["layout"] = layout
+        if case["case"] in timed:
+            published = float(case["tokens_per_s_per_gpu"])
+            planned = planned_per_gpu(case, args.efficiency)
+            efficiency = matching_efficiency(case, published)
+            speed.setdefault(case["gpu"], []).append((planned / published, efficiency))
+            row |= {"published tok/s/GPU": published, "planned": round(planned)}
+            row |= {"planned / published": round(planned / published, 2), "efficiency to match": round(efficiency, 3)}
+        memory = worst_stage(config(case))[1]["total"] / GIB
+        fits = memory <= float(case["gpu_memory_gib"])
+        row |= {"planned GiB": round(memory, 1), "plan fits": "yes" if fits else "NO"}
+        if case["memory_gib"]:
+            ratio = memory / float(case["memory_gib"])
+            memory_ratios.setdefault(case["recompute"], []).append(ratio)
+            row |= {"published GiB": case["memory_gib"], "memory planned / published": round(ratio, 2)}
+        rows.append(row)
+    for gpu, values in speed.items():
         rows.append(
             {
-                "case": case["case"],
-                "gpu": case["gpu"],
-                "layout": layout,
-                "published tok/s/GPU": published,
-                "planned": round(planned),
-                "planned / published": round(planned / published, 2),
-                "efficiency to match": round(efficiency, 3),
-                "published GiB": case["memory_gib"],
-                "planned GiB": round(memory, 1),
-                "memory planned / published": round(memory_ratio, 2) if memory_ratio else "",
-            }
-        )
-    for gpu, values in by_gpu.items():
-        rows.append(
-            {
-                "case": f"median ({len(values)} runs)",
+                "case": f"median ({len(values)} bf16 runs)",
                 "gpu": gpu,
                 "planned / published": round(statistics.median(v[0] for v in values), 2),
                 "efficiency to match": round(statistics.median(v[1] for v in values), 3),
-                "memory planned / published": round(statistics.median(v[2] for v in values if v[2]), 2),
+            }
+        )
+    groups = {f"AC {mode}": values for mode, values in memory_ratios.items()}
+    groups["all"] = [ratio for values in memory_ratios.values() for ratio in values]
+    for name, values in groups.items():
+        spread = f"{min(values):.2f}-{max(values):.2f}"
+        rows.append(
+            {
+                "case": f"memory median ({len(values)} runs, {name})",
+                "layout": f"range {spread}",
+                "memory planned / published": round(statistics.median(values), 2),
             }
         )
     print(f"planned at --efficiency {args.efficiency or 'of each GPU (nanotron plan default)'}")
