@@ -2,7 +2,7 @@
 
     python -m benchmarks.mup_transfer [--widths 32,64,128,256] [--depths 4,16] [--lrs=-11,-3] [--steps 200]
                                       [--wider-steps 600] [--seeds 3] [--lr-seeds 3] [--kv-heads N]
-                                      [--device cpu|cuda] [--preset cpu|gpu] [--workers 2] [--quick]
+                                      [--device cpu|cuda] [--preset cpu|gpu] [--workers 2] [--quick] [--resume]
     python -m benchmarks.mup_transfer --replot                      # the figures again from the CSV
     python -m benchmarks.mup_transfer --wider-only -6 --wider-steps 1000   # the loss-vs-width stage alone
 
@@ -32,25 +32,27 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
+import json
 import math
 import multiprocessing
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy
 
-from benchmarks.common import DEFAULT_WORK_DIR, RESULTS_DIR, markdown_table, write_csv
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, markdown_table, write_csv
 from benchmarks.inprocess import corpus_overrides, family_overrides, late_train_loss, train_run
 
 PARAMETRIZATIONS = ("standard", "mup")
 LABEL = {"standard": "standard", "mup": "µP"}
 
 
-def run_point(point: tuple[str, int, int, int, int, int], common: list[str], args: argparse.Namespace) -> dict:
-    """One (parametrization, width, depth, log2 lr, seed, steps) run, in this process; its row."""
+def point_overrides(point: tuple, common: list[str], args: argparse.Namespace) -> list[str]:
+    """The `nanotron train` overrides of one (parametrization, width, depth, log2 lr, seed, steps) run."""
     parametrization, width, depth, log2_lr, seed, steps = point
     lr = 2.0**log2_lr
     base_width = args.widths[0]
@@ -64,7 +66,7 @@ def run_point(point: tuple[str, int, int, int, int, int], common: list[str], arg
         f"--model.mup_base.layers={args.depths[0]}",
     ]
     heads = max(width // args.head_dim, 1)
-    overrides = [
+    return [
         *common,
         *family_overrides(width, depth, heads=heads, kv_heads=args.kv_heads or heads),
         *(mup if parametrization == "mup" else []),
@@ -74,22 +76,78 @@ def run_point(point: tuple[str, int, int, int, int, int], common: list[str], arg
         f"--training.steps={steps}",
         f"--optimizer.warmup_steps={max(steps // 10, 1)}",
     ]
+
+
+def run_point(point: tuple[str, int, int, int, int, int], common: list[str], args: argparse.Namespace) -> dict:
+    """One (parametrization, width, depth, log2 lr, seed, steps) run, in this process; its row."""
+    parametrization, width, depth, log2_lr, seed, steps = point
     started = time.perf_counter()
     name = f"transfer-{parametrization}-w{width}-d{depth}-lr{log2_lr}-s{seed}-n{steps}"
-    records, finished = train_run(name, overrides, args.work_dir)
+    records, finished = train_run(name, point_overrides(point, common, args), args.work_dir)
     loss = late_train_loss(records, finished)
-    return dict(parametrization=parametrization, width=width, depth=depth, log2_lr=log2_lr, lr=lr, seed=seed,
-                steps=steps, loss=loss, seconds=time.perf_counter() - started)  # fmt: skip
+    return dict(parametrization=parametrization, width=width, depth=depth, log2_lr=log2_lr, lr=2.0**log2_lr,
+                seed=seed, steps=steps, loss=loss, seconds=time.perf_counter() - started)  # fmt: skip
 
 
-def run_all(points: list[tuple], common: list[str], args: argparse.Namespace) -> list[dict]:
-    """Every point on `args.workers` processes, costliest first."""
+def source_digest() -> str:
+    """A hash of the code a run's result depends on (nanotron's sources and the in-process runner)."""
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "nanotron").rglob("*.py")) + [REPO / "benchmarks" / "inprocess.py"]:
+        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+class RunCache:
+    """--resume: finished runs' rows in `<work dir>/mup_transfer_runs.jsonl`, each under a key of its overrides
+    and the code's hash, so a sweep stopped part-way reruns only what is missing — and nothing measured by other
+    code or with other settings is reused."""
+
+    def __init__(self, common: list[str], args: argparse.Namespace):
+        self.path, self.common, self.args, self.code = args.work_dir / "mup_transfer_runs.jsonl", common, args, ""
+        self.rows: dict[str, dict] = {}
+        if args.resume:
+            self.code = source_digest()
+            if self.path.exists():
+                for line in self.path.read_text().splitlines():
+                    entry = json.loads(line)
+                    self.rows[entry["key"]] = entry["row"]
+
+    def key(self, point: tuple) -> str:
+        text = json.dumps([self.code, point_overrides(point, self.common, self.args)])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def get(self, point: tuple) -> dict | None:
+        return self.rows.get(self.key(point)) if self.args.resume else None
+
+    def put(self, point: tuple, row: dict) -> None:
+        if self.args.resume:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"key": self.key(point), "row": row}) + "\n")
+
+
+def run_all(points: list[tuple], common: list[str], args: argparse.Namespace, workers: int | None = None) -> list[dict]:
+    """Every point on `workers` (default --workers) processes, costliest first; with --resume, the points a
+    previous invocation finished with the same code and settings are read back instead of run."""
+    cache = RunCache(common, args)
     points = sorted(points, key=lambda p: -(p[1] ** 2) * p[2] * p[5])
-    if args.workers == 1:
-        return [run_point(point, common, args) for point in points]
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        return list(pool.map(run_point, points, [common] * len(points), [args] * len(points)))
+    rows = {point: cache.get(point) for point in points}
+    todo = [point for point, row in rows.items() if row is None]
+    if len(todo) < len(points):
+        print(f"  --resume: {len(points) - len(todo)} of {len(points)} runs read back from {cache.path}", flush=True)
+    workers = workers or args.workers
+    if workers == 1:
+        for point in todo:
+            rows[point] = run_point(point, common, args)
+            cache.put(point, rows[point])
+    elif todo:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = {pool.submit(run_point, point, common, args): point for point in todo}
+            for future in as_completed(futures):
+                rows[futures[future]] = future.result()
+                cache.put(futures[future], rows[futures[future]])
+    return [rows[point] for point in points]
 
 
 def seed_losses(rows: list[dict], parametrization: str, width: int, depth: int, steps: int) -> dict[int, list]:
@@ -363,7 +421,7 @@ def wider_only(args, common: list[str], width_depth: int, log2_lr: int) -> int:
     started, n = time.perf_counter(), args.wider_steps
     points = [("mup", w, width_depth, log2_lr, s, n) for w in args.widths for s in range(args.seeds)]
     points += [("standard", w, width_depth, log2_lr, 0, n) for w in args.widths[1:]]
-    rows = [run_point(points[0], common, args)]  # alone first: it tokenizes the corpus the workers then read
+    rows = run_all(points[:1], common, args, workers=1)  # alone first: it tokenizes the corpus the workers read
     rows += run_all(points[1:], common, args)
     lines = wider_is_better(rows, args, width_depth, log2_lr, n, target=True)
     for p in ("mup", "standard"):
@@ -445,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep each finished run's row in --work-dir and read back those of an earlier invocation with the "
+        "same settings and the same code (a long sweep stopped part-way reruns only what is missing)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.widths, args.depths, args.lrs, args.steps, args.workers, args.seeds = "32,64", "1,2", "-7,-6", 3, 1, 2
@@ -482,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
               for lr in grid]  # fmt: skip
     started = time.perf_counter()
     # The first run alone, in this process: it tokenizes the corpus into the cache the workers then read.
-    rows = [run_point(points[0], common, args)]
+    rows = run_all(points[:1], common, args, workers=1)
     rows += run_all(points[1:], common, args)
     for w, d in sizes:
         for p in PARAMETRIZATIONS:

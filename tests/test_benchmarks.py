@@ -195,3 +195,23 @@ def test_the_best_lr_interval_comes_from_resampling_the_seeds():
     low, high = best_lr_interval(disagree)
     assert -8.0 <= low < -6.2 and -5.8 < high <= -4.0
     assert best_lr_interval({x: [parabola(x)] for x in range(-9, -2)}) is None
+
+
+def test_a_resumed_sweep_reads_back_only_runs_of_the_same_settings_and_code(tmp_path, monkeypatch):
+    """--resume keeps each finished run's row; a later invocation reads back a run only when its overrides and
+    nanotron's code are unchanged (a stale row from other code would silently pass for a measurement)."""
+    import argparse
+
+    from benchmarks import mup_transfer
+
+    args = argparse.Namespace(widths=[32, 64], depths=[4, 16], head_dim=16, kv_heads=None, work_dir=tmp_path,
+                              resume=True)  # fmt: skip
+    point, row = ("mup", 64, 4, -6, 0, 200), {"loss": 4.5}
+    mup_transfer.RunCache(["--a=1"], args).put(point, row)
+    assert mup_transfer.RunCache(["--a=1"], args).get(point) == row
+    assert mup_transfer.RunCache(["--a=1"], args).get(("mup", 64, 4, -6, 1, 200)) is None  # another seed
+    assert mup_transfer.RunCache(["--a=2"], args).get(point) is None  # other settings
+    assert mup_transfer.RunCache(["--a=1"], argparse.Namespace(**vars(args) | {"widths": [16, 64]})).get(point) is None
+    monkeypatch.setattr(mup_transfer, "source_digest", lambda: "other code")
+    assert mup_transfer.RunCache(["--a=1"], args).get(point) is None
+    assert mup_transfer.RunCache(["--a=1"], argparse.Namespace(**vars(args) | {"resume": False})).get(point) is None
