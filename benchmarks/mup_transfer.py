@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import hashlib
 import json
 import math
@@ -89,8 +90,10 @@ def run_point(point: tuple[str, int, int, int, int, int], common: list[str], arg
                 seed=seed, steps=steps, loss=loss, seconds=time.perf_counter() - started)  # fmt: skip
 
 
+@functools.cache
 def source_digest() -> str:
-    """A hash of the code a run's result depends on (nanotron's sources and the in-process runner)."""
+    """A hash of the code a run's result depends on (nanotron's sources and the in-process runner), taken once:
+    at the sweep's start, when its processes import that code (an edit during the sweep does not relabel it)."""
     digest = hashlib.sha256()
     for path in sorted((REPO / "nanotron").rglob("*.py")) + [REPO / "benchmarks" / "inprocess.py"]:
         digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
