@@ -44,6 +44,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy
+import torch
 
 from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, markdown_table, write_csv
 from benchmarks.inprocess import corpus_overrides, family_overrides, late_train_loss, train_run
@@ -145,7 +146,7 @@ def run_all(points: list[tuple], common: list[str], args: argparse.Namespace, wo
             cache.put(point, rows[point])
     elif todo:
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
             futures = {pool.submit(run_point, point, common, args): point for point in todo}
             for future in as_completed(futures):
                 rows[futures[future]] = future.result()
