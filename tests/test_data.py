@@ -3,11 +3,13 @@ samples, exact resume, fixed eval batches, and one-line errors for damaged or ov
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -428,9 +430,18 @@ def test_a_token_id_beyond_the_vocabulary_is_one_line(workspace, tok, tmp_path, 
     tokens.tofile(shard)
     corpus = prepare_data(config(workspace, directory))
     loader = build_train_loader(corpus, training(), seed=0, dp=1, dp_rank=0, num_workers=num_workers)
-    with pytest.raises(DataError) as info:
-        for batch in take_forever(loader):
-            del batch
+    gc.disable()  # the workers must end when the error is raised, not whenever a garbage collection runs
+    try:
+        with pytest.raises(DataError) as info:
+            for batch in take_forever(loader):
+                del batch
+        # They ignore stop signals, so a worker left behind hangs the process's exit (it joins its children).
+        deadline = time.monotonic() + 10
+        while multiprocessing.active_children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not multiprocessing.active_children()
+    finally:
+        gc.enable()
     message = str(info.value)
     assert "\n" not in message, message
     assert f"token file '{shard}'" in message and "id 60000" in message and "vocabulary of 300" in message

@@ -8,6 +8,7 @@ this costs O(log datasets) integer work, a Feistel permutation (microseconds) an
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -127,6 +128,9 @@ def loader_batches(loader: DataLoader) -> Iterator[torch.Tensor]:
         except DataError as error:
             lines = [line for line in str(error).splitlines() if line.strip()]
             message = lines[-1].split("DataError: ", 1)[-1]  # after "Caught DataError in DataLoader worker ..."
+            # The traceback's frames hold the iterator (and the error itself: a cycle only a garbage collection
+            # would free); cleared, the `del` below is its last reference.
+            traceback.clear_frames(error.__traceback__)
             break
         yield batch
     # Dropped before raising, so its worker processes are told to exit now: they ignore stop signals (the
