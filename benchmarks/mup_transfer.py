@@ -262,9 +262,62 @@ def tuned_standard(rows: list[dict], args, depth: int, base_lr: int, steps: int)
             for r in rows
             if (r["parametrization"], r["width"], r["depth"], r["steps"], r["seed"]) == key
         }
-        lrs[w] = min(seed0, key=seed0.get)
+        lrs[w] = min(seed0, key=lambda lr: seed0[lr] if math.isfinite(seed0[lr]) else math.inf)
         losses[w] = by_lr[lrs[w]]
     return losses, lrs
+
+
+def bracket_standard(rows: list[dict], args, common: list[str], depth: int, base_lr: int, steps: int) -> list[dict]:
+    """Standard parametrization tuned per width at this horizon without a sweep to start from: seed 0 at the LR
+    µP gives the width's hidden matrices (base LR - log2(width / base)) and the grid steps either side, then one
+    more step past whichever end is lowest until the lowest loss is inside the LRs run (a bracketed minimum, at
+    most --bracket-rounds extensions), then --seeds - 1 more seeds at that LR. Widths search in parallel."""
+    ran: dict[int, set[int]] = {}
+    for w in args.widths[1:]:
+        start = base_lr - round(math.log2(w / args.widths[0]))
+        ran[w] = {start - 1, start, start + 1}
+    todo = [("standard", w, depth, lr, 0, steps) for w, lrs in ran.items() for lr in sorted(lrs)]
+    for _ in range(args.bracket_rounds + 1):
+        done = {tuple(r[k] for k in ("parametrization", "width", "depth", "log2_lr", "seed", "steps")) for r in rows}
+        rows = rows + run_all([point for point in todo if point not in done], common, args)
+        todo = []
+        lrs = tuned_standard(rows, args, depth, base_lr, steps)[1]
+        for w in args.widths[1:]:
+            tried = {r["log2_lr"] for r in rows if (r["parametrization"], r["width"], r["depth"], r["steps"],
+                     r["seed"]) == ("standard", w, depth, steps, 0)}  # fmt: skip
+            for edge, step in ((min(tried), -1), (max(tried), 1)):
+                if lrs[w] == edge:
+                    todo.append(("standard", w, depth, edge + step, 0, steps))
+        if not todo:
+            break
+    else:
+        print("  standard tuned per width: a minimum still at the edge of its LRs after --bracket-rounds", flush=True)
+    lrs = tuned_standard(rows, args, depth, base_lr, steps)[1]
+    extra = [("standard", w, depth, lrs[w], s, steps) for w in args.widths[1:] for s in range(1, args.seeds)]
+    return rows + run_all(extra, common, args)
+
+
+def tuned_lines(rows: list[dict], args, depth: int, base_lr: int, steps: int) -> list[str]:
+    """Standard tuned per width against µP at the base's LR: the LRs, losses and gaps; each doubling's claim."""
+    losses, lrs = tuned_standard(rows, args, depth, base_lr, steps)
+    mup = width_losses(rows, args, "mup", depth, base_lr, steps)
+    gaps = []
+    for w in args.widths:
+        gap = statistics.fmean(mup[w]) - statistics.fmean(losses[w])
+        if min(len(mup[w]), len(losses[w])) > 1 and w != args.widths[0]:
+            se = (statistics.variance(mup[w]) / len(mup[w]) + statistics.variance(losses[w]) / len(losses[w])) ** 0.5
+            gaps.append(f"{w}: {gap:+.4f} ± {2 * se:.4f}")
+        else:
+            gaps.append(f"{w}: {gap:+.4f}")
+    return [
+        f"standard tuned per width ({steps} steps, its best LR per width "
+        + ", ".join(f"{w}: 2^{lrs[w]}" for w in args.widths)
+        + "): mean loss "
+        + ", ".join(f"{statistics.fmean(losses[w]):.4f}" for w in args.widths)
+        + f" over {len(losses[args.widths[-1]])} seed(s) per width; µP at the base's LR minus tuned standard "
+        + f"(± 2 s.e.): {', '.join(gaps)}",
+        f"standard tuned per doubling: {width_claim(losses, args.widths)}",
+    ]
 
 
 def wider_is_better(rows: list[dict], args, width_depth: int, log2_lr: int, steps: int, target: bool) -> list[str]:
@@ -421,22 +474,28 @@ def replot(args, width_depth: int) -> int:
 
 
 def wider_only(args, common: list[str], width_depth: int, log2_lr: int) -> int:
-    """The loss-vs-width stage alone at a given LR: µP over --seeds seeds per width, standard over one."""
+    """The loss-vs-width stage alone at a given LR: µP over --seeds seeds per width, standard over one (and, with
+    --tune-standard, at its own best LR per width over --seeds)."""
     started, n = time.perf_counter(), args.wider_steps
     points = [("mup", w, width_depth, log2_lr, s, n) for w in args.widths for s in range(args.seeds)]
     points += [("standard", w, width_depth, log2_lr, 0, n) for w in args.widths[1:]]
     rows = run_all(points[:1], common, args, workers=1)  # alone first: it tokenizes the corpus the workers read
     rows += run_all(points[1:], common, args)
+    if args.tune_standard:
+        rows = bracket_standard(rows, args, common, width_depth, log2_lr, n)
     lines = wider_is_better(rows, args, width_depth, log2_lr, n, target=True)
     for p in ("mup", "standard"):
         losses = width_losses(rows, args, p, width_depth, log2_lr, n)
         lines.append(f"{LABEL[p]} per doubling: {width_claim(losses, args.widths)}")
-    rows.sort(key=lambda r: (r["seed"], r["width"], r["parametrization"]))
+    if args.tune_standard:
+        lines += tuned_lines(rows, args, width_depth, log2_lr, n)
+    rows.sort(key=lambda r: (r["seed"], r["width"], r["parametrization"], r["log2_lr"]))
     write_csv(rows, args.out / f"mup_transfer_wider{n}.csv")
     elapsed = time.perf_counter() - started
+    tuned = ", standard also tuned per width by a bracketed LR search" if args.tune_standard else ""
     (args.out / f"mup_transfer_wider{n}.md").write_text(
-        f"{len(rows)} runs of {n} steps at lr 2^{log2_lr} (depth {width_depth}, head dim {args.head_dim}, batch 16 x "
-        f"64 tokens, warmup {max(n // 10, 1)}, cosine to lr/10); {elapsed / 60:.1f} min\n\n"
+        f"{len(rows)} runs of {n} steps at lr 2^{log2_lr}{tuned} (depth {width_depth}, head dim {args.head_dim}, "
+        f"batch 16 x 64 tokens, warmup {max(n // 10, 1)}, cosine to lr/10); {elapsed / 60:.1f} min\n\n"
         + "\n".join(f"- {line}" for line in lines)
         + "\n"
     )
@@ -505,6 +564,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the loss-vs-width stage, at this log2 LR and --wider-steps (no sweeps, no base grid): writes "
         "mup_transfer_wider<N>.csv/.md and wider-is-better-<N>.png",
     )
+    parser.add_argument(
+        "--tune-standard",
+        action="store_true",
+        help="with --wider-only: standard parametrization also tuned per width at --wider-steps (a bracketed LR "
+        "search per width from the LR µP gives its hidden matrices, then --seeds seeds at the best)",
+    )
+    parser.add_argument("--bracket-rounds", type=int, default=3, help="--tune-standard: extensions past an edge")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     parser.add_argument(
@@ -514,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         "same settings and the same code (a long sweep stopped part-way reruns only what is missing)",
     )
     args = parser.parse_args(argv)
+    if args.tune_standard and args.wider_only is None:
+        parser.error("--tune-standard: only with --wider-only (a full run tunes standard from its own sweep)")
     if args.quick:
         args.widths, args.depths, args.lrs, args.steps, args.workers, args.seeds = "32,64", "1,2", "-7,-6", 3, 1, 2
         args.wider_steps, args.lr_seeds = 4, 2
@@ -585,16 +653,7 @@ def main(argv: list[str] | None = None) -> int:
              for s in range(1, args.seeds)]  # fmt: skip
     rows += run_all(extra, common, args)
     lines += wider_is_better(rows, args, width_depth, base_lr, args.wider_steps, target=True)
-    losses, lrs = tuned_standard(rows, args, width_depth, base_lr, args.wider_steps)
-    mup = width_losses(rows, args, "mup", width_depth, base_lr, args.wider_steps)
-    gaps = ", ".join(f"{w}: {statistics.fmean(mup[w]) - statistics.fmean(losses[w]):+.4f}" for w in args.widths)
-    lines.append(
-        f"standard tuned per width ({args.wider_steps} steps, its best LR per width "
-        + ", ".join(f"{w}: 2^{lrs[w]}" for w in args.widths)
-        + "): mean loss "
-        + ", ".join(f"{statistics.fmean(losses[w]):.4f}" for w in args.widths)
-        + f" over {len(losses[args.widths[-1]])} seed(s) per width; µP at the base's LR minus tuned standard: {gaps}"
-    )
+    lines += tuned_lines(rows, args, width_depth, base_lr, args.wider_steps)
     rows.sort(key=lambda r: (r["steps"], r["seed"], r["depth"], r["width"], r["parametrization"], r["log2_lr"]))
     write_csv(rows, args.out / "mup_transfer.csv")
     markdown = markdown_table(table, list(table[0]))

@@ -215,3 +215,31 @@ def test_a_resumed_sweep_reads_back_only_runs_of_the_same_settings_and_code(tmp_
     monkeypatch.setattr(mup_transfer, "source_digest", lambda: "other code")
     assert mup_transfer.RunCache(["--a=1"], args).get(point) is None
     assert mup_transfer.RunCache(["--a=1"], argparse.Namespace(**vars(args) | {"resume": False})).get(point) is None
+
+
+def test_standard_tuned_at_the_long_horizon_brackets_its_best_lr(monkeypatch):
+    """--wider-only --tune-standard: each width's LR search walks past whichever end of its LRs is lowest until
+    the minimum is inside them (a tuned baseline, not the grid's edge), then runs the other seeds there."""
+    import argparse
+
+    from benchmarks import mup_transfer
+
+    best = {64: -9, 128: -4}  # one width's optimum below the start (-7), the other above it (-8)
+    runs = []
+
+    def fake_run_all(points, common, args, workers=None):
+        runs.extend(points)
+        return [dict(parametrization=p, width=w, depth=d, log2_lr=lr, seed=s, steps=n,
+                     loss=4.0 + 0.1 * (lr - best[w]) ** 2 + 0.01 * s) for p, w, d, lr, s, n in points]  # fmt: skip
+
+    monkeypatch.setattr(mup_transfer, "run_all", fake_run_all)
+    args = argparse.Namespace(widths=[32, 64, 128], seeds=3, bracket_rounds=6)
+    base = [dict(parametrization="mup", width=32, depth=4, log2_lr=-6, seed=s, steps=1000, loss=4.2) for s in range(3)]
+    rows = mup_transfer.bracket_standard(base, args, [], 4, -6, 1000)
+    losses, lrs = mup_transfer.tuned_standard(rows, args, 4, -6, 1000)
+    assert lrs == {32: -6, 64: -9, 128: -4}
+    assert {lr for _, w, _, lr, s, _ in runs if w == 64 and s == 0} == {-10, -9, -8, -7, -6}
+    assert {lr for _, w, _, lr, s, _ in runs if w == 128 and s == 0} == set(range(-9, -2))
+    assert sorted((w, lr, s) for _, w, _, lr, s, _ in runs if s > 0) == [(64, -9, 1), (64, -9, 2), (128, -4, 1),
+                                                                         (128, -4, 2)]  # fmt: skip
+    assert len(losses[64]) == len(losses[128]) == 3
