@@ -6,14 +6,14 @@ layouts) and how fast is it (tokens/s, TFLOP/s, MFU against the detected peak)?
 
 Every row is a fresh `python -m nanotron.train` of the ~1.1B model (TinyLlama's shape, seq 2048, bf16) on
 a synthetic corpus, with a warm-up and a sane LR (3e-4, cosine to 3e-5), and the same global batch so
-that losses compare step by step. One device: compile off and on, compile with selective recompute. With
-two or more: dp2 (NCCL, FSDP2 ZeRO-3, async checkpoints every `steps/2` steps), a resume from the middle
-checkpoint, and tp2 with compile and async TP, and cp2 (ring attention over NCCL). Then context
-parallelism's attention on one device (`benchmarks/cp_check.py`: float64 numerics of the ring's CUDA kernels,
-then its speed against SDPA).
+that losses compare step by step. One device: compile off and on, compile with selective recompute (every
+matmul output kept, and every other one). With two or more: dp2 (NCCL, FSDP2 ZeRO-3, async checkpoints every
+`steps/2` steps), a resume from the middle checkpoint, and tp2 with compile and async TP, and cp2 (ring
+attention over NCCL). Then context parallelism's attention on one device (`benchmarks/cp_check.py`: float64
+numerics of the ring's CUDA kernels, then its speed against SDPA).
 Each row is checked, and the command exits 1 if any check fails:
 - every loss finite, and the last loss below the first by at least 1 nat (the model learns);
-- compile, compile selective, dp2, tp2, cp2: step-1 loss within 1e-3 and the last 5 within 2e-2
+- compile, compile selective (both policies), dp2, tp2, cp2: step-1 loss within 1e-3 and the last 5 within 2e-2
   (relative) of the eager 1-device row (bf16 noise; a lost gradient is off by far more);
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran.
@@ -85,6 +85,9 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
     # against the compile row, its losses against eager.
     selective = ["--training.compile=true", "--parallelism.recompute=selective"]
     compile_ += [] if settings.quick else [Check("bf16 compile selective", 1, selective, "bf16 eager")]
+    # torchtitan's op-level policy (every other matmul kept), its default under compile.
+    every_other = [*selective, "--parallelism.selective_matmuls=every_other"]
+    compile_ += [] if settings.quick else [Check("bf16 compile selective every_other", 1, every_other, "bf16 eager")]
     # A mixture of experts of the same shape (8 experts, top 2, each a quarter of the MLP): the grouped GEMM path.
     moe = [*MOE, f"--model.moe.moe_intermediate_size={32 if settings.quick else 1408}"]
     rows = [Check("bf16 eager", 1, []), *compile_, Check("moe bf16", 1, moe)]

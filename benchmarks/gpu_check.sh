@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The first GPU run's check: numerics (finite, falling losses that agree across compile and layouts) and
 # speed (tokens/s, TFLOP/s and MFU against the detected peak, with the device name) of the ~1.1B model in
-# bf16. One GPU: compile off and on, compile with selective recompute, and an 8-expert MoE of the same
-# shape (about 5-7 minutes on an H100/H200, under 8). Two or more GPUs
+# bf16. One GPU: compile off and on, compile with selective recompute (both policies), and an 8-expert MoE of
+# the same shape (about 5-7 minutes on an H100/H200, under 8). Two or more GPUs
 # visible: also dp2 (NCCL, FSDP2) with async checkpoints and a resume, tp2 with compile and async TP, and cp2
 # (ring attention) and a mixture of experts at ep2 (NCCL all-to-all) against its one-GPU run. Context
 # parallelism's attention on one GPU: float64 numerics, then speed against SDPA; the experts' grouped GEMM

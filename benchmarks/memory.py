@@ -52,6 +52,11 @@ LAYOUTS: list[tuple[str, list[str], float | None]] = [
     ("pp2 interleaved_1f1b", ["--parallelism.pp=2", "--parallelism.pp_engine=interleaved_1f1b"], None),
     ("recompute full", ["--parallelism.recompute=full"], None),
     ("recompute selective", ["--parallelism.recompute=selective"], None),
+    (
+        "recompute selective every_other",
+        ["--parallelism.recompute=selective", "--parallelism.selective_matmuls=every_other"],
+        None,
+    ),
     ("tp2 recompute selective", ["--parallelism.tp=2", "--parallelism.recompute=selective"], None),
     ("tp4 recompute selective", ["--parallelism.tp=4", "--parallelism.recompute=selective"], None),
     ("bf16 dp2 zero1", ["--training.dtype=bfloat16", "--parallelism.dp=2", "--parallelism.zero_stage=1"], None),

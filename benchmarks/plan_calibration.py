@@ -16,11 +16,11 @@ with the median per GPU type; the plan's memory of the worst rank against the pu
 gives one (Float8 runs too: Table 1 of torchtitan's December 2024 page shows Float8 moving the peak by 0.2 GiB),
 its median overall and per activation-checkpointing mode, and whether the plan would refuse a run that ran.
 
-Approximations, printed in the table: selective activation checkpointing (torchtitan's default, which keeps every
-other matmul output) is planned as nanotron's `parallelism.recompute = "selective"` (which keeps all of them: the
-same time, its element-wise reruns at the GPU's memory bandwidth, and less memory saved); torch.compile is not
-modelled (the compiled and eager rows of one setup share a plan; their ratio is the compile speed-up); the published
-peaks are torchtitan's reserved memory (the caching allocator's), the plan counts allocated bytes.
+Selective activation checkpointing (torchtitan's default, its op-level policy: every other matmul output kept)
+is planned as nanotron's `parallelism.recompute = "selective"` with `selective_matmuls = "every_other"`, the same
+policy. Approximations, printed in the table: torch.compile is not modelled (the compiled and eager rows of one
+setup share a plan; their ratio is the compile speed-up); the published peaks are torchtitan's reserved memory
+(the caching allocator's), the plan counts allocated bytes.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def config(case: dict):
     pairs += [("parallelism.cp", str(cp)), ("parallelism.zero_stage", case["zero_stage"])]
     pairs += [("parallelism.dp_shard", str(fsdp if fsdp < dp else 0))]
     pairs += [("parallelism.recompute", case["recompute"])]
+    # torchtitan's selective AC is its op-level policy: every other matmul output kept.
+    pairs += [("parallelism.selective_matmuls", "every_other")] if case["recompute"] == "selective" else []
     pairs += [("parallelism.pp_engine", case["pp_schedule"])] if case["pp_schedule"] else []
     pairs += [("training.seq_len", case["seq_len"]), ("training.micro_batch_size", str(micro_batch))]
     pairs += [("training.global_batch_size", case["global_batch"]), ("training.grad_accum_steps", "0")]

@@ -79,6 +79,10 @@ LAYOUTS = (
     Layout("pp2 interleaved_1f1b", ("--parallelism.pp=2", "--parallelism.pp_engine=interleaved_1f1b"), microbatches=8),
     Layout("recompute", ("--parallelism.recompute=full",)),
     Layout("recompute selective", ("--parallelism.recompute=selective",)),
+    Layout(
+        "recompute selective every_other",
+        ("--parallelism.recompute=selective", "--parallelism.selective_matmuls=every_other"),
+    ),
     Layout("bf16", ("--training.dtype=bfloat16",)),
     Layout("compile", ("--training.compile=true",)),
     Layout("fused AdamW off", ("--optimizer.fused=false",)),

@@ -162,8 +162,9 @@ def planned_activations(layout: list[str]) -> float:
         ["--parallelism.recompute=selective"],
         ["--parallelism.recompute=selective", "--parallelism.recompute_every=2"],
         ["--parallelism.recompute=selective", "--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"],
+        ["--parallelism.recompute=selective", "--parallelism.selective_matmuls=every_other"],
     ],
-    ids=["selective", "selective-every-2", "tp2-sp-selective"],
+    ids=["selective", "selective-every-2", "tp2-sp-selective", "selective-every-other-matmul"],
 )
 def test_selective_recompute_keeps_activations_between_none_and_full_as_planned(
     layout, one_process, full_recompute, tiny_data, tmp_path

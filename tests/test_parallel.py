@@ -24,8 +24,8 @@ STEPS = 5
 RTOL = 1e-5
 STATS = "--logging.activation_stats_interval=2"  # act/* at steps 2 and 4 (not with compile: a config error)
 
-# (dp, tp, pp, extra overrides): every tp_mode, pp_engine, zero stage, HSDP, and recompute none/selective (full, as
-# recompute_layer=true, in the cp, ep and µP matrices).
+# (dp, tp, pp, extra overrides): every tp_mode, pp_engine, zero stage, HSDP, and recompute none/selective, keeping
+# all matmul outputs or every other one (full, as recompute_layer=true, in the cp, ep and µP matrices).
 LAYOUTS = [
     (2, 1, 1, []),
     (2, 1, 1, ["--parallelism.zero_stage=3"]),
@@ -43,6 +43,7 @@ LAYOUTS = [
         [
             "--parallelism.pp_engine=interleaved_1f1b",
             "--parallelism.recompute=selective",
+            "--parallelism.selective_matmuls=every_other",  # torchtitan's op-level policy
             "--parallelism.recompute_every=2",
             "--parallelism.tp_mode=all_reduce",
         ],

@@ -112,13 +112,13 @@ def test_search_works_when_the_configs_own_layout_is_larger_than_the_cluster():
 
 
 def test_search_keeps_each_layout_with_the_least_recompute_that_fits():
-    """none, then selective, then full: each is slower and only saves memory, so a layout appears once, with the
-    first mode that fits (large.toml on one 8-GPU node: memory forces recompute on some layouts)."""
+    """none, then selective, selective keeping every other matmul, then full: each is slower and only saves
+    memory, so a layout appears once, with the first mode that fits (large.toml on one 8-GPU node: memory
+    forces recompute on some layouts)."""
     import copy
 
-    from nanotron.config import RECOMPUTE_MODES
     from nanotron.plan.memory import worst_stage
-    from nanotron.plan.search import search
+    from nanotron.plan.search import RECOMPUTE_CHOICES, search
 
     gpu = parse_gpu("h100")
     found, _ = search(load_config("configs/large.toml", []), 8, 8, gpu, gpu.efficiency.default)
@@ -126,12 +126,13 @@ def test_search_keeps_each_layout_with_the_least_recompute_that_fits():
     for c in found:
         p, t = c.cfg.parallelism, c.cfg.training
         keys.append((p.dp, c.cfg.dp_shard_size, p.cp, p.ep, p.tp, p.pp, p.zero_stage, t.micro_batch_size))
-        for lighter in RECOMPUTE_MODES[: RECOMPUTE_MODES.index(p.recompute)]:  # what it would keep without it
+        chosen = RECOMPUTE_CHOICES.index((p.recompute, p.selective_matmuls))
+        for lighter, matmuls in RECOMPUTE_CHOICES[:chosen]:  # what it would keep without it
             other = copy.deepcopy(c.cfg)
-            other.parallelism.recompute = lighter
+            other.parallelism.recompute, other.parallelism.selective_matmuls = lighter, matmuls
             assert worst_stage(other)[1]["total"] > usable_bytes(gpu), (keys[-1], p.recompute, lighter)
     assert len(keys) == len(set(keys))
-    assert {c.cfg.parallelism.recompute for c in found} == set(RECOMPUTE_MODES)
+    assert {(c.cfg.parallelism.recompute, c.cfg.parallelism.selective_matmuls) for c in found} == set(RECOMPUTE_CHOICES)
 
 
 def test_zero_stages_change_gradients_and_working_copies_as_documented():

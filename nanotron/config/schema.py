@@ -70,6 +70,13 @@ class ParallelismConfig:
         "element-wise ops and the sequence all-gathers)",
         RECOMPUTE_MODES,
     )
+    selective_matmuls: str = _opt(
+        "all",
+        "which matmul outputs recompute='selective' keeps in each layer: all; or every_other (the 1st, 3rd, 5th and "
+        "7th of the layer's forward: q, v, gate and down kept, k, o and up rerun in backward; torchtitan's op-level "
+        "policy: less memory for 3 more matmuls per layer); the other recompute modes ignore it",
+        ("all", "every_other"),
+    )
     recompute_every: int = _opt(
         1, "apply parallelism.recompute to every k-th decoder layer (layers 0, k, 2k, ...); the others keep all", min=1
     )

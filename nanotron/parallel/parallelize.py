@@ -40,7 +40,7 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
         if ctx.device.type == "cuda":
             use_grouped_gemm(module)
         if p.recompute != "none":
-            apply_recompute(module, cfg.recompute_of)
+            apply_recompute(module, cfg.recompute_of, cfg.parallelism.selective_matmuls)
         if p.tp > 1 and p.tp_mode == "reduce_scatter" and not cfg.training.compile:
             apply_regather(module, lambda layer: cfg.recompute_of(layer) != "none")
         if cfg.training.compile:

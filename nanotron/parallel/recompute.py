@@ -5,7 +5,11 @@ full:      the layer keeps only its input; backward reruns its whole forward.
 selective: torch's selective checkpointing with one policy: keep what is expensive to recompute (matmul and
            attention outputs, reduce-scattered sequence shards, all-reduced outputs), rerun the cheap ops (RMSNorm,
            RoPE, SiLU and products, casts) and the sequence-parallel all-gathers, whose gathered copies are then
-           not kept (Megatron's re-gather in backward).
+           not kept (Megatron's re-gather in backward). With `parallelism.selective_matmuls = "every_other"`
+           only the odd-numbered matmuls of each layer's forward keep their outputs (q, v, gate, down); the even
+           ones (k, o, up) rerun with the cheap ops: torchtitan's op-level policy. The count starts at 0 in
+           each forward of a layer; torch records each op's choice then and replays it in the rerun (torch 2.13
+           does not ask the policy again), so the rerun makes the forward's choices.
 """
 
 from __future__ import annotations
@@ -49,14 +53,39 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-def apply_recompute(model: LlamaForCausalLM, mode_of: Callable[[int], str] = lambda layer: "full") -> None:
+# A linear layer's matmul (a projection); what selective_matmuls='every_other' counts. Attention's own batched
+# products (context parallelism's ring on CPU) are not projections and are not counted.
+PROJECTIONS = {aten.mm.default, aten.addmm.default}
+
+
+def _every_other_matmul_contexts():
+    """A fresh pair of selective-checkpoint contexts for one forward of a layer (torch asks for one per forward):
+    its matmul count starts at 0, and an even-numbered matmul is rerun in backward instead of kept."""
+    count = 0
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        nonlocal count
+        if op in PROJECTIONS and not ctx.is_recompute:
+            count += 1
+            if count % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _policy(ctx, op, *args, **kwargs)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_recompute(
+    model: LlamaForCausalLM, mode_of: Callable[[int], str] = lambda layer: "full", matmuls: str = "all"
+) -> None:
     """Hooks the layers in place (parameter names don't change), each as `mode_of(global index)` says
-    (`Config.recompute_of`): 'none', 'full' or 'selective'."""
+    (`Config.recompute_of`): 'none', 'full' or 'selective' (keeping `matmuls`: 'all' or 'every_other')."""
     for name, layer in model.model.layers.items():
         mode = mode_of(int(name))
         if mode == "none":
             continue
-        if mode == "selective":
+        if mode == "selective" and matmuls == "every_other":
+            checkpoint_in_place(layer, context_fn=_every_other_matmul_contexts)
+        elif mode == "selective":
             checkpoint_in_place(layer, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
         else:
             checkpoint_in_place(layer)

@@ -15,11 +15,11 @@ import copy
 import dataclasses
 import sys
 
-from nanotron.config import RECOMPUTE_MODES, Config, ParallelismConfig, load_config, parse_overrides
+from nanotron.config import Config, ParallelismConfig, load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
 from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
-from nanotron.plan.search import Candidate, reserve_bytes, search, shown_seconds, usable_bytes
+from nanotron.plan.search import RECOMPUTE_CHOICES, Candidate, reserve_bytes, search, shown_seconds, usable_bytes
 from nanotron.plan.timing import GPUS, UNCALIBRATED_EFFICIENCY, Efficiency, Gpu, estimate_step, parse_gpu
 
 ASSUMPTIONS = (
@@ -87,10 +87,11 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
         lines.append(f"| {pp_rank} | {cells} | {mem['total'] / GIB:.2f} | {fits} |")
     pp_rank, worst = worst_stage(cfg)
     by_mode = []
-    for mode in RECOMPUTE_MODES:
+    for mode, matmuls in RECOMPUTE_CHOICES:
         other = copy.deepcopy(cfg)
-        other.parallelism.recompute = mode
-        by_mode.append(f"{stage_memory(other, pp_rank)['activations'] / GIB:.2f} GiB {mode}")
+        other.parallelism.recompute, other.parallelism.selective_matmuls = mode, matmuls
+        label = recompute_label(other.parallelism, every=False)
+        by_mode.append(f"{stage_memory(other, pp_rank)['activations'] / GIB:.2f} GiB {label}")
     every = f" (on every {p.recompute_every}th layer)" if p.recompute_every > 1 else ""
     lines += [
         f"activations on pp rank {pp_rank} by parallelism.recompute{every}: {', '.join(by_mode)} "
@@ -148,8 +149,10 @@ def fit_line(cfg: Config, gpu: Gpu) -> str:
     )
 
 
-def recompute_label(p: ParallelismConfig) -> str:
-    return p.recompute + (f"/{p.recompute_every}" if p.recompute != "none" and p.recompute_every > 1 else "")
+def recompute_label(p: ParallelismConfig, every: bool = True) -> str:
+    """'selective(every_other)' for selective keeping every other matmul; '/k' on every k-th layer."""
+    label = p.recompute + ("(every_other)" if p.recompute == "selective" and p.selective_matmuls != "all" else "")
+    return label + (f"/{p.recompute_every}" if every and p.recompute != "none" and p.recompute_every > 1 else "")
 
 
 def fits(cfg: Config, gpu: Gpu) -> bool:

@@ -154,7 +154,8 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     selective: the input, plus what the policy keeps (`nanotron.parallel.recompute.KEPT`): the q/k/v, o, gate,
     up and down matmul outputs (o and down before their reduction: the full sequence), attention's output and
     log-sum-exp, and the reduce-scattered (or all-reduced) outputs of o and down; a mixture of experts keeps
-    its router's scores and each routed copy's and shared expert's matmul outputs.
+    its router's scores and each routed copy's and shared expert's matmul outputs. With
+    `selective_matmuls = "every_other"` the k, o and up outputs are not kept (rerun in backward).
     """
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
@@ -172,6 +173,9 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     reduced = (e * h / tp if sp > 1 else e * h) if tp > 1 else 0.0  # a row-parallel linear's reduced output
     kept_attention = e * (2 * h + 2 * kv) / tp + FP32 * m.num_heads / tp + e * h + reduced
     kept_mlp = 2 * e * i / tp + e * h + reduced
+    if p.selective_matmuls == "every_other":  # k, o (its pre-reduction output) and up are rerun
+        kept_attention -= e * kv / tp + e * h
+        kept_mlp -= e * i / tp
     layer_input = tokens * e * h / sp
     if is_moe_layer(m, index):
         moe = m.moe

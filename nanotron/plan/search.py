@@ -6,7 +6,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from nanotron.config import RECOMPUTE_MODES, Config, validate
+from nanotron.config import Config, validate
 from nanotron.errors import ConfigError
 from nanotron.plan.memory import worst_stage
 from nanotron.plan.timing import Gpu, StepEstimate, estimate_step
@@ -37,6 +37,8 @@ def layouts(base: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
                 yield from _variants(base, world, gpus_per_node, dp, cp, tp, pp)
 
 
+# (parallelism.recompute, selective_matmuls), least recompute first: each keeps less and reruns more.
+RECOMPUTE_CHOICES = (("none", "all"), ("selective", "all"), ("selective", "every_other"), ("full", "all"))
 MAX_CP = 32  # 128k tokens at 4k per rank; beyond it the ring's latency dominates
 
 
@@ -44,13 +46,14 @@ def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp
     for zero in (0, 1, 2, 3):
         hsdp = [d for d in divisors(dp) if 1 < d < dp and d * cp * tp <= gpus_per_node] if zero else []
         for dp_shard in [0, *hsdp]:
-            for recompute in RECOMPUTE_MODES:
+            for recompute, matmuls in RECOMPUTE_CHOICES:
                 for micro in MICRO_BATCH_SIZES:
                     for ep in expert_degrees(base, dp * cp):
                         cfg = copy.deepcopy(base)
                         p, t = cfg.parallelism, cfg.training
                         p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
                         p.recompute, p.recompute_every, p.recompute_layer = recompute, 1, False
+                        p.selective_matmuls = matmuls
                         t.micro_batch_size, t.grad_accum_steps, p.ep = micro, 0, ep
                         try:
                             validate(cfg, world)
@@ -68,8 +71,9 @@ def expert_degrees(base: Config, dp_cp: int) -> list[int]:
 def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: float) -> tuple[list[Candidate], int]:
     """(layouts that fit, fastest first; how many layouts were considered).
 
-    Of the recompute modes of one layout only the first that fits is kept (none, then selective, then full: each
-    is slower than the one before and buys only memory that the fitting one does not need)."""
+    Of the recompute modes of one layout only the first that fits is kept (none, then selective, selective
+    keeping every other matmul, then full: each is slower than the one before and buys only memory that the
+    fitting one does not need)."""
     fitting, considered, fitted = [], 0, set()
     for cfg in layouts(base, world, gpus_per_node):
         considered += 1

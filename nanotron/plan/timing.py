@@ -36,7 +36,7 @@ class Efficiency:
 # H100: the median and range of the efficiencies that reproduce six torchtitan bf16 runs (Llama 3.1 8B/70B,
 # 8-256 GPUs). H200 has the H100's compute die; no bf16 H200 run is in the set, so it takes the H100's figures.
 H100_EFFICIENCY = Efficiency(
-    0.38, 0.33, 0.47, "median of 6 published H100 runs (torchtitan), range 0.33-0.47", error=0.17
+    0.41, 0.36, 0.47, "median of 6 published H100 runs (torchtitan), range 0.36-0.47", error=0.11
 )
 
 
@@ -131,6 +131,9 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     modes = [cfg.recompute_of(i) for i in range(m.num_layers)]
     full, selective = modes.count("full"), modes.count("selective")
     recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
+    if p.selective_matmuls == "every_other":  # selective reruns the k, o and up projections too
+        rerun_matmuls = 2 * m.hidden_size * (m.num_kv_heads * m.head_dim + m.hidden_size + m.intermediate_size)
+        recompute_flops += tokens_step * selective * rerun_matmuls
     flops = model_flops + recompute_flops
     bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, n_micro, p.pp_stages_per_rank)
     # Selective recompute reruns element-wise ops only: memory-bound, charged at the GPU's memory bandwidth.
