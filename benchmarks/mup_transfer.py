@@ -25,7 +25,9 @@ every width reaches the same loss under µP (the wide models learn more slowly a
 narrow ones after ~300 steps). For it the base model's LR grid is run again at --wider-steps, and every width
 trains at the best LR of that sweep (µP over --seeds seeds), against standard parametrization both at that LR
 and tuned per width (its own sweep's best LR at each width and the grid steps either side, the best of those
-over --seeds seeds). --preset gpu: widths 128 -> 2048 (16x), heads of 64, 256-token sequences, on CUDA.
+over --seeds seeds). --wider-only LOG2_LR runs that stage alone at a given LR; with --tune-standard, standard
+is tuned per width there too, without a sweep: a bracketed LR search from the LR µP gives the width's hidden
+matrices. --preset gpu: widths 128 -> 2048 (16x), heads of 64, 256-token sequences, on CUDA.
 """
 
 from __future__ import annotations
