@@ -9,9 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from nanotron.config.engines import PP_ENGINES, PipelineEngine
+from nanotron.config.evaluation import EvalTaskConfig, EvaluationConfig
 from nanotron.config.model import PRESET_COMMON, PRESETS, ModelConfig, MoEConfig, MupBase, _opt
 
-__all__ = ["PP_ENGINES", "PRESET_COMMON", "PRESETS", "ModelConfig", "MoEConfig", "MupBase", "PipelineEngine"]
+__all__ = [
+    "PP_ENGINES",
+    "PRESET_COMMON",
+    "PRESETS",
+    "EvalTaskConfig",
+    "EvaluationConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "MupBase",
+    "PipelineEngine",
+]
 
 
 @dataclass
@@ -309,36 +320,6 @@ class StabilityConfig:
     )
     window_steps: int = _opt(1, "rollback: steps of samples skipped, ending with the spiking step's", min=1)
     max_rollbacks: int = _opt(3, "rollbacks in one run before it stops (exit code 4): spikes that keep coming", min=1)
-
-
-@dataclass
-class EvalTaskConfig:
-    """One `[[evaluation.tasks]]` table; on the command line `--evaluation.tasks=PATH,NAME=PATH`."""
-
-    name: str = _opt("", "the task's name in metrics (eval/<name>/acc); empty = the file's name without .jsonl")
-    path: str = _opt("", "a JSONL file of multiple-choice items (see README: Downstream evaluation)")
-
-    @staticmethod
-    def from_text(text: str) -> dict[str, str]:
-        name, equals, path = text.partition("=")
-        return {"name": name, "path": path} if equals else {"path": text}
-
-    @property
-    def task_name(self) -> str:
-        return self.name or Path(self.path).name.removesuffix(".jsonl").removesuffix(".json")
-
-
-@dataclass
-class EvaluationConfig:
-    """[evaluation]: downstream multiple-choice tasks scored by log-likelihood on the training layout."""
-
-    tasks: list[EvalTaskConfig] = _opt([], "[[evaluation.tasks]] tables with name and path (JSONL items)")
-    interval: int = _opt(0, "steps between downstream evaluations; 0 = with training.eval_interval", min=0)
-    max_items: int = _opt(0, "score only each task's first N items; 0 = all", min=0)
-    delimiter: str = _opt(" ", "text between the context and each choice (lm-evaluation-harness's target_delimiter)")
-    write_items: bool = _opt(
-        False, "also write each item's log-likelihoods to <run dir>/evaluation/step-N.jsonl at every evaluation"
-    )
 
 
 @dataclass
