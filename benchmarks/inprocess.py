@@ -44,7 +44,8 @@ def corpus_overrides(work_dir: Path, quick: bool, vocab_size: int = 1024) -> lis
 
 def train_run(name: str, args: list[str], work_dir: Path) -> tuple[list[dict], bool]:
     """Trains one run in this process; its metrics.jsonl records, and False if it diverged (stopped at a
-    non-finite loss or gradient: the records until then are kept). The trainer's output goes to train.log."""
+    non-finite loss or gradient: the records until then are kept). The trainer's output goes to train.log. A run
+    that ends early otherwise (a stop signal: the trainer saves and returns) raises: its loss is no result."""
     from nanotron.config import load_config, parse_overrides
     from nanotron.distributed import destroy_distributed
     from nanotron.errors import DivergenceError
@@ -66,6 +67,9 @@ def train_run(name: str, args: list[str], work_dir: Path) -> tuple[list[dict], b
             trainer.close()
             destroy_distributed()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = max((r["step"] for r in records if "loss" in r), default=0)
+    if finished and last < cfg.training.steps:  # a stop signal: the trainer saved and returned early
+        raise RuntimeError(f"{name}: stopped at step {last} of {cfg.training.steps} without diverging: not a result")
     return records, finished
 
 

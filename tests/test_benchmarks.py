@@ -243,3 +243,24 @@ def test_standard_tuned_at_the_long_horizon_brackets_its_best_lr(monkeypatch):
     assert sorted((w, lr, s) for _, w, _, lr, s, _ in runs if s > 0) == [(64, -9, 1), (64, -9, 2), (128, -4, 1),
                                                                          (128, -4, 2)]  # fmt: skip
     assert len(losses[64]) == len(losses[128]) == 3
+
+
+def test_a_run_stopped_by_a_signal_is_not_a_measurement(tmp_path, monkeypatch):
+    """The bug: a sweep run stopped by SIGTERM (the trainer saves and exits cleanly at step 410 of 1000) came back
+    as finished, its 'late loss' taken over the steps it had, and --resume kept that row for good."""
+    from benchmarks import inprocess
+
+    class Stopped:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def train(self):  # what the trainer leaves after a stop signal: the records up to the stop, no error
+            with open(self.cfg.run_dir / "metrics.jsonl", "w") as f:
+                f.writelines(f'{{"step": {s}, "loss": 4.0}}\n' for s in range(1, 5))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("nanotron.trainer.Trainer", Stopped)
+    with pytest.raises(RuntimeError, match="stopped at step 4 of 10"):
+        inprocess.train_run("stopped", ["--config", "configs/tiny.toml", "--training.steps=10"], tmp_path)
