@@ -274,11 +274,8 @@ def bracket_standard(rows: list[dict], args, common: list[str], depth: int, base
     µP gives the width's hidden matrices (base LR - log2(width / base)) and the grid steps either side, then one
     more step past whichever end is lowest until the lowest loss is inside the LRs run (a bracketed minimum, at
     most --bracket-rounds extensions), then --seeds - 1 more seeds at that LR. Widths search in parallel."""
-    ran: dict[int, set[int]] = {}
-    for w in args.widths[1:]:
-        start = base_lr - round(math.log2(w / args.widths[0]))
-        ran[w] = {start - 1, start, start + 1}
-    todo = [("standard", w, depth, lr, 0, steps) for w, lrs in ran.items() for lr in sorted(lrs)]
+    starts = {w: base_lr - round(math.log2(w / args.widths[0])) for w in args.widths[1:]}
+    todo = [("standard", w, depth, start + d, 0, steps) for w, start in starts.items() for d in (-1, 0, 1)]
     for _ in range(args.bracket_rounds + 1):
         done = {tuple(r[k] for k in ("parametrization", "width", "depth", "log2_lr", "seed", "steps")) for r in rows}
         rows = rows + run_all([point for point in todo if point not in done], common, args)
