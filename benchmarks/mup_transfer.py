@@ -5,6 +5,7 @@
                                       [--device cpu|cuda] [--preset cpu|gpu] [--workers 2] [--quick] [--resume]
     python -m benchmarks.mup_transfer --replot                      # the figures again from the CSV
     python -m benchmarks.mup_transfer --wider-only -6 --wider-steps 1000   # the loss-vs-width stage alone
+    python -m benchmarks.mup_transfer --wider-only base --lrs=-9,-5 --wider-steps 1000 --tune-standard
 
 For each parametrization, a learning-rate sweep (a log2 grid, --lr-seeds seeds per point) trains every width at
 the first depth and every depth at the first width of a model family (heads of --head-dim dims, so the head
@@ -25,7 +26,8 @@ every width reaches the same loss under µP (the wide models learn more slowly a
 narrow ones after ~300 steps). For it the base model's LR grid is run again at --wider-steps, and every width
 trains at the best LR of that sweep (µP over --seeds seeds), against standard parametrization both at that LR
 and tuned per width (its own sweep's best LR at each width and the grid steps either side, the best of those
-over --seeds seeds). --wider-only LOG2_LR runs that stage alone at a given LR; with --tune-standard, standard
+over --seeds seeds). --wider-only LOG2_LR runs that stage alone at a given LR (--wider-only base: at the best
+LR of the base's --lrs grid run first at --wider-steps, --lr-seeds seeds each); with --tune-standard, standard
 is tuned per width there too, without a sweep: a bracketed LR search from the LR µP gives the width's hidden
 matrices. --preset gpu: widths 128 -> 2048 (16x), heads of 64, 256-token sequences, on CUDA.
 """
@@ -472,27 +474,59 @@ def replot(args, width_depth: int) -> int:
     return 0
 
 
-def wider_only(args, common: list[str], width_depth: int, log2_lr: int) -> int:
-    """The loss-vs-width stage alone at a given LR: µP over --seeds seeds per width, standard over one (and, with
-    --tune-standard, at its own best LR per width over --seeds)."""
-    started, n = time.perf_counter(), args.wider_steps
-    points = [("mup", w, width_depth, log2_lr, s, n) for w in args.widths for s in range(args.seeds)]
-    points += [("standard", w, width_depth, log2_lr, 0, n) for w in args.widths[1:]]
+def point_of(row: dict) -> tuple:
+    return tuple(row[k] for k in ("parametrization", "width", "depth", "log2_lr", "seed", "steps"))
+
+
+def base_at_horizon(args, common: list[str], width_depth: int, grid: list[int]) -> tuple[list[dict], int, str]:
+    """The base model's LR grid at --wider-steps, --lr-seeds seeds per LR (the best LR moves with the horizon):
+    its runs, the grid LR nearest the fitted best (where every width then trains), and a sentence with the fit,
+    its 95% bootstrap interval and the grid minimum."""
+    n = args.wider_steps
+    points = [("mup", args.widths[0], width_depth, lr, s, n) for lr in grid for s in range(args.lr_seeds)]
     rows = run_all(points[:1], common, args, workers=1)  # alone first: it tokenizes the corpus the workers read
     rows += run_all(points[1:], common, args)
+    fit, grid_best = base_best_log2_lr(rows, args, width_depth, n)
+    interval = best_lr_interval(seed_losses(rows, "mup", args.widths[0], width_depth, n))
+    ci = f" [95% CI {interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
+    losses = " ".join(f"2^{x}: {y:.4f}" for x, y in curve(rows, "mup", args.widths[0], width_depth, n))
+    line = (
+        f"base model at {n} steps: best lr 2^{fit:.2f} fitted{ci} (grid minimum 2^{grid_best}; mean loss over "
+        f"{args.lr_seeds} seed(s) {losses}); every width trains at the grid LR nearest the fit, 2^{round(fit)}"
+    )
+    return rows, round(fit), line
+
+
+def wider_only(args, common: list[str], width_depth: int, log2_lr: int | str) -> int:
+    """The loss-vs-width stage alone at a given LR (or, for "base", at the best LR of the base's --lrs grid run
+    first at this horizon): µP over --seeds seeds per width, standard over one (and, with --tune-standard, at its
+    own best LR per width over --seeds)."""
+    started, n, rows, lines, stem = time.perf_counter(), args.wider_steps, [], [], f"{args.wider_steps}"
+    if log2_lr == "base":
+        first, last = (int(x) for x in args.lrs.split(","))
+        rows, log2_lr, line = base_at_horizon(args, common, width_depth, list(range(first, last + 1)))
+        lines.append(line)
+        stem += "-base"
+    points = [("mup", w, width_depth, log2_lr, s, n) for w in args.widths for s in range(args.seeds)]
+    points += [("standard", w, width_depth, log2_lr, 0, n) for w in args.widths[1:]]
+    points = [point for point in points if point not in {point_of(r) for r in rows}]
+    if not rows:
+        rows = run_all(points[:1], common, args, workers=1)  # alone first: it tokenizes the corpus the workers read
+        points = points[1:]
+    rows += run_all(points, common, args)
     if args.tune_standard:
         rows = bracket_standard(rows, args, common, width_depth, log2_lr, n)
-    lines = wider_is_better(rows, args, width_depth, log2_lr, n, target=True)
+    lines += wider_is_better(rows, args, width_depth, log2_lr, n, target=True)
     for p in ("mup", "standard"):
         losses = width_losses(rows, args, p, width_depth, log2_lr, n)
         lines.append(f"{LABEL[p]} per doubling: {width_claim(losses, args.widths)}")
     if args.tune_standard:
         lines += tuned_lines(rows, args, width_depth, log2_lr, n)
     rows.sort(key=lambda r: (r["seed"], r["width"], r["parametrization"], r["log2_lr"]))
-    write_csv(rows, args.out / f"mup_transfer_wider{n}.csv")
+    write_csv(rows, args.out / f"mup_transfer_wider{stem.replace('-', '_')}.csv")
     elapsed = time.perf_counter() - started
     tuned = ", standard also tuned per width by a bracketed LR search" if args.tune_standard else ""
-    (args.out / f"mup_transfer_wider{n}.md").write_text(
+    (args.out / f"mup_transfer_wider{stem.replace('-', '_')}.md").write_text(
         f"{len(rows)} runs of {n} steps at lr 2^{log2_lr}{tuned} (depth {width_depth}, head dim {args.head_dim}, "
         f"batch 16 x 64 tokens, warmup {max(n // 10, 1)}, cosine to lr/10); {elapsed / 60:.1f} min\n\n"
         + "\n".join(f"- {line}" for line in lines)
@@ -503,7 +537,7 @@ def wider_only(args, common: list[str], width_depth: int, log2_lr: int) -> int:
         import matplotlib
 
         matplotlib.use("Agg")
-        plot_wider(rows, args, width_depth, log2_lr, args.out / f"wider-is-better-{n}.png")
+        plot_wider(rows, args, width_depth, log2_lr, args.out / f"wider-is-better-{stem}.png")
     except ImportError:
         print("matplotlib missing (pip install -e '.[bench]'): no plot written")
     print(f"mup transfer (wider only): {len(rows)} runs in {elapsed / 60:.1f} min")
@@ -558,10 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--wider-only",
-        type=int,
-        metavar="LOG2_LR",
-        help="only the loss-vs-width stage, at this log2 LR and --wider-steps (no sweeps, no base grid): writes "
-        "mup_transfer_wider<N>.csv/.md and wider-is-better-<N>.png",
+        type=lambda text: text if text == "base" else int(text),
+        metavar="LOG2_LR|base",
+        help="only the loss-vs-width stage, at this log2 LR and --wider-steps (no sweeps): writes "
+        "mup_transfer_wider<N>.csv/.md and wider-is-better-<N>.png; 'base': at the best LR of the base model's "
+        "--lrs grid run first at --wider-steps (--lr-seeds seeds per LR; files named <N>_base, <N>-base)",
     )
     parser.add_argument(
         "--tune-standard",
@@ -630,15 +665,10 @@ def main(argv: list[str] | None = None) -> int:
         return write_sweep(rows, table, lines, args, width_depth, time.perf_counter() - started)
     # Wider is better, at its own horizon: the base's LR grid again, then every width at its best LR (µP over
     # --seeds seeds, since one run's noise is as large as a width doubling's gain; standard over one).
-    base = [("mup", args.widths[0], width_depth, lr, s, args.wider_steps) for lr in grid for s in range(args.lr_seeds)]
-    rows += run_all(base, common, args)
-    fit, grid_best = base_best_log2_lr(rows, args, width_depth, args.wider_steps)
-    base_lr = round(fit)
-    lines.append(
-        f"base model at {args.wider_steps} steps: best lr 2^{fit:.2f} fitted (grid minimum 2^{grid_best}); every "
-        f"width trains at the grid LR nearest the fit, 2^{base_lr}"
-    )
-    done = {(p, w, d, lr, s, n) for p, w, d, lr, s, n in base}
+    base, base_lr, line = base_at_horizon(args, common, width_depth, grid)
+    rows += base
+    lines.append(line)
+    done = {point_of(r) for r in base}
     wider = [("mup", w, width_depth, base_lr, s, args.wider_steps) for w in args.widths for s in range(args.seeds)]
     wider += [("standard", w, width_depth, base_lr, 0, args.wider_steps) for w in args.widths[1:]]
     # Standard parametrization tuned per width at this horizon: its own sweep's best LR at each width and the

@@ -245,6 +245,32 @@ def test_standard_tuned_at_the_long_horizon_brackets_its_best_lr(monkeypatch):
     assert len(losses[64]) == len(losses[128]) == 3
 
 
+def test_the_width_stage_at_the_base_models_best_lr_at_its_own_horizon(tmp_path, monkeypatch):
+    """--wider-only base: the base's LR grid runs first at --wider-steps (--lr-seeds seeds each); every width then
+    trains at the grid LR nearest its fitted best — the LR that is best at that horizon, not one given by hand."""
+    from benchmarks import mup_transfer
+
+    runs = []
+
+    def fake_run_all(points, common, args, workers=None):
+        runs.extend(points)  # the base's best LR at -7 (seeds disagree a little); wider is lower
+        return [dict(parametrization=p, width=w, depth=d, log2_lr=lr, lr=2.0**lr, seed=s, steps=n, seconds=1.0,
+                     loss=4.0 + 0.1 * (lr + 7.2) ** 2 - 0.1 * (w // 64) + 0.01 * s)
+                for p, w, d, lr, s, n in points]  # fmt: skip
+
+    monkeypatch.setattr(mup_transfer, "run_all", fake_run_all)
+    monkeypatch.setattr(mup_transfer, "corpus_overrides", lambda work_dir, quick: [])
+    argv = ["--wider-only", "base", "--widths", "32,64", "--depths", "4", "--lrs=-9,-5", "--lr-seeds", "2"]
+    argv += ["--seeds", "3", "--wider-steps", "1000", "--out", str(tmp_path), "--work-dir", str(tmp_path)]
+    assert mup_transfer.main(argv) == 0
+    base = [(lr, s) for p, w, _, lr, s, n in runs if w == 32]
+    assert sorted(base) == sorted({(lr, s) for lr in range(-9, -4) for s in range(2)} | {(-7, 2)})  # + 3rd seed
+    assert {lr for p, w, _, lr, s, n in runs if w == 64} == {-7} and len(runs) == len(set(runs))
+    summary = (tmp_path / "mup_transfer_wider1000_base.md").read_text()
+    assert "base model at 1000 steps: best lr 2^-7.20 fitted [95% CI" in summary and "nearest the fit, 2^-7" in summary
+    assert "1000 steps at the base's best lr 2^-7" in summary
+
+
 def test_a_run_stopped_by_a_signal_is_not_a_measurement(tmp_path, monkeypatch):
     """The bug: a sweep run stopped by SIGTERM (the trainer saves and exits cleanly at step 410 of 1000) came back
     as finished, its 'late loss' taken over the steps it had, and --resume kept that row for good."""
