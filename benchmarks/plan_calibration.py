@@ -1,6 +1,7 @@
 """`nanotron plan` against published GPU runs: the calibration set and the planner's ratio to it.
 
     python -m benchmarks.plan_calibration [--efficiency E]
+    python -m benchmarks.plan_calibration --search [CASE ...]   # the published layouts' ranks in --search
 
 Reads `benchmarks/calibration/published.csv` (one row per published run whose layout nanotron can express:
 source, GPU, model, FSDP/TP/PP/CP degrees, sequence length, local batch (sequences per data-parallel rank per
@@ -16,6 +17,13 @@ with the median per GPU type; the plan's memory of the worst rank against the pu
 gives one (Float8 runs too: Table 1 of torchtitan's December 2024 page shows Float8 moving the peak by 0.2 GiB),
 its median overall and per activation-checkpointing mode, and whether the plan would refuse a run that ran.
 
+Rows with `tp_comm_overlap = true` (Megatron-LM's weak-scaling runs, whose tensor-parallel communication
+overlaps compute; tokens/s derived from the published TFLOP/s with Megatron's FLOP count) are a cross-check:
+planned and reported with their published MFU, but not in the per-GPU efficiency, which comes from the runs
+whose TP traffic is exposed, as nanotron's is. `--search` runs `nanotron plan --search` on every published cell
+(model, GPUs, sequence, global batch) and reports where the published layout ranks:
+`benchmarks/results/plan-search-cells.{csv,md}` (minutes per 512-GPU cell).
+
 Selective activation checkpointing (torchtitan's default, its op-level policy: every other matmul output kept)
 is planned as nanotron's `parallelism.recompute = "selective"` with `selective_matmuls = "every_other"`, the same
 policy. Approximations, printed in the table: torch.compile is not modelled (the compiled and eager rows of one
@@ -27,19 +35,36 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import statistics
+import time
 
 from benchmarks.common import REPO, RESULTS_DIR, write_table
 from nanotron.config import load_config
+from nanotron.models.shapes import flops_per_token
+from nanotron.plan.cli import recompute_label
 from nanotron.plan.memory import GIB, worst_stage
+from nanotron.plan.search import search
 from nanotron.plan.timing import estimate_step, parse_gpu
 
 CASES = REPO / "benchmarks" / "calibration" / "published.csv"
+LLAMA = dict(vocab_size=128256)
 MODELS = {  # Llama 3.1 shapes (Meta's params.json), untied embeddings
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8),
     "llama3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
     "llama3.1-405b": dict(hidden_size=16384, intermediate_size=53248, num_layers=126, num_heads=128, num_kv_heads=8),
 }
+MODELS = {name: LLAMA | shape for name, shape in MODELS.items()}
+# Megatron-LM's weak-scaling GPT models (README table at commit f2e5db4, July 2024: vocab 131072, sequence 4096,
+# heads of 128, a 4h GeLU MLP; the parameter counts are the untied ones). The GeLU MLP's two 4h matrices are
+# planned as a SwiGLU of intermediate 8h/3 (to a multiple of 64): the same FLOPs and parameters within 0.5 %.
+GPT = {"1.7b": (2048, 24), "7.1b": (4096, 30), "16b": (6144, 32), "32b": (7168, 48), "70b": (8192, 84),
+       "119b": (10240, 92), "177b": (12288, 96), "314b": (16384, 96), "462b": (18432, 112)}  # fmt: skip
+MODELS |= {
+    f"megatron-gpt-{size}": dict(hidden_size=h, intermediate_size=round(8 * h / 3 / 64) * 64, num_layers=layers,
+                                 num_heads=h // 128, num_kv_heads=h // 128, vocab_size=131072)
+    for size, (h, layers) in GPT.items()
+}  # fmt: skip
 COLUMNS = (
     "case",
     "gpu",
@@ -48,6 +73,7 @@ COLUMNS = (
     "planned",
     "planned / published",
     "efficiency to match",
+    "published MFU",
     "published GiB",
     "planned GiB",
     "memory planned / published",
@@ -60,7 +86,7 @@ def config(case: dict):
     dp = world // (tp * pp * cp)
     micro_batch = int(case["local_batch"]) // int(case["microbatches"])
     pairs = [(f"model.{k}", str(v)) for k, v in MODELS[case["model"]].items()]
-    pairs += [("model.vocab_size", "128256"), ("model.max_seq_len", case["seq_len"])]
+    pairs += [("model.max_seq_len", case["seq_len"])]
     pairs += [("parallelism.dp", str(dp)), ("parallelism.tp", str(tp)), ("parallelism.pp", str(pp))]
     pairs += [("parallelism.cp", str(cp)), ("parallelism.zero_stage", case["zero_stage"])]
     pairs += [("parallelism.dp_shard", str(fsdp if fsdp < dp else 0))]
@@ -75,8 +101,22 @@ def config(case: dict):
 
 
 def speed_cases(cases: list[dict]) -> list[dict]:
-    """The rows whose speed nanotron can be held to: bf16 runs with a published tokens/s."""
+    """The rows whose speed nanotron's plan is held to (and its per-GPU efficiency derived from): bf16 runs with a
+    published tokens/s whose tensor-parallel communication was exposed, as nanotron's is."""
+    return [c for c in timed_cases(cases) if c["tp_comm_overlap"] != "true"]
+
+
+def timed_cases(cases: list[dict]) -> list[dict]:
+    """Every bf16 run with a published tokens/s, Megatron-LM's (TP communication overlapped) included."""
     return [c for c in cases if c["precision"] == "bf16" and c["tokens_per_s_per_gpu"]]
+
+
+def published_mfu(case: dict) -> float:
+    """The run's model FLOPs per second per GPU over the GPU's bf16 peak, FLOPs counted as `nanotron plan` counts
+    them (Megatron's convention: 6 per parameter a token meets and the full seq_len^2 attention)."""
+    cfg = config(case)
+    flops = float(case["tokens_per_s_per_gpu"]) * flops_per_token(cfg.model, cfg.training.seq_len)
+    return flops / (parse_gpu(case["gpu"]).peak_tflops * 1e12)
 
 
 def planned_per_gpu(case: dict, efficiency: float | None = None) -> float:
@@ -96,14 +136,79 @@ def matching_efficiency(case: dict, published: float) -> float:
     return (lo + hi) / 2
 
 
+def degrees(case: dict) -> tuple[int, int, int, int]:
+    tp, pp, cp = (int(case[k]) for k in ("tp", "pp", "cp"))
+    return int(case["world"]) // (tp * pp * cp), tp, pp, cp
+
+
+def search_cells(cases: list[dict], only: list[str]) -> list[dict]:
+    """`nanotron plan --search` on each published cell (model, GPUs, sequence, global batch): where the best
+    published layout (dp, tp, pp, cp; the fastest published one where a cell has several) ranks among the rows
+    the search lists (its best variant: ZeRO stage, shard group, recompute, micro batch) and among the distinct
+    dp x tp x pp x cp, its planned speed against the search's best, and the best's layout."""
+    cells: dict[tuple, list[dict]] = {}
+    for case in cases:
+        key = (case["model"], case["world"], case["seq_len"], case["global_batch"], case["gpu"])
+        cells.setdefault(key, []).append(case)
+    rows = []
+    for (model, world, seq, batch, gpu_name), members in cells.items():
+        if only and not {c["case"] for c in members} & set(only):
+            continue
+        best = max(members, key=lambda c: float(c["tokens_per_s_per_gpu"] or 0))
+        gpu = dataclasses.replace(parse_gpu(gpu_name), memory_gib=float(best["gpu_memory_gib"]))
+        started = time.perf_counter()
+        found, considered = search(config(best), int(world), 8, gpu, gpu.efficiency.default)
+        ranks = [i for i, c in enumerate(found, 1) if layout_degrees(c.cfg) == degrees(best)]
+        distinct = list(dict.fromkeys(layout_degrees(c.cfg) for c in found))  # each dp x tp x pp x cp once
+        top, mine = found[0].step, found[ranks[0] - 1].step if ranks else None
+        p = found[0].cfg.parallelism
+        rows.append(
+            {
+                "cell": f"{model} on {world} {gpu_name}, {batch} x {seq}",
+                "published layout": "dp {} tp {} pp {} cp {}".format(*degrees(best)),
+                "rank": f"{ranks[0]} of {len(found)}" if ranks else f"not listed (of {len(found)})",
+                "rank of its dp x tp x pp x cp": f"{distinct.index(degrees(best)) + 1} of {len(distinct)}"
+                if ranks
+                else "",
+                "planned / best": round(top.step_s / mine.step_s, 3) if mine else "",
+                "within error": ("yes" if mine.step_s <= top.step_s * (1 + gpu.efficiency.error) else "no")
+                if mine
+                else "",
+                "search's best": f"dp {p.dp} tp {p.tp} pp {p.pp} cp {p.cp}, {recompute_label(p)}, "
+                f"mb {found[0].cfg.training.micro_batch_size}, limit {top.limit}",
+                "target (top 3)": "met" if ranks and ranks[0] <= 3 else "MISSED",
+                "seconds": round(time.perf_counter() - started, 1),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def layout_degrees(cfg) -> tuple[int, int, int, int]:
+    p = cfg.parallelism
+    return p.dp, p.tp, p.pp, p.cp
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--efficiency", type=float, default=None, help="default: each GPU's, as nanotron plan")
+    parser.add_argument(
+        "--search",
+        nargs="*",
+        metavar="CASE",
+        help="instead: `nanotron plan --search` on each published cell (or the cells of these cases) and the rank "
+        "of the published layout in it: benchmarks/results/plan-search-cells.{csv,md}",
+    )
     args = parser.parse_args()
+    if args.search is not None:
+        with open(CASES, newline="") as f:
+            rows = search_cells(list(csv.DictReader(f)), args.search)
+        print(write_table(rows, list(rows[0]), RESULTS_DIR / "plan-search-cells"))
+        return
     rows, speed, memory_ratios = [], {}, {}
     with open(CASES, newline="") as f:
         cases = list(csv.DictReader(f))
-    timed = {c["case"] for c in speed_cases(cases)}
+    timed, overlapped = {c["case"] for c in speed_cases(cases)}, {}
     for case in cases:
         row = {"case": case["case"], "gpu": case["gpu"]}
         layout = f"fsdp {case['fsdp']} tp {case['tp']} pp {case['pp']} cp {case['cp']}, lbs {case['local_batch']}"
@@ -119,6 +224,13 @@ def main() -> None:
             speed.setdefault(case["gpu"], []).append((planned / published, efficiency))
             row |= {"published tok/s/GPU": published, "planned": round(planned)}
             row |= {"planned / published": round(planned / published, 2), "efficiency to match": round(efficiency, 3)}
+        if case in timed_cases([case]):
+            row["published MFU"] = round(published_mfu(case), 3)
+        if case in timed_cases([case]) and case["case"] not in timed:  # TP overlapped: a cross-check, not the fit
+            published, planned = float(case["tokens_per_s_per_gpu"]), planned_per_gpu(case, args.efficiency)
+            overlapped.setdefault(case["gpu"], []).append((planned / published, published_mfu(case)))
+            row |= {"published tok/s/GPU": published, "planned": round(planned)}
+            row |= {"planned / published": round(planned / published, 2)}
         memory = worst_stage(config(case))[1]["total"] / GIB
         fits = memory <= float(case["gpu_memory_gib"])
         row |= {"planned GiB": round(memory, 1), "plan fits": "yes" if fits else "NO"}
@@ -134,6 +246,18 @@ def main() -> None:
                 "gpu": gpu,
                 "planned / published": round(statistics.median(v[0] for v in values), 2),
                 "efficiency to match": round(statistics.median(v[1] for v in values), 3),
+            }
+        )
+    for gpu, values in overlapped.items():
+        ratios, mfus = [v[0] for v in values], [v[1] for v in values]
+        rows.append(
+            {
+                "case": f"median ({len(values)} runs, TP overlapped)",
+                "gpu": gpu,
+                "layout": f"planned / published {min(ratios):.2f}-{max(ratios):.2f}, "
+                f"MFU {min(mfus):.2f}-{max(mfus):.2f}",
+                "planned / published": round(statistics.median(ratios), 2),
+                "published MFU": round(statistics.median(mfus), 3),
             }
         )
     groups = {f"AC {mode}": values for mode, values in memory_ratios.items()}
