@@ -408,6 +408,30 @@ def test_megatron_runs_are_a_cross_check_whose_mfu_is_megatrons_own():
     assert not set(megatron) & {c["case"] for c in speed_cases(cases)}
 
 
+def test_the_published_layout_of_a_cell_is_ranked_where_the_search_lists_it():
+    """plan_calibration --search: a cell's published dp x tp x pp x cp ranks at its first row in `nanotron plan
+    --search`'s order (no earlier row has it), among the distinct layouts likewise; one row per cell."""
+    import csv
+    import dataclasses
+
+    from benchmarks.plan_calibration import CASES, config, degrees, layout_degrees, search_cells
+    from nanotron.plan.search import search
+
+    with open(CASES, newline="") as f:
+        cases = list(csv.DictReader(f))
+    case = next(c for c in cases if c["case"] == "tt-8b-fsdp2-cp4")  # 8 GPUs, 131k tokens: seconds
+    [row] = search_cells(cases, [case["case"]])
+    gpu = dataclasses.replace(parse_gpu("h100"), memory_gib=float(case["gpu_memory_gib"]))
+    found, _ = search(config(case), 8, 8, gpu, gpu.efficiency.default)
+    rank, total = (int(x) for x in row["rank"].split(" of "))
+    order = [layout_degrees(c.cfg) for c in found]
+    assert total == len(found) and order[rank - 1] == degrees(case) and degrees(case) not in order[: rank - 1]
+    distinct = list(dict.fromkeys(order))
+    assert row["rank of its dp x tp x pp x cp"] == f"{distinct.index(degrees(case)) + 1} of {len(distinct)}"
+    assert row["published layout"] == "dp 2 tp 1 pp 1 cp 4"
+    assert row["target (top 3)"] == ("met" if rank <= 3 else "MISSED")
+
+
 def test_calibration_memory_of_published_runs_is_what_results_reports():
     """The plan's worst-rank memory against every published peak in the calibration set (RESULTS quotes these):
     the median over the set within 10 %, and each run trained with full activation checkpointing within -15 % /
