@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nanotron.config import Config, validate
 from nanotron.errors import ConfigError
@@ -49,7 +49,9 @@ def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp
             for recompute, matmuls in RECOMPUTE_CHOICES:
                 for micro in MICRO_BATCH_SIZES:
                     for ep in expert_degrees(base, dp * cp):
-                        cfg = copy.deepcopy(base)
+                        # Only parallelism and training differ between candidates: the other sections (the model
+                        # among them, already resolved) are shared, not deep-copied (thousands of candidates).
+                        cfg = replace(base, parallelism=copy.copy(base.parallelism), training=copy.copy(base.training))
                         p, t = cfg.parallelism, cfg.training
                         p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
                         p.recompute, p.recompute_every, p.recompute_layer = recompute, 1, False
