@@ -8,6 +8,7 @@ in nanotron's Llama layer (derived from the code, validated against measured run
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -96,7 +97,33 @@ def _layer_ranges(num_layers: int, n_stages: int, costs: tuple[float, float, flo
     return split_layers(num_layers, n_stages, costs) if n_stages > 1 else [range(num_layers)]
 
 
+# While `shared_model()` is active (a `--search` planning thousands of layouts of one unchanged model), each
+# rank's stages are built once per (model, sequence, pipeline split, rank) and reused; None: nothing kept.
+_STAGES: dict | None = None
+
+
+@contextlib.contextmanager
+def shared_model():
+    """Plan many layouts of one model that nothing changes meanwhile: rank_stages' results are reused."""
+    global _STAGES
+    _STAGES = {}
+    try:
+        yield
+    finally:
+        _STAGES = None
+
+
 def rank_stages(cfg: Config, pp_rank: int) -> list[StageShape]:
+    if _STAGES is None:
+        return _rank_stages(cfg, pp_rank)
+    p = cfg.parallelism
+    key = (id(cfg.model), cfg.training.seq_len, cfg.num_stages, p.pp, p.pp_engine, pp_rank)
+    if key not in _STAGES:
+        _STAGES[key] = (cfg.model, _rank_stages(cfg, pp_rank))  # the model kept alive: its id stays its own
+    return _STAGES[key][1]
+
+
+def _rank_stages(cfg: Config, pp_rank: int) -> list[StageShape]:
     m, n = cfg.model, cfg.num_stages
     ranges = _layer_ranges(m.num_layers, n, stage_costs(m, cfg.training.seq_len))
     out = []

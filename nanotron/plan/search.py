@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from nanotron.config import Config, validate
 from nanotron.errors import ConfigError
-from nanotron.plan.memory import worst_stage
+from nanotron.plan.memory import shared_model, worst_stage
 from nanotron.plan.timing import Gpu, StepEstimate, estimate_step
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -77,16 +77,17 @@ def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: f
     keeping every other matmul, then full: each is slower than the one before and buys only memory that the
     fitting one does not need)."""
     fitting, considered, fitted = [], 0, set()
-    for cfg in layouts(base, world, gpus_per_node):
-        considered += 1
-        p, t = cfg.parallelism, cfg.training
-        layout = (p.dp, cfg.dp_shard_size, p.cp, p.ep, p.tp, p.pp, p.zero_stage, t.micro_batch_size)
-        if layout in fitted:
-            continue
-        pp_rank, memory = worst_stage(cfg)
-        if memory["total"] <= usable_bytes(gpu):
-            fitted.add(layout)
-            fitting.append(Candidate(cfg, pp_rank, memory, estimate_step(cfg, gpu, gpus_per_node, efficiency)))
+    with shared_model():  # every candidate shares base.model (see _variants), unchanged during the search
+        for cfg in layouts(base, world, gpus_per_node):
+            considered += 1
+            p, t = cfg.parallelism, cfg.training
+            layout = (p.dp, cfg.dp_shard_size, p.cp, p.ep, p.tp, p.pp, p.zero_stage, t.micro_batch_size)
+            if layout in fitted:
+                continue
+            pp_rank, memory = worst_stage(cfg)
+            if memory["total"] <= usable_bytes(gpu):
+                fitted.add(layout)
+                fitting.append(Candidate(cfg, pp_rank, memory, estimate_step(cfg, gpu, gpus_per_node, efficiency)))
     # Equal step times (communication hidden under compute) rank by what is measurable beyond them: the traffic
     # each GPU sends per step (hidden collectives still contend for links and SMs), then the memory headroom.
     fitting.sort(key=lambda c: (shown_seconds(c.step.step_s), round(c.step.traffic_gb, 1), c.memory["total"]))
