@@ -295,6 +295,26 @@ def test_cp_divides_activations_and_adds_the_kv_ring_to_the_step():
     assert step[2].comm["cp"].gb == pytest.approx(n_micro * m.num_layers * (4 * kv + 4 * kv + 2 * 4 * kv) / 1e9)
 
 
+def test_a_search_reuses_each_ranks_stages_without_changing_a_result(monkeypatch):
+    """--search builds each rank's stages once per (model, sequence, pipeline split, rank) while it plans one
+    model: every candidate's memory and step equal those planned without that reuse (interleaved, so a rank
+    runs several stages, and pp up to 8)."""
+    import contextlib
+
+    from nanotron.plan import search as search_module
+
+    base = load_config("configs/large.toml", [("parallelism.pp_engine", "interleaved_1f1b")])
+    gpu = parse_gpu("h100")
+
+    def planned():
+        found, considered = search_module.search(base, 16, 8, gpu, 0.41)
+        return considered, [(c.cfg.parallelism, c.cfg.training, c.pp_rank, c.memory, c.step.step_s) for c in found]
+
+    reused = planned()
+    monkeypatch.setattr(search_module, "shared_model", contextlib.nullcontext)
+    assert reused == planned() and len(reused[1]) > 50
+
+
 def test_search_offers_context_parallel_layouts_for_long_sequences():
     from nanotron.plan.search import layouts
 
