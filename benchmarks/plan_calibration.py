@@ -48,13 +48,16 @@ from nanotron.plan.search import search
 from nanotron.plan.timing import estimate_step, parse_gpu
 
 CASES = REPO / "benchmarks" / "calibration" / "published.csv"
-LLAMA = dict(vocab_size=128256)
-MODELS = {  # Llama 3.1 shapes (Meta's params.json), untied embeddings
-    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8),
-    "llama3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
-    "llama3.1-405b": dict(hidden_size=16384, intermediate_size=53248, num_layers=126, num_heads=128, num_kv_heads=8),
+MODELS = {  # Llama 3.1 shapes (Meta's params.json: vocabulary 128256), untied embeddings
+    name: dict(
+        hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads, num_kv_heads=8, vocab_size=128256
+    )
+    for name, (h, i, layers, heads) in {
+        "llama3.1-8b": (4096, 14336, 32, 32),
+        "llama3.1-70b": (8192, 28672, 80, 64),
+        "llama3.1-405b": (16384, 53248, 126, 128),
+    }.items()
 }
-MODELS = {name: LLAMA | shape for name, shape in MODELS.items()}
 # Megatron-LM's weak-scaling GPT models (README table at commit f2e5db4, July 2024: vocab 131072, sequence 4096,
 # heads of 128, a 4h GeLU MLP; the parameter counts are the untied ones). The GeLU MLP's two 4h matrices are
 # planned as a SwiGLU of intermediate 8h/3 (to a multiple of 64): the same FLOPs and parameters within 0.5 %.
@@ -108,7 +111,11 @@ def speed_cases(cases: list[dict]) -> list[dict]:
 
 def timed_cases(cases: list[dict]) -> list[dict]:
     """Every bf16 run with a published tokens/s, Megatron-LM's (TP communication overlapped) included."""
-    return [c for c in cases if c["precision"] == "bf16" and c["tokens_per_s_per_gpu"]]
+    return [c for c in cases if is_timed(c)]
+
+
+def is_timed(case: dict) -> bool:
+    return case["precision"] == "bf16" and bool(case["tokens_per_s_per_gpu"])
 
 
 def published_mfu(case: dict) -> float:
@@ -224,9 +231,9 @@ def main() -> None:
             speed.setdefault(case["gpu"], []).append((planned / published, efficiency))
             row |= {"published tok/s/GPU": published, "planned": round(planned)}
             row |= {"planned / published": round(planned / published, 2), "efficiency to match": round(efficiency, 3)}
-        if case in timed_cases([case]):
+        if is_timed(case):
             row["published MFU"] = round(published_mfu(case), 3)
-        if case in timed_cases([case]) and case["case"] not in timed:  # TP overlapped: a cross-check, not the fit
+        if is_timed(case) and case["case"] not in timed:  # TP overlapped: a cross-check, not the fit
             published, planned = float(case["tokens_per_s_per_gpu"]), planned_per_gpu(case, args.efficiency)
             overlapped.setdefault(case["gpu"], []).append((planned / published, published_mfu(case)))
             row |= {"published tok/s/GPU": published, "planned": round(planned)}
