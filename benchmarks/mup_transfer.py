@@ -279,7 +279,7 @@ def bracket_standard(rows: list[dict], args, common: list[str], depth: int, base
     starts = {w: base_lr - round(math.log2(w / args.widths[0])) for w in args.widths[1:]}
     todo = [("standard", w, depth, start + d, 0, steps) for w, start in starts.items() for d in (-1, 0, 1)]
     for _ in range(args.bracket_rounds + 1):
-        done = {tuple(r[k] for k in ("parametrization", "width", "depth", "log2_lr", "seed", "steps")) for r in rows}
+        done = {point_of(r) for r in rows}
         rows = rows + run_all([point for point in todo if point not in done], common, args)
         todo = []
         lrs = tuned_standard(rows, args, depth, base_lr, steps)[1]
@@ -509,7 +509,8 @@ def wider_only(args, common: list[str], width_depth: int, log2_lr: int | str) ->
         stem += "-base"
     points = [("mup", w, width_depth, log2_lr, s, n) for w in args.widths for s in range(args.seeds)]
     points += [("standard", w, width_depth, log2_lr, 0, n) for w in args.widths[1:]]
-    points = [point for point in points if point not in {point_of(r) for r in rows}]
+    done = {point_of(r) for r in rows}
+    points = [point for point in points if point not in done]
     if not rows:
         rows = run_all(points[:1], common, args, workers=1)  # alone first: it tokenizes the corpus the workers read
         points = points[1:]
