@@ -12,15 +12,17 @@ kept gathered and gradients reduced once per step: torchtitan's FSDP under pipel
 planned with `nanotron plan`'s step estimate (`estimate_step`) at each GPU's default efficiency (`nanotron plan`'s,
 itself the median this script reports: re-derive it when rows are added) or at `--efficiency`. Writes
 `benchmarks/results/plan-calibration.{csv,md}`: planned / published tokens/s per GPU and the efficiency that would
-make the plan equal the published figure (solved, since communication does not scale with it) for the bf16 runs,
-with the median per GPU type; the plan's memory of the worst rank against the published peak for every run that
+make the plan equal the published figure (solved, since communication does not scale with it) for the 16-bit
+runs, with the median per GPU type; the plan's memory of the worst rank against the published peak for every run that
 gives one (Float8 runs too: Table 1 of torchtitan's December 2024 page shows Float8 moving the peak by 0.2 GiB),
 its median overall and per activation-checkpointing mode, and whether the plan would refuse a run that ran.
 
 Rows with `tp_comm_overlap = true` (Megatron-LM's weak-scaling runs, whose tensor-parallel communication
 overlaps compute; tokens/s derived from the published TFLOP/s with Megatron's FLOP count) are a cross-check:
 planned and reported with their published MFU, but not in the per-GPU efficiency, which comes from the runs
-whose TP traffic is exposed, as nanotron's is. `--search` runs `nanotron plan --search` on every published cell
+whose TP traffic is exposed, as nanotron's is: torchtitan's on H100, Megatron-LM's April 2021 runs on A100
+(`mlm21-gpt-*`: before TP overlap; tokens/s from the published TFLOP/s with the paper's formula, which counts the
+recomputed forward). `--search` runs `nanotron plan --search` on every published cell
 (model, GPUs, sequence, global batch) and reports where the published layout ranks:
 `benchmarks/results/plan-search-cells.{csv,md}` (minutes per 512-GPU cell).
 
@@ -68,6 +70,17 @@ MODELS |= {
                                  num_heads=h // 128, num_kv_heads=h // 128, vocab_size=131072)
     for size, (h, layers) in GPT.items()
 }  # fmt: skip
+# Megatron-LM's April 2021 A100 weak-scaling GPT models (README table, images/cases_april2021.png, at commit 2120e31:
+# vocab 51200, sequence 2048, a 4h GeLU MLP planned as above; the head counts, not in the table, are the paper's:
+# Narayanan et al. 2021, Table 1 — they change no FLOPs and only the attention's memory).
+GPT_2021 = {"1.7b": (2304, 24, 24), "3.6b": (3072, 30, 32), "7.5b": (4096, 36, 32), "18b": (6144, 40, 48),
+            "39b": (8192, 48, 64), "76b": (10240, 60, 80), "145b": (12288, 80, 96), "310b": (16384, 96, 128),
+            "530b": (20480, 105, 128), "1t": (25600, 128, 160)}  # fmt: skip
+MODELS |= {
+    f"megatron2021-gpt-{size}": dict(hidden_size=h, intermediate_size=round(8 * h / 3 / 64) * 64, num_layers=layers,
+                                     num_heads=heads, num_kv_heads=heads, vocab_size=51200)
+    for size, (h, layers, heads) in GPT_2021.items()
+}  # fmt: skip
 COLUMNS = (
     "case",
     "gpu",
@@ -92,7 +105,7 @@ def config(case: dict):
     pairs += [("model.max_seq_len", case["seq_len"])]
     pairs += [("parallelism.dp", str(dp)), ("parallelism.tp", str(tp)), ("parallelism.pp", str(pp))]
     pairs += [("parallelism.cp", str(cp)), ("parallelism.zero_stage", case["zero_stage"])]
-    pairs += [("parallelism.dp_shard", str(fsdp if fsdp < dp else 0))]
+    pairs += [("parallelism.dp_shard", str(fsdp if fsdp < dp and case["zero_stage"] != "0" else 0))]  # 0: DDP
     pairs += [("parallelism.recompute", case["recompute"])]
     # torchtitan's selective AC is its op-level policy: every other matmul output kept.
     pairs += [("parallelism.selective_matmuls", "every_other")] if case["recompute"] == "selective" else []
@@ -104,18 +117,19 @@ def config(case: dict):
 
 
 def speed_cases(cases: list[dict]) -> list[dict]:
-    """The rows whose speed nanotron's plan is held to (and its per-GPU efficiency derived from): bf16 runs with a
+    """The rows whose speed nanotron's plan is held to (and its per-GPU efficiency derived from): 16-bit runs with a
     published tokens/s whose tensor-parallel communication was exposed, as nanotron's is."""
     return [c for c in timed_cases(cases) if c["tp_comm_overlap"] != "true"]
 
 
 def timed_cases(cases: list[dict]) -> list[dict]:
-    """Every bf16 run with a published tokens/s, Megatron-LM's (TP communication overlapped) included."""
+    """Every 16-bit run with a published tokens/s, Megatron-LM's H100 runs (TP communication overlapped) included."""
     return [c for c in cases if is_timed(c)]
 
 
 def is_timed(case: dict) -> bool:
-    return case["precision"] == "bf16" and bool(case["tokens_per_s_per_gpu"])
+    """A 16-bit run (bf16, or fp16 on an A100: the same peak) with a published tokens/s."""
+    return case["precision"] in ("bf16", "fp16") and bool(case["tokens_per_s_per_gpu"])
 
 
 def published_mfu(case: dict) -> float:
@@ -249,7 +263,7 @@ def main() -> None:
     for gpu, values in speed.items():
         rows.append(
             {
-                "case": f"median ({len(values)} bf16 runs)",
+                "case": f"median ({len(values)} 16-bit runs)",
                 "gpu": gpu,
                 "planned / published": round(statistics.median(v[0] for v in values), 2),
                 "efficiency to match": round(statistics.median(v[1] for v in values), 3),

@@ -38,6 +38,11 @@ class Efficiency:
 H100_EFFICIENCY = Efficiency(
     0.41, 0.36, 0.47, "median of 6 published H100 runs (torchtitan), range 0.36-0.47", error=0.11
 )
+# A100: the same over Megatron-LM's ten April 2021 weak-scaling runs (GPT 1.7B-1T, 32-3072 GPUs; TP exposed then,
+# as nanotron's is). The efficiency rises with the hidden size (0.44 at 2304, 0.63 at 20480): bigger GEMMs.
+A100_EFFICIENCY = Efficiency(
+    0.52, 0.44, 0.63, "median of 10 published A100 runs (Megatron-LM 2021), range 0.44-0.63", error=0.17
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class Gpu:
 GPUS = {
     "h100": Gpu("h100", 79.6, GPU_PEAKS["H100", ""].bf16, 360.0, 45.0, H100_EFFICIENCY, 3350.0),
     "h200": Gpu("h200", 139.8, GPU_PEAKS["H200", ""].bf16, 360.0, 45.0, H100_EFFICIENCY, 4800.0),
-    "a100": Gpu("a100", 79.2, GPU_PEAKS["A100", ""].bf16, 230.0, 22.0, hbm_gbps=2039.0),
+    "a100": Gpu("a100", 79.2, GPU_PEAKS["A100", ""].bf16, 230.0, 22.0, A100_EFFICIENCY, 2039.0),
 }
 
 
