@@ -3,7 +3,7 @@
     python -m benchmarks.mup_transfer [--widths 32,64,128,256] [--depths 4,16] [--lrs=-11,-3] [--steps 200]
                                       [--wider-steps 600] [--seeds 3] [--lr-seeds 3] [--kv-heads N]
                                       [--device cpu|cuda] [--preset cpu|gpu] [--workers 2] [--quick] [--resume]
-    python -m benchmarks.mup_transfer --replot                      # the figures again from the CSV
+    python -m benchmarks.mup_transfer --replot [--sweep-only]       # the figures again from the CSV
     python -m benchmarks.mup_transfer --wider-only -6 --wider-steps 1000   # the loss-vs-width stage alone
     python -m benchmarks.mup_transfer --wider-only base --lrs=-9,-5 --wider-steps 1000 --tune-standard
 
@@ -458,16 +458,31 @@ def plot_wider(rows: list[dict], args, width_depth: int, log2_lr: int, path: Pat
     plt.close(fig)
 
 
-def replot(args, width_depth: int) -> int:
-    """The figures again from a finished run's CSV (same analysis, no training)."""
-    with open(args.out / "mup_transfer.csv", newline="") as f:
-        rows = [
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return [
             {
                 k: (v if k == "parametrization" else float(v) if k in ("lr", "loss", "seconds") else int(v))
                 for k, v in r.items()
             }
             for r in csv.DictReader(f)
         ]
+
+
+def sweep_report(rows: list[dict], args, width_depth: int) -> tuple[list[dict], list[str]]:
+    """The LR sweeps' table (best LR per size with its interval) and summary lines, loss vs width at --steps."""
+    table, lines = analyse(rows, args, width_depth)
+    sweep_lr = round(base_best_log2_lr(rows, args, width_depth, args.steps)[0])
+    return table, lines + wider_is_better(rows, args, width_depth, sweep_lr, args.steps, target=False)
+
+
+def replot(args, width_depth: int) -> int:
+    """The figures again from a finished run's CSV (same analysis, no training); with --sweep-only, the sweep's
+    summary and figure from `mup_transfer_sweep.csv` (e.g. after adding a width's runs to it)."""
+    if args.sweep_only:
+        rows = read_rows(args.out / "mup_transfer_sweep.csv")
+        return write_sweep(rows, *sweep_report(rows, args, width_depth), args, width_depth, None)
+    rows = read_rows(args.out / "mup_transfer.csv")
     base_lr = round(base_best_log2_lr(rows, args, width_depth, args.wider_steps)[0])
     if not plot(rows, args, width_depth, base_lr):
         print("matplotlib missing (pip install -e '.[bench]'): no plot written")
@@ -545,13 +560,15 @@ def wider_only(args, common: list[str], width_depth: int, log2_lr: int | str) ->
     return 0
 
 
-def write_sweep(rows: list[dict], table: list[dict], lines: list[str], args, width_depth: int, elapsed: float) -> int:
-    """--sweep-only's outputs: every run, the best LR per size with its interval, the LR-transfer figure."""
+def write_sweep(rows: list[dict], table: list[dict], lines: list[str], args, width_depth: int, elapsed) -> int:
+    """--sweep-only's outputs: every run, the best LR per size with its interval, the LR-transfer figure
+    (`elapsed` None: re-analysed from the CSV by --replot)."""
     rows.sort(key=lambda r: (r["seed"], r["depth"], r["width"], r["parametrization"], r["log2_lr"]))
     write_csv(rows, args.out / "mup_transfer_sweep.csv")
+    took = "re-analysed from the CSV (--replot)" if elapsed is None else f"{elapsed / 60:.1f} min"
     (args.out / "mup_transfer_sweep.md").write_text(
         f"{len(rows)} runs: lr grid {args.lrs} at {args.steps} steps, {args.lr_seeds} seeds per point, width sweep "
-        f"at depth {width_depth}, depth sweep at width {args.widths[0]}; {elapsed / 60:.1f} min\n\n"
+        f"at depth {width_depth}, depth sweep at width {args.widths[0]}; {took}\n\n"
         + markdown_table(table, list(table[0]))
         + "\n\n"
         + "\n".join(f"- {line}" for line in lines)
@@ -585,7 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="2 widths, 2 depths, 2 LRs, 2 seeds, 3 steps, synthetic text"
     )
-    parser.add_argument("--replot", action="store_true", help="redraw the figures from --out's mup_transfer.csv")
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw the figures from --out's mup_transfer.csv (with --sweep-only: the sweep's summary and figure "
+        "from mup_transfer_sweep.csv)",
+    )
     parser.add_argument(
         "--sweep-only",
         action="store_true",
@@ -659,9 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in PARAMETRIZATIONS:
             losses = " ".join(f"{y:.3f}" for _, y in curve(rows, p, w, d, args.steps))
             print(f"  {p:8s} width {w:4d} depth {d:2d}: loss by lr 2^{first}..2^{last}: {losses}", flush=True)
-    table, lines = analyse(rows, args, width_depth)
-    sweep_lr = round(base_best_log2_lr(rows, args, width_depth, args.steps)[0])
-    lines += wider_is_better(rows, args, width_depth, sweep_lr, args.steps, target=False)
+    table, lines = sweep_report(rows, args, width_depth)
     if args.sweep_only:
         return write_sweep(rows, table, lines, args, width_depth, time.perf_counter() - started)
     # Wider is better, at its own horizon: the base's LR grid again, then every width at its best LR (µP over

@@ -271,6 +271,32 @@ def test_the_width_stage_at_the_base_models_best_lr_at_its_own_horizon(tmp_path,
     assert "1000 steps at the base's best lr 2^-7" in summary
 
 
+def test_the_sweeps_summary_is_rewritten_from_its_csv_with_added_runs(tmp_path, monkeypatch):
+    """--replot --sweep-only re-analyses mup_transfer_sweep.csv (a width's runs appended from a later invocation)
+    into the same table as a sweep that ran them all, without training."""
+    from benchmarks import mup_transfer
+
+    def fake_run_all(points, common, args, workers=None):
+        return [dict(parametrization=p, width=w, depth=d, log2_lr=lr, lr=2.0**lr, seed=s, steps=n, seconds=1.0,
+                     loss=4.0 + 0.1 * (lr + 6.3 + (p == "standard") * (w // 64)) ** 2 + 0.01 * s - 0.001 * w)
+                for p, w, d, lr, s, n in points]  # fmt: skip
+
+    monkeypatch.setattr(mup_transfer, "run_all", fake_run_all)
+    monkeypatch.setattr(mup_transfer, "corpus_overrides", lambda work_dir, quick: [])
+    monkeypatch.setattr(mup_transfer, "plot", lambda *args, **kwargs: True)  # the figure: not what is checked
+    common = ["--sweep-only", "--depths", "4", "--lrs=-9,-4", "--lr-seeds", "2", "--work-dir", str(tmp_path)]
+    whole, part, more = tmp_path / "whole", tmp_path / "part", tmp_path / "more"
+    assert mup_transfer.main([*common, "--widths", "32,64,128", "--out", str(whole)]) == 0
+    assert mup_transfer.main([*common, "--widths", "32,64", "--out", str(part)]) == 0
+    assert mup_transfer.main([*common, "--widths", "32,128", "--out", str(more)]) == 0
+    added = [line for line in (more / "mup_transfer_sweep.csv").read_text().splitlines()[1:] if ",128," in line]
+    with open(part / "mup_transfer_sweep.csv", "a") as f:
+        f.write("\n".join(added) + "\n")
+    assert mup_transfer.main([*common, "--widths", "32,64,128", "--out", str(part), "--replot"]) == 0
+    merged, ran = ((d / "mup_transfer_sweep.md").read_text().split("\n", 1) for d in (part, whole))
+    assert "re-analysed from the CSV (--replot)" in merged[0] and merged[1] == ran[1] and "| width | 128 |" in ran[1]
+
+
 def test_a_run_stopped_by_a_signal_is_not_a_measurement(tmp_path, monkeypatch):
     """The bug: a sweep run stopped by SIGTERM (the trainer saves and exits cleanly at step 410 of 1000) came back
     as finished, its 'late loss' taken over the steps it had, and --resume kept that row for good."""
