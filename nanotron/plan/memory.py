@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
@@ -76,6 +77,20 @@ def local_numel(param: Param, tp: int, tp_rank: int, shard: int, shard_rank: int
     tp_local = math.prod(dims)
     dims[0] = chunk(dims[0], shard, shard_rank)
     return tp_local, math.prod(dims)
+
+
+def coordinate_zero_split(tp: int, shard: int, ep: int) -> Callable[[Param], tuple[int, int]]:
+    """`local_numel` at tp and FSDP coordinate 0 (the largest chunks), computed once per distinct tensor shape:
+    every layer of a model repeats the same few shapes (a search plans thousands of layouts of hundreds of layers)."""
+    numel: dict[tuple, tuple[int, int]] = {}
+
+    def split(param: Param) -> tuple[int, int]:
+        key = (param.shape, param.tp_dim, param.expert)
+        if key not in numel:
+            numel[key] = local_numel(param, tp, 0, shard, 0, ep)
+        return numel[key]
+
+    return split
 
 
 @dataclass
@@ -255,14 +270,17 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     stages = rank_stages(cfg, pp_rank)
     sharded = tp_local = tensors = root_tp = 0
     largest_layer = 0
+    split = coordinate_zero_split(p.tp, shard, p.ep)
     for stage in stages:
         for param in stage.root + stage.layers:
-            full, local = local_numel(param, p.tp, 0, shard, 0, p.ep)
+            full, local = split(param)
             sharded, tp_local, tensors = sharded + local, tp_local + full, tensors + 1
-        root_tp += sum(local_numel(param, p.tp, 0, shard, 0, p.ep)[0] for param in stage.root)
-        for index in stage.layer_indices:
-            gathered = sum(local_numel(q, p.tp, 0, shard, 0, p.ep)[0] for q in layer_params(m, index))
-            largest_layer = max(largest_layer, gathered)
+        root_tp += sum(split(param)[0] for param in stage.root)
+        gathered: dict[str, int] = {}  # per layer ("model.layers.<i>.…"): FSDP gathers one layer at a time
+        for param in stage.layers:
+            layer = param.name.split(".")[2]
+            gathered[layer] = gathered.get(layer, 0) + split(param)[0]
+        largest_layer = max([largest_layer, *gathered.values()])
     accumulates = n_micro > 1 or p.pp > 1
     full_grads = p.zero_stage == 0 or (p.zero_stage == 1 and accumulates)
     # Measured: the vocab-parallel embedding's unsharded gradient covers the whole vocabulary (a partial sum

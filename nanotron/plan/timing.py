@@ -16,7 +16,7 @@ from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
 from nanotron.gpu import GPU_PEAKS
 from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
-from nanotron.plan.memory import FP32, local_numel, rank_stages
+from nanotron.plan.memory import FP32, coordinate_zero_split, rank_stages
 
 UNCALIBRATED_EFFICIENCY = 0.55  # a GPU without published runs in the calibration set
 
@@ -230,4 +230,5 @@ def elementwise_rerun_bytes(cfg: Config) -> float:
 
 def _tp_local(cfg: Config, pp_rank: int) -> int:
     p = cfg.parallelism
-    return sum(local_numel(q, p.tp, 0, 1, 0, p.ep)[0] for s in rank_stages(cfg, pp_rank) for q in s.root + s.layers)
+    split = coordinate_zero_split(p.tp, 1, p.ep)
+    return sum(split(q)[0] for s in rank_stages(cfg, pp_rank) for q in s.root + s.layers)
