@@ -454,6 +454,19 @@ def test_megatron_2021_a100_runs_give_back_their_published_tflops():
         assert float(case["tokens_per_s_per_gpu"]) * per_token / 1e12 == pytest.approx(tflops, rel=0.01), size
 
 
+def test_a_parameters_split_computed_once_per_shape_is_its_own():
+    """The plan splits each distinct tensor shape once (every layer repeats them): at uneven tp and FSDP degrees,
+    with experts split by ep, every parameter of a dense + MoE model gets what `local_numel` gives it alone."""
+    from nanotron.plan.memory import coordinate_zero_split, local_numel, rank_stages
+
+    cfg = load_config("configs/moe.toml", [])
+    params = [q for stage in rank_stages(cfg, 0) for q in stage.root + stage.layers]
+    assert {q.expert for q in params} == {True, False} and len(params) > 2 * len({q.shape for q in params})
+    for tp, shard, ep in [(1, 1, 1), (3, 5, 1), (2, 4, 2), (4, 6, 2)]:
+        split = coordinate_zero_split(tp, shard, ep)
+        assert [split(q) for q in params] == [local_numel(q, tp, 0, shard, 0, ep) for q in params], (tp, shard, ep)
+
+
 def test_the_published_layout_of_a_cell_is_ranked_where_the_search_lists_it():
     """plan_calibration --search: a cell's published dp x tp x pp x cp ranks at its first row in `nanotron plan
     --search`'s order (no earlier row has it), among the distinct layouts likewise; one row per cell."""
