@@ -39,7 +39,8 @@ H100_EFFICIENCY = Efficiency(
     0.41, 0.36, 0.47, "median of 6 published H100 runs (torchtitan), range 0.36-0.47", error=0.11
 )
 # A100: the same over Megatron-LM's ten April 2021 weak-scaling runs (GPT 1.7B-1T, 32-3072 GPUs; TP exposed then,
-# as nanotron's is). The efficiency rises with the hidden size (0.44 at 2304, 0.63 at 20480): bigger GEMMs.
+# as nanotron's is). The efficiency rises with the model (0.44 at hidden 2304, 0.63 at 20480): bigger GEMMs, and
+# perhaps a smaller pipeline bubble than the 1F1B one planned for the PP 8-64 runs (RESULTS).
 A100_EFFICIENCY = Efficiency(
     0.52, 0.44, 0.63, "median of 10 published A100 runs (Megatron-LM 2021), range 0.44-0.63", error=0.17
 )
