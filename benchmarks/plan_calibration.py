@@ -60,27 +60,27 @@ MODELS = {  # Llama 3.1 shapes (Meta's params.json: vocabulary 128256), untied e
         "llama3.1-405b": (16384, 53248, 126, 128),
     }.items()
 }
+
+
+def megatron_gpt(hidden: int, layers: int, heads: int, vocab: int) -> dict:
+    """A Megatron-LM GPT model (a 4h GeLU MLP, untied embeddings) as nanotron plans it: the GeLU MLP's two 4h
+    matrices as a SwiGLU of intermediate 8h/3 (to a multiple of 64), the same FLOPs and parameters within 0.5 %."""
+    return dict(hidden_size=hidden, intermediate_size=round(8 * hidden / 3 / 64) * 64, num_layers=layers,
+                num_heads=heads, num_kv_heads=heads, vocab_size=vocab)  # fmt: skip
+
+
 # Megatron-LM's weak-scaling GPT models (README table at commit f2e5db4, July 2024: vocab 131072, sequence 4096,
-# heads of 128, a 4h GeLU MLP; the parameter counts are the untied ones). The GeLU MLP's two 4h matrices are
-# planned as a SwiGLU of intermediate 8h/3 (to a multiple of 64): the same FLOPs and parameters within 0.5 %.
+# heads of 128; the parameter counts are the untied ones).
 GPT = {"1.7b": (2048, 24), "7.1b": (4096, 30), "16b": (6144, 32), "32b": (7168, 48), "70b": (8192, 84),
        "119b": (10240, 92), "177b": (12288, 96), "314b": (16384, 96), "462b": (18432, 112)}  # fmt: skip
-MODELS |= {
-    f"megatron-gpt-{size}": dict(hidden_size=h, intermediate_size=round(8 * h / 3 / 64) * 64, num_layers=layers,
-                                 num_heads=h // 128, num_kv_heads=h // 128, vocab_size=131072)
-    for size, (h, layers) in GPT.items()
-}  # fmt: skip
+MODELS |= {f"megatron-gpt-{size}": megatron_gpt(h, layers, h // 128, 131072) for size, (h, layers) in GPT.items()}
 # Megatron-LM's April 2021 A100 weak-scaling GPT models (README table, images/cases_april2021.png, at commit 2120e31:
-# vocab 51200, sequence 2048, a 4h GeLU MLP planned as above; the head counts, not in the table, are the paper's:
-# Narayanan et al. 2021, Table 1 — they change no FLOPs and only the attention's memory).
+# vocab 51200, sequence 2048; the head counts, not in the table, are the paper's: Narayanan et al. 2021, Table 1 —
+# they change no FLOPs and only the attention's memory).
 GPT_2021 = {"1.7b": (2304, 24, 24), "3.6b": (3072, 30, 32), "7.5b": (4096, 36, 32), "18b": (6144, 40, 48),
             "39b": (8192, 48, 64), "76b": (10240, 60, 80), "145b": (12288, 80, 96), "310b": (16384, 96, 128),
             "530b": (20480, 105, 128), "1t": (25600, 128, 160)}  # fmt: skip
-MODELS |= {
-    f"megatron2021-gpt-{size}": dict(hidden_size=h, intermediate_size=round(8 * h / 3 / 64) * 64, num_layers=layers,
-                                     num_heads=heads, num_kv_heads=heads, vocab_size=51200)
-    for size, (h, layers, heads) in GPT_2021.items()
-}  # fmt: skip
+MODELS |= {f"megatron2021-gpt-{size}": megatron_gpt(*shape, 51200) for size, shape in GPT_2021.items()}
 COLUMNS = (
     "case",
     "gpu",
