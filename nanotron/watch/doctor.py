@@ -62,6 +62,8 @@ def compute(ctx: ParallelContext, fault: Fault | None) -> dict:
     # starve looks like a slow device. They take turns instead (one barrier per local rank); GPUs time together.
     turns = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ctx.device.type == "cpu" else 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if turns > 1:  # the first turn too starts when every rank is idle, not while some still run what came before
+        dist.barrier()
     for turn in range(turns):
         if turn == local_rank % turns:
             c, elapsed = best_of(matmuls, fault, ctx.rank)
