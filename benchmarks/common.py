@@ -108,7 +108,7 @@ def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
 
 def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> list[str]:
     """Writes the synthetic corpus and tokenizer once; returns the `--data.*` overrides that use them."""
-    from nanotron.prepare import train_tokenizer
+    from nanotron.tokenize.bpe import train_tokenizer
 
     root = work_dir / "data"
     corpus, tokenizer = root / "corpus" / "docs.jsonl", root / "tokenizer"

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.widths, args.depths, args.steps, args.seeds = "32,64", "1,2", 2, 1
-    from nanotron.coord_check.cli import main as coord_check
+    from nanotron.commands.coord_check import main as coord_check
 
     status = coord_check(
         [

@@ -53,8 +53,8 @@ def tokenize_rows(corpus: Path, tokenizer_path: Path, work_dir: Path, rounds: in
 
     from nanotron.tokenize.encode import _PARAGRAPH, encode_batches
     from nanotron.tokenize.sources import resolve_sources
+    from nanotron.tokenize.tokenizer import load_tokenizer
     from nanotron.tokenize.writer import tokenize
-    from nanotron.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines() if line.strip()]
@@ -138,7 +138,7 @@ def row(measurement: str, value: object, ratio: str, target: str, met: object, d
 def sparse_dir(root: Path, samples: int, tokenizer_path: Path, shards: int) -> Path:
     """A tokenized dir whose train split holds `samples` samples of SEQ_LEN + 1 tokens in sparse files (zeros)."""
     from nanotron.tokenize.format import FORMAT, VERSION, shard_name
-    from nanotron.tokenizer import load_tokenizer
+    from nanotron.tokenize.tokenizer import load_tokenizer
 
     out = root / f"sparse-{samples:.0e}-{tokenizer_path.name}"
     if (out / "meta.json").is_file():

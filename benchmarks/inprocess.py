@@ -33,7 +33,8 @@ def corpus_overrides(work_dir: Path, quick: bool, vocab_size: int = 1024) -> lis
         return ensure_data(work_dir)
     if not SHAKESPEARE.is_file():
         raise SystemExit(f"error: {SHAKESPEARE} not found; run `make data` first (or pass --quick)")
-    from nanotron.prepare import read_jsonl_texts, train_tokenizer
+    from nanotron.data.demo import read_jsonl_texts
+    from nanotron.tokenize.bpe import train_tokenizer
 
     tokenizer = work_dir / "shakespeare" / f"tokenizer-{vocab_size}"
     if not (tokenizer / "tokenizer.json").is_file():

@@ -8,7 +8,7 @@
 # World size = nodes x processes per node = dp x cp x tp x pp (checked by the trainer before any collective).
 #
 # Submit from the repository root with nanotron's Python environment active: the job runs in the submit directory,
-# inherits the submitting shell's environment and runs `python -m nanotron.launch.local` with the `python` found on
+# inherits the submitting shell's environment and runs `python -m nanotron torchrun` with the `python` found on
 # PATH (NANOTRON_PYTHON=/path/to/python picks another). The log is <job name>-<job id>.out in the submit directory.
 # Options given to sbatch on the command line override the #SBATCH defaults below.
 # Ten minutes before the time limit Slurm sends SIGUSR1 to this script ("B:"), which forwards it to
@@ -38,7 +38,7 @@ shift
 
 # ---- Python: checked here, so a job started without nanotron's environment fails in one line ----------------------
 PYTHON=${NANOTRON_PYTHON:-python}
-if ! "$PYTHON" -c 'import importlib.util as u, nanotron.launch.local; raise SystemExit(u.find_spec("torch") is None)' \
+if ! "$PYTHON" -c 'import importlib.util as u, nanotron.launch.torchrun; raise SystemExit(u.find_spec("torch") is None)' \
   2>/dev/null; then
   fail "'$PYTHON' cannot import nanotron and torch on ${SLURMD_NODENAME:-$(hostname)}: activate nanotron's" \
     "environment before sbatch (the job inherits it) or set NANOTRON_PYTHON=/path/to/env/bin/python"
@@ -98,7 +98,7 @@ mkfifo "$work/srun-stderr" && : >"$work/exits"
 ) &
 reader_pid=$!
 
-# Each node runs `python -m nanotron.launch.local`: torchrun that exits with its first failed worker's code and hands
+# Each node runs `python -m nanotron torchrun`: torchrun that exits with its first failed worker's code and hands
 # SIGUSR1 to its trainers, which run in sessions of their own that a cluster tracking processes by process group would
 # not signal. Launcher and trainers start with SIGUSR1 ignored ('trap "" USR1' survives exec), so a signal that comes
 # while they start can't kill them; each handles it once it can (the launcher forwards it, the trainer stops at a step
@@ -107,7 +107,7 @@ reader_pid=$!
 # that left peers blocked in a collective).
 srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=0 --wait=60 \
   bash -c 'trap "" USR1; exec "$@"' _ \
-  "$PYTHON" -m nanotron.launch.local --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
+  "$PYTHON" -m nanotron torchrun --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
   --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --max_restarts 0 \
   --no-python bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" -m nanotron.train --config "$CONFIG" "$@" \
   2>"$work/srun-stderr" &
@@ -128,7 +128,7 @@ if [ "$status" != 0 ] && [ -n "$first_failure" ] && [ "$first_failure" != 0 ]; t
 fi
 
 if [ "$status" = 75 ]; then   # a node fault: the watcher (or the straggler scores) named the nodes to leave out
-  if suspects=$("$PYTHON" -m nanotron.watch.suspects --job "$SLURM_JOB_ID" --config "$CONFIG" "$@") && [ -n "$suspects" ]; then
+  if suspects=$("$PYTHON" -m nanotron suspects --job "$SLURM_JOB_ID" --config "$CONFIG" "$@") && [ -n "$suspects" ]; then
     excluded=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.*ExcNodeList=\([^ ]*\).*/\1/p')
     [ -z "$excluded" ] || [ "$excluded" = "(null)" ] || suspects="$excluded,$suspects"
     echo "node fault: requeueing job $SLURM_JOB_ID without $suspects; it resumes from the latest checkpoint"

@@ -17,7 +17,7 @@ import sys
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 ABORT_EXIT_CODE = 130  # 128 + SIGINT, what shells report for an interrupted command
 _PR_SET_PDEATHSIG = 1
-LAUNCHER_PID_VARIABLE = "NANOTRON_LAUNCHER_PID"  # set by nanotron.launch.local for its workers
+LAUNCHER_PID_VARIABLE = "NANOTRON_LAUNCHER_PID"  # set by nanotron.launch.torchrun for its workers
 
 
 class StopRequest:
@@ -54,7 +54,7 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
 
 
 def stop_with_launcher() -> None:
-    """Under a launcher (torchrun, nanotron.launch.local), have the kernel send SIGTERM when it dies: a
+    """Under a launcher (torchrun, nanotron.launch.torchrun), have the kernel send SIGTERM when it dies: a
     SIGKILLed launcher then leaves no orphaned workers training and writing checkpoints (they save and stop).
 
     Workers run in sessions of their own, so nothing else would reach them. Linux only (prctl).

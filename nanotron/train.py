@@ -1,60 +1,8 @@
-"""Entry point: `python -m nanotron.train --config configs/tiny.toml [--section.key=value ...]`.
+"""`python -m nanotron.train` and `torchrun -m nanotron.train`: the training command (`nanotron.commands.train`)
+under the module name that launchers start on every rank."""
 
-Run it plainly for one process, under `torchrun` for many, or with `--nproc_per_node N` to have it
-validate the config first and then start N local processes itself.
-"""
-
-from __future__ import annotations
-
-import contextlib
-import os
-
-from nanotron.checkpoint import check_writable
-from nanotron.config import help_text, load_config, parse_overrides
-from nanotron.data import prepare_data
-from nanotron.distributed import destroy_distributed, launched_world_size
-from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
-from nanotron.gpu import apply_env_defaults
-from nanotron.launch.local import pop_nproc, spawn_local
-from nanotron.lock import lock_run
-from nanotron.signals import stop_with_launcher
-from nanotron.trainer import Trainer
-
-
-def _main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(__doc__ + "\nKeys (set in the TOML file or as --section.key=value):\n" + help_text())
-        return 0
-    nproc = pop_nproc(argv)
-    path, overrides = parse_overrides(argv)
-    cfg = load_config(path, overrides, world_size=nproc or launched_world_size())
-    os.environ[RUN_DIR_VARIABLE] = str(cfg.run_dir.absolute())  # where a rank files what the console must not show
-    check_writable("job.out_dir", cfg.run_dir)
-    check_writable("checkpoint.dir", cfg.checkpoint_dir)
-    apply_env_defaults(cfg)  # before anything touches CUDA or NCCL; local ranks inherit them
-    if nproc:
-        prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
-        return spawn_local(nproc, ["-m", "nanotron.train", *argv])
-    # One run per run dir: global rank 0 holds the lock for the run's lifetime (peers follow its fate).
-    owns_run_dir = int(os.environ.get("RANK", "0")) == 0
-    stop_with_launcher()
-    try:
-        with lock_run([cfg.run_dir, cfg.checkpoint_dir]) if owns_run_dir else contextlib.nullcontext():
-            trainer = Trainer(cfg)
-            trainer.train()
-            trainer.close()
-    except BaseException:
-        if cfg.world_size > 1:  # fail fast: a peer stuck in a collective would never join the teardown
-            raise
-        destroy_distributed()  # alone, the teardown can't block, and in-process callers get a clean slate
-        raise
-    destroy_distributed()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_command(_main, argv)
-
+from nanotron.commands.train import main
+from nanotron.errors import run_as_main
 
 if __name__ == "__main__":
     run_as_main(main)

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nanotron.activations import ActivationStats
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
@@ -24,16 +23,11 @@ from nanotron.errors import DivergenceError, NodeFaultError
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
-from nanotron.metrics import (
-    MetricsLogger,
-    Profiler,
-    StepTimer,
-    detect_peak_tflops,
-    memory_record,
-    run_line,
-    step_record,
-    throughput,
-)
+from nanotron.metrics.activations import ActivationStats
+from nanotron.metrics.logger import MetricsLogger
+from nanotron.metrics.profiler import Profiler
+from nanotron.metrics.step import StepTimer, detect_peak_tflops, memory_record, run_line, step_record, throughput
+from nanotron.metrics.wandb_run import WandbRun
 from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel.expert import ExpertBalance
@@ -41,8 +35,7 @@ from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
 from nanotron.stability import SpikeGuard, Stability
-from nanotron.tokenizer import copy_tokenizer, load_tokenizer
-from nanotron.wandb_log import WandbRun
+from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
 from nanotron.watch.doctor import preflight
 from nanotron.watch.heartbeat import Heartbeat
 from nanotron.watch.straggler import StragglerScores

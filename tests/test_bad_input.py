@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_MODEL, run_train, train_env
 
-import nanotron.convert
-import nanotron.generate
+import nanotron.commands.convert
+import nanotron.commands.generate
 import nanotron.train
 
 
@@ -126,17 +126,22 @@ def test_broken_tokenizer_files_are_one_line_for_train_generate_and_export(
     (step / "checksums.json").unlink()  # handed over without checksums (read on request): the files are checked
     # Each command names its own source of the tokenizer, never train's data.tokenizer (issue 26 item 7).
     saved_copy = f"the tokenizer saved in {step}"
-    assert nanotron.generate.main(["--checkpoint", str(step), "--prompt", "the", "--allow_unverified"]) == 2
+    assert nanotron.commands.generate.main(["--checkpoint", str(step), "--prompt", "the", "--allow_unverified"]) == 2
     line = one_line(capsys)
     assert expected in line and saved_copy in line and "data.tokenizer" not in line, line
-    assert nanotron.convert.main(["to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified"]) == 2
+    assert nanotron.commands.convert.main(["to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified"]) == 2
     line = one_line(capsys)
     assert expected in line and saved_copy in line and "data.tokenizer" not in line, line
     good = folder / "step-2"
-    assert nanotron.generate.main(["--checkpoint", str(good), "--prompt", "the", "--tokenizer", str(tokenizer)]) == 2
+    assert (
+        nanotron.commands.generate.main(["--checkpoint", str(good), "--prompt", "the", "--tokenizer", str(tokenizer)])
+        == 2
+    )
     line = one_line(capsys)
     assert expected in line and "--tokenizer" in line and "data.tokenizer" not in line, line
-    assert nanotron.convert.main(["to-hf", str(good), str(tmp_path / "hf2"), "--tokenizer", str(tokenizer)]) == 2
+    assert (
+        nanotron.commands.convert.main(["to-hf", str(good), str(tmp_path / "hf2"), "--tokenizer", str(tokenizer)]) == 2
+    )
     line = one_line(capsys)
     assert expected in line and "--tokenizer" in line and "data.tokenizer" not in line, line
 
@@ -145,7 +150,9 @@ def test_broken_tokenizer_files_are_one_line_for_train_generate_and_export(
 def test_generate_refuses_a_temperature_that_is_not_a_number(saved, capsys):
     step = saved[1] / "step-2"
     for value in ("nan", "inf", "-1"):
-        assert nanotron.generate.main(["--checkpoint", str(step), "--prompt", "a", "--temperature", value]) == 2
+        assert (
+            nanotron.commands.generate.main(["--checkpoint", str(step), "--prompt", "a", "--temperature", value]) == 2
+        )
         assert "--temperature: expected a finite number >= 0" in one_line(capsys)
 
 
@@ -155,7 +162,7 @@ def test_generate_refuses_a_temperature_that_is_not_a_number(saved, capsys):
 @pytest.fixture(scope="module")
 def hf_export(saved, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "model"
-    assert nanotron.convert.main(["to-hf", str(saved[1] / "step-2"), str(out)]) == 0
+    assert nanotron.commands.convert.main(["to-hf", str(saved[1] / "step-2"), str(out)]) == 0
     return out
 
 
@@ -173,7 +180,7 @@ def test_malformed_hf_configs_are_one_line(hf_export, tmp_path, capsys, config, 
     shutil.copytree(hf_export, hf)
     original = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps(config if isinstance(config, list) else original | config))
-    assert nanotron.convert.main(["from-hf", str(hf), str(tmp_path / "imported")]) == 2
+    assert nanotron.commands.convert.main(["from-hf", str(hf), str(tmp_path / "imported")]) == 2
     assert expected in one_line(capsys)
 
 
@@ -182,7 +189,7 @@ def test_from_hf_leaves_an_out_tmp_it_did_not_create(hf_export, tmp_path, capsys
     precious = tmp_path / "imported.tmp"
     precious.mkdir()
     (precious / "notes.txt").write_text("someone else's")
-    assert nanotron.convert.main(["from-hf", str(hf_export), str(tmp_path / "imported")]) == 0
+    assert nanotron.commands.convert.main(["from-hf", str(hf_export), str(tmp_path / "imported")]) == 0
     assert (precious / "notes.txt").read_text() == "someone else's"
     assert (tmp_path / "imported" / "checksums.json").is_file()
     capsys.readouterr()
@@ -201,7 +208,7 @@ def test_a_fifo_in_an_hf_index_is_refused_without_hanging(hf_export, tmp_path):
     index = {"weight_map": {name: "model.safetensors" for name in names}}
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     proc = subprocess.run(
-        [sys.executable, "-m", "nanotron.convert", "from-hf", str(hf), str(tmp_path / "imported")],
+        [sys.executable, "-m", "nanotron", "convert", "from-hf", str(hf), str(tmp_path / "imported")],
         cwd=REPO,
         env=train_env(),
         capture_output=True,
@@ -242,7 +249,7 @@ def test_a_checkpoint_write_that_hits_the_file_size_limit_names_the_file_and_the
 def test_tokenizer_errors_name_the_option_the_caller_passes(tmp_path):
     """`nanotron tokenize --tokenizer T` must be told about --tokenizer, not the trainer's data.tokenizer."""
     from nanotron.errors import DataError
-    from nanotron.tokenizer import load_tokenizer
+    from nanotron.tokenize.tokenizer import load_tokenizer
 
     (tmp_path / "tokenizer.json").write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(DataError, match=r"^--tokenizer: .*not UTF-8"):

@@ -16,16 +16,20 @@ import torch.nn.functional as F
 from conftest import TINY_MODEL, run_train, train_losses
 from safetensors.torch import load_file
 
-from nanotron import convert, generate
 from nanotron.checkpoint import integrity, read_metadata
+from nanotron.checkpoint.full_model import load_model
 from nanotron.checkpoint.manager import check_model_shapes
+from nanotron.commands.convert import main as convert_main
+from nanotron.commands.generate import main as generate_main
 from nanotron.config import load_config, parse_overrides, toml_text
 from nanotron.data import build_train_loader, prepare_data
 from nanotron.errors import CheckpointError
+from nanotron.hf.export import to_hf
+from nanotron.models.generate import generate, sample_next
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.parametrization import multipliers
 from nanotron.parallel.init import init_weights
-from nanotron.tokenizer import load_tokenizer
+from nanotron.tokenize.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # a trained checkpoint, transformers models, subprocesses
@@ -64,11 +68,11 @@ def trained(tiny_data, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("max_shard_size", ["5GB", "30KB"])
 def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path, max_shard_size):
     out = tmp_path / "hf"
-    assert convert.main(["to-hf", str(trained), str(out), "--max_shard_size", max_shard_size]) == 0
+    assert convert_main(["to-hf", str(trained), str(out), "--max_shard_size", max_shard_size]) == 0
     sharded = (out / "model.safetensors.index.json").is_file()
     assert sharded == (max_shard_size == "30KB") and sharded != (out / "model.safetensors").is_file()
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
-    ours, _ = generate.load_model(trained)
+    ours, _ = load_model(trained)
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
@@ -81,8 +85,8 @@ def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path, ma
 def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
     source = tmp_path / "source"
     hf_model(tied=tied, dtype=torch.bfloat16).save_pretrained(source)
-    assert convert.main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
-    assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16"]) == 0
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16"]) == 0
     before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
     assert sorted(before) == sorted(after) and ("lm_head.weight" in after) == (not tied)
     for name, tensor in before.items():
@@ -119,7 +123,7 @@ def mup_checkpoint(folder: Path, tied: bool, overrides: list[str]) -> Path:
 def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(case, tiny_data, tmp_path):
     tied, overrides = MUP_EXPORTS[case]
     step_dir = mup_checkpoint(tmp_path / "mup", tied, overrides)
-    ours, _ = generate.load_model(step_dir)
+    ours, _ = load_model(step_dir)
     mult = multipliers(ours.config)
     assert (
         mult.attention_scale is not None
@@ -127,7 +131,7 @@ def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(
         and (mult.logits != 1.0) == (case != "tied-base-width")
     )
     hf_dir = tmp_path / "hf"
-    assert convert.main(["to-hf", str(step_dir), str(hf_dir), "--tokenizer", str(tiny_data.tokenizer)]) == 0
+    assert convert_main(["to-hf", str(step_dir), str(hf_dir), "--tokenizer", str(tiny_data.tokenizer)]) == 0
     untied = not tied or mult.logits != 1.0
     assert json.loads((hf_dir / "config.json").read_text())["tie_word_embeddings"] == (not untied)
     assert ("lm_head.weight" in hf_tensors(hf_dir)) == untied
@@ -137,8 +141,8 @@ def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(
         expected = ours(tokens)
         assert (hf(tokens).logits - expected).abs().max().item() <= 1e-5
     # Imported back, it is a standard-parametrization model computing the same function.
-    assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "back")]) == 0
-    back, _ = generate.load_model(tmp_path / "back")
+    assert convert_main(["from-hf", str(hf_dir), str(tmp_path / "back")]) == 0
+    back, _ = load_model(tmp_path / "back")
     assert back.config.parametrization == "standard" and back.config.tie_word_embeddings == (not untied)
     with torch.no_grad():
         assert (back(tokens) - expected).abs().max().item() <= 1e-5
@@ -155,7 +159,7 @@ def first_global_batch(tiny_data, args: list[str]) -> torch.Tensor:
 def test_init_from_an_import_at_tp2_starts_from_the_hf_weights(tiny_data, tmp_path):
     model = hf_model(seed=1)
     model.save_pretrained(tmp_path / "source")
-    assert convert.main(["from-hf", str(tmp_path / "source"), str(tmp_path / "ckpt")]) == 0
+    assert convert_main(["from-hf", str(tmp_path / "source"), str(tmp_path / "ckpt")]) == 0
     args = [
         *tiny_data.overrides(),
         *TINY_MODEL,
@@ -187,16 +191,16 @@ def test_a_checkpoint_of_another_model_shape_is_a_clear_error(trained):
 
 
 def test_convert_errors_are_one_line_with_exit_code_2(tmp_path, trained, capsys):
-    assert convert.main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert convert_main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith(f"error: checkpoint '{tmp_path / 'missing'}' does not exist")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    assert convert.main(["to-hf", str(trained), str(tmp_path / "full")]) == 2
+    assert convert_main(["to-hf", str(trained), str(tmp_path / "full")]) == 2
     assert "is not an empty folder" in capsys.readouterr().err
     source = tmp_path / "biased"
     source.mkdir()
     (source / "config.json").write_text(json.dumps({"model_type": "llama", "attention_bias": True}))
-    assert convert.main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "attention_bias/mlp_bias are set" in err
 
@@ -206,14 +210,14 @@ def test_convert_errors_are_one_line_with_exit_code_2(tmp_path, trained, capsys)
 
 def test_greedy_generation_is_deterministic_and_matches_transformers(trained, tmp_path, capsys):
     argv = ["--checkpoint", str(trained), "--prompt", "The cat", "--max_new_tokens", "12"]
-    assert generate.main(argv) == 0 and generate.main(argv) == 0
+    assert generate_main(argv) == 0 and generate_main(argv) == 0
     first, second = capsys.readouterr().out.splitlines()
     assert first == second and first.startswith("The cat") and len(first) > len("The cat")
-    convert.to_hf(trained, tmp_path / "hf")
+    to_hf(trained, tmp_path / "hf")
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokenizer = load_tokenizer(str(trained / "tokenizer"))
     prompt = tokenizer.encode("The cat")
-    ours = generate.generate(generate.load_model(trained)[0], prompt, 12, eos_id=tokenizer.eos_id)
+    ours = generate(load_model(trained)[0], prompt, 12, eos_id=tokenizer.eos_id)
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
     assert ours == theirs[: len(ours)]
     assert len(ours) == 12 or ours[-1] == tokenizer.eos_id
@@ -234,15 +238,15 @@ def test_sampling_flags_are_seeded_and_restrict_the_choice(trained, capsys):
         "--seed",
         "3",
     ]
-    assert generate.main(argv) == 0 and generate.main(argv) == 0
+    assert generate_main(argv) == 0 and generate_main(argv) == 0
     first, second = capsys.readouterr().out.splitlines()
     assert first == second
     logits = torch.tensor([0.0, 3.0, 1.0, 2.9, -1.0])
-    draws = {generate.sample_next(logits, 5.0, 2, 1.0, torch.Generator().manual_seed(i)) for i in range(50)}
+    draws = {sample_next(logits, 5.0, 2, 1.0, torch.Generator().manual_seed(i)) for i in range(50)}
     assert draws == {1, 3}  # top-k 2 keeps exactly the two best, a high temperature reaches both
-    draws = {generate.sample_next(logits, 1.0, 0, 0.01, torch.Generator().manual_seed(i)) for i in range(20)}
+    draws = {sample_next(logits, 1.0, 0, 0.01, torch.Generator().manual_seed(i)) for i in range(20)}
     assert draws == {1}  # a tiny nucleus is the single most likely token
-    assert generate.sample_next(logits, 0.0, 0, 1.0, None) == 1
+    assert sample_next(logits, 0.0, 0, 1.0, None) == 1
 
 
 @pytest.mark.parametrize(
@@ -255,7 +259,7 @@ def test_sampling_flags_are_seeded_and_restrict_the_choice(trained, capsys):
 )
 def test_generate_errors_are_one_line_with_exit_code_2(trained, capsys, argv, message):
     argv = argv if argv[0] == "--checkpoint" else ["--checkpoint", str(trained), *argv]
-    assert generate.main(argv) == 2
+    assert generate_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
 
@@ -265,7 +269,7 @@ def test_exported_files_get_the_usual_permissions(trained, tmp_path):
     out = tmp_path / "hf"
     mask = os.umask(0o022)
     try:
-        assert convert.main(["to-hf", str(trained), str(out), "--max_shard_size", "30KB"]) == 0
+        assert convert_main(["to-hf", str(trained), str(out), "--max_shard_size", "30KB"]) == 0
     finally:
         os.umask(mask)
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.rglob("*") if f.is_file()}
@@ -304,14 +308,14 @@ def test_mixtral_imports_exports_and_generates_like_transformers(tmp_path):
     source = tmp_path / "source"
     original = hf_mixtral()
     original.save_pretrained(source)
-    assert convert.main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
-    ours, _ = generate.load_model(tmp_path / "ckpt")
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
     assert ours.config.moe.num_experts == 4 and ours.config.moe.top_k == 2
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (original(tokens).logits - ours(tokens)).abs().max().item()
     assert diff <= 1e-5
-    assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
     before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
     assert sorted(before) == sorted(after)
     for name, tensor in before.items():
@@ -321,7 +325,7 @@ def test_mixtral_imports_exports_and_generates_like_transformers(tmp_path):
     with torch.no_grad():
         assert torch.equal(exported(tokens).logits, original(tokens).logits)
     prompt = [5, 17, 42, 7]
-    mine = generate.generate(ours, prompt, 10, eos_id=None)
+    mine = generate(ours, prompt, 10, eos_id=None)
     theirs = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
     assert mine == theirs[0, len(prompt) :].tolist()
 
@@ -339,5 +343,5 @@ def test_a_moe_model_mixtral_cannot_express_is_refused_in_one_line(tiny_data, tm
         ]
     )
     with pytest.raises(CheckpointError, match="model.moe.router='sigmoid'.*Mixtral cannot express"):
-        convert.to_hf(tmp_path / "moe" / "checkpoints" / "step-1", tmp_path / "hf")
+        to_hf(tmp_path / "moe" / "checkpoints" / "step-1", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

@@ -10,7 +10,7 @@ import math
 import pytest
 from conftest import TINY_MODEL
 
-from nanotron.coord_check.cli import main
+from nanotron.commands.coord_check import main
 from nanotron.coord_check.report import slope, verdicts
 
 

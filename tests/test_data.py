@@ -20,11 +20,11 @@ from nanotron.config import TrainingConfig, load_config
 from nanotron.data import TrainSamples, build_train_loader, eval_batches, loader_batches, prepare_data
 from nanotron.data.order import Blend, Permutation
 from nanotron.errors import DataError
-from nanotron.prepare import EOS_TOKEN, train_tokenizer
+from nanotron.tokenize.bpe import EOS_TOKEN, train_tokenizer
 from nanotron.tokenize.encode import Encoder
 from nanotron.tokenize.sources import resolve_sources
+from nanotron.tokenize.tokenizer import load_tokenizer
 from nanotron.tokenize.writer import tokenize
-from nanotron.tokenizer import load_tokenizer
 
 SEQ_LEN = 16
 NUM_DOCS = 40

@@ -15,7 +15,7 @@ from conftest import REPO, TINY_MODEL, item_log_likelihoods, run_train, train_en
 
 from nanotron.errors import DataError
 from nanotron.evaluation.tasks import Item, Task, accuracy, encode_item, encode_pair, load_task
-from nanotron.tokenizer import load_tokenizer
+from nanotron.tokenize.tokenizer import load_tokenizer
 
 RECORDS = {
     "native": {"context": "The cat", "choices": ["runs", "sees far"], "gold": 1},
@@ -87,7 +87,7 @@ def test_eval_of_a_checkpoint_at_another_layout_equals_training_and_transformers
     in_training = item_log_likelihoods(run_dir, 3)
     # nanotron eval at tp2 x pp2 (the run was one process), with its own command line.
     out, items = tmp_path / "scores.json", tmp_path / "items.jsonl"
-    command = [sys.executable, "-m", "nanotron.cli", "eval", str(run_dir), "--tasks", f"mine={task}"]
+    command = [sys.executable, "-m", "nanotron", "eval", str(run_dir), "--tasks", f"mine={task}"]
     command += ["--out", str(out), "--items", str(items), "--nproc_per_node", "4"]
     command += ["--parallelism.tp=2", "--parallelism.pp=2"]
     done = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
@@ -99,7 +99,7 @@ def test_eval_of_a_checkpoint_at_another_layout_equals_training_and_transformers
     # transformers on the HF export, scored here the plain way: sum of log p(continuation token | prefix).
     assert (
         subprocess.run(
-            [sys.executable, "-m", "nanotron.convert", "to-hf", str(run_dir), str(tmp_path / "hf")], cwd=REPO
+            [sys.executable, "-m", "nanotron", "convert", "to-hf", str(run_dir), str(tmp_path / "hf")], cwd=REPO
         ).returncode
         == 0
     )
@@ -125,7 +125,8 @@ def test_the_next_words_task_is_learned_well_above_chance(tmp_path):
 
     from conftest import WORDS
 
-    from nanotron.prepare import next_words_items, train_tokenizer
+    from nanotron.data.demo import next_words_items
+    from nanotron.tokenize.bpe import train_tokenizer
 
     rng = random.Random(0)
     verses = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 9))).capitalize() + "," for _ in range(12)]
@@ -157,7 +158,7 @@ def test_the_next_words_task_is_learned_well_above_chance(tmp_path):
 
 
 def test_eval_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
-    from nanotron import evaluate
+    from nanotron.commands import eval as evaluate
 
     assert evaluate.main([str(tmp_path / "nope"), "--tasks", "t.jsonl"]) == 2
     assert evaluate.main([str(tmp_path), "--tasks", "t.jsonl"]) == 2

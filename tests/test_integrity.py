@@ -63,12 +63,14 @@ def test_same_size_bit_rot_is_a_one_line_error_for_resume_export_and_generate(sa
     resume = [*common, f"--job.out_dir={tmp_path}", "--job.name=resumed", f"--checkpoint.resume_from={step}"]
     proc = run_train([*resume, "--parallelism.dp=2", "--nproc_per_node=2"], check=False)
     assert expected in one_error(proc)  # found by whichever rank hashed that shard, printed once
-    assert expected in one_error(command("nanotron.convert", "to-hf", str(step), str(tmp_path / "hf")))
-    assert expected in one_error(command("nanotron.generate", "--checkpoint", str(step), "--prompt", "the"))
+    assert expected in one_error(command("nanotron", "convert", "to-hf", str(step), str(tmp_path / "hf")))
+    assert expected in one_error(command("nanotron", "generate", "--checkpoint", str(step), "--prompt", "the"))
     config = step / "tokenizer" / "tokenizer.json"
     shutil.copyfile(good / "__1_0.distcp", shard)
     flip_a_bit(config)
-    assert f"'{config}' is corrupt" in one_error(command("nanotron.convert", "to-hf", str(step), str(tmp_path / "x")))
+    assert f"'{config}' is corrupt" in one_error(
+        command("nanotron", "convert", "to-hf", str(step), str(tmp_path / "x"))
+    )
 
 
 @pytest.mark.slow
@@ -81,8 +83,8 @@ def test_an_index_claiming_a_huge_tensor_is_refused_before_any_allocation(saved,
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     (step / CHECKSUM_FILE).unlink()  # an index from elsewhere, without checksums (read unchecked on request)
     for proc in (
-        command("nanotron.convert", "to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified"),
-        command("nanotron.generate", "--checkpoint", str(step), "--prompt", "the", "--allow_unverified"),
+        command("nanotron", "convert", "to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified"),
+        command("nanotron", "generate", "--checkpoint", str(step), "--prompt", "the", "--allow_unverified"),
     ):
         assert "lm_head.weight has shape [1048576, 1048576], but its config.toml says [512, 32]" in one_error(proc)
 
@@ -98,10 +100,10 @@ def test_a_checkpoint_whose_checksums_were_deleted_is_refused_unless_allowed(sav
     expected = f"'{step / CHECKSUM_FILE}' is missing, so the checkpoint's files cannot be checked for corruption"
     resume = [*common, f"--job.out_dir={tmp_path}", f"--checkpoint.resume_from={step}", "--training.steps=3"]
     assert expected in one_error(run_train([*resume, "--job.name=refused"], check=False))
-    assert expected in one_error(command("nanotron.convert", "to-hf", str(step), str(tmp_path / "hf")))
-    assert expected in one_error(command("nanotron.generate", "--checkpoint", str(step), "--prompt", "the"))
+    assert expected in one_error(command("nanotron", "convert", "to-hf", str(step), str(tmp_path / "hf")))
+    assert expected in one_error(command("nanotron", "generate", "--checkpoint", str(step), "--prompt", "the"))
     run_train([*resume, "--job.name=allowed", "--checkpoint.allow_unverified=true"])
-    proc = command("nanotron.convert", "to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified")
+    proc = command("nanotron", "convert", "to-hf", str(step), str(tmp_path / "hf"), "--allow_unverified")
     assert proc.returncode == 0, proc.stderr
-    proc = command("nanotron.generate", "--checkpoint", str(step), "--prompt", "the", "--allow_unverified")
+    proc = command("nanotron", "generate", "--checkpoint", str(step), "--prompt", "the", "--allow_unverified")
     assert proc.returncode == 0, proc.stderr

@@ -98,7 +98,7 @@ def test_each_node_runs_the_local_launcher_with_every_cpu_of_the_node(tmp_path):
     assert "--cpus-per-task=6" in args  # the smallest node's CPUs: every task must fit
     assert srun_env(tmp_path)["OMP_NUM_THREADS"] == "3"  # shared by the node's two trainer processes
     launcher = args.index("-m")
-    assert args[launcher - 1 : launcher + 2] == ["python", "-m", "nanotron.launch.local"]
+    assert args[launcher - 1 : launcher + 3] == ["python", "-m", "nanotron", "torchrun"]
     assert args[-4:] == ["nanotron.train", "--config", "configs/tiny.toml", "--training.steps=3"]
 
 
@@ -171,7 +171,7 @@ def trainer_pids(out_dir: Path) -> list[int]:
             text = cmdline.read_bytes()
         except OSError:
             continue
-        if all(mark in text for mark in marks) and b"nanotron.launch.local" not in text and b"bash" not in text:
+        if all(mark in text for mark in marks) and b"\0nanotron\0torchrun\0" not in text and b"bash" not in text:
             pids.append(int(cmdline.parent.name))
     return pids
 

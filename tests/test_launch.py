@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from nanotron import train, trainer
+from nanotron.commands import launch
 from nanotron.config import Config, load_config, parse_overrides
-from nanotron.launch import cluster as launch
+from nanotron.launch import checks, cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def checked_data(in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list:
     corpus folder exists, so data.path is a path and not a hub dataset name."""
     (in_tmp / "data" / "corpus").mkdir(parents=True)
     checked: list = []
-    monkeypatch.setattr(launch.preflight, "check_data", checked.append)
+    monkeypatch.setattr(checks, "check_data", checked.append)
     return checked
 
 
@@ -87,7 +88,7 @@ def test_dry_run_writes_the_resolved_config_and_prints_the_exact_sbatch_command(
         "--partition=hopper-prod",
         "--gpus-per-node=8",
         f"--export=ALL,NPROC_PER_NODE=8,NANOTRON_PYTHON={sys.executable}",
-        str(launch.JOB_SCRIPT),
+        str(cluster.JOB_SCRIPT),
         f"{in_tmp}/runs/exp1/config.toml",
     ]
     assert f"  {shlex.join(expected)}\n" in out
@@ -302,7 +303,7 @@ def test_show_logs_follows_the_log_and_stops_when_the_job_ends(in_tmp, checked_d
         f'echo "JobId=7 JobName=follow JobState=$state Reason=None StdOut={log}"',
     )
     monkeypatch.setenv("PATH", f"{in_tmp / 'bin'}:{os.environ['PATH']}")
-    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+    monkeypatch.setattr(cluster.time, "sleep", lambda s: None)
     assert launch.main("--run_name follow --nodes 1 --dp 4 --tp 2 --show_logs".split()) == 0
     out = capsys.readouterr().out
     assert out.endswith("line 0\nline 1\nline 2\njob 7: COMPLETED\n")
@@ -321,7 +322,7 @@ def test_show_logs_does_not_hang_when_the_log_file_is_elsewhere(in_tmp, checked_
     [("90", 5400), ("10:30", 630), ("1:00:00", 3600), ("2-0", 172800), ("1-2:3", 93780), ("1-00:00:10", 86410)],
 )
 def test_time_limits_in_every_slurm_format(text, seconds):
-    assert launch.time_limit_seconds(text) == seconds
+    assert cluster.time_limit_seconds(text) == seconds
 
 
 def test_the_checkpoint_signal_comes_a_tenth_of_the_time_limit_early_at_most_ten_minutes(in_tmp, checked_data, capsys):
@@ -331,7 +332,7 @@ def test_the_checkpoint_signal_comes_a_tenth_of_the_time_limit_early_at_most_ten
 
 
 def test_job_script_refuses_a_missing_config_with_one_line():
-    proc = subprocess.run(["bash", str(launch.JOB_SCRIPT), "no/such.toml"], capture_output=True, text=True)
+    proc = subprocess.run(["bash", str(cluster.JOB_SCRIPT), "no/such.toml"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: config 'no/such.toml' not found; usage: sbatch [options] launch/slurm.sh")
 
@@ -408,7 +409,7 @@ def test_paths_on_node_local_filesystems_are_named_and_unknown_ones_said_so(tmp_
         "the working directory": tmp_path / "tmp",
         "data.tokenizer": tmp_path / "odd/tok",
     }
-    notes = launch.preflight.shared_filesystem_notes(paths, mounts)
+    notes = checks.shared_filesystem_notes(paths, mounts)
     assert len(notes) == 2, notes
     assert notes[0].startswith(
         f"warning: data.cache_dir, the working directory on a node-local filesystem (tmpfs at {tmp_path}/tmp)"
@@ -417,7 +418,7 @@ def test_paths_on_node_local_filesystems_are_named_and_unknown_ones_said_so(tmp_
 
 
 def test_the_launcher_reports_node_local_paths_before_submitting(in_tmp, checked_data, capsys, monkeypatch):
-    monkeypatch.setattr(launch.preflight, "mount_table", lambda: [("/", "nfs"), (str(in_tmp), "tmpfs")])
+    monkeypatch.setattr(checks, "mount_table", lambda: [("/", "nfs"), (str(in_tmp), "tmpfs")])
     assert launch.main(["--run_name", "local", "--dry_run"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].startswith(

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanotron import metrics
 from nanotron.config import load_config, parse_overrides
 from nanotron.gpu import device_model, gpu_peak_tflops, math_mode, set_matmul_precision
-from nanotron.metrics import detect_peak_tflops, memory_record, step_line
+from nanotron.metrics import step as metrics
+from nanotron.metrics.logger import step_line
+from nanotron.metrics.step import detect_peak_tflops, memory_record
 
 
 @pytest.mark.parametrize(

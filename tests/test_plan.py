@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from nanotron.commands import launch
+from nanotron.commands.plan import main as plan_main
 from nanotron.config import load_config
-from nanotron.launch import cluster
-from nanotron.plan.cli import main as plan_main
+from nanotron.launch import checks
 from nanotron.plan.memory import GIB, stage_memory, worst_stage
 from nanotron.plan.search import usable_bytes
 from nanotron.plan.timing import estimate_step, parse_gpu
@@ -38,7 +39,7 @@ LLAMA_70B = [
 
 def plan(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "nanotron.plan", *argv]
+    cmd = [sys.executable, "-m", "nanotron", "plan", *argv]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -157,13 +158,13 @@ def test_bad_gpu_and_layout_larger_than_the_cluster_are_one_line_errors(capsys):
 @pytest.fixture
 def no_data_check(monkeypatch):
     """These tests are about the memory plan: the launcher's data check (tested in test_launch.py) is skipped."""
-    monkeypatch.setattr(cluster.preflight, "check_data", lambda cfg: None)
+    monkeypatch.setattr(checks, "check_data", lambda cfg: None)
 
 
 def launch_70b(zero_stage: int, *extra: str) -> int:
     argv = ["--run_name", f"llama70b-zero{zero_stage}", "--nodes", "64", "--gpus_per_node", "8", "--gpu", "h100"]
     argv += ["--dp", "128", "--tp", "4", "--pp", "1", *LLAMA_70B, f"--parallelism.zero_stage={zero_stage}", *extra]
-    return cluster.main(argv)
+    return launch.main(argv)
 
 
 def test_launcher_refuses_70b_at_zero_1_naming_the_largest_part_and_accepts_zero_3(
@@ -189,14 +190,14 @@ def test_launcher_prints_the_memory_line_when_it_submits_and_cpu_nodes_skip_the_
     tmp_path, monkeypatch, capsys, no_data_check
 ):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cluster.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(cluster, "submit", lambda cmd: "42")
-    assert cluster.main(["--run_name", "gpu", "--nodes", "2", "--gpus_per_node", "8"]) == 0
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(launch, "submit", lambda cmd: "42")
+    assert launch.main(["--run_name", "gpu", "--nodes", "2", "--gpus_per_node", "8"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^memory: fits: [\d.]+ GiB per GPU of [\d.]+ GiB usable on h100$", out, re.M), out
     assert "submitted job 42" in out
     cpu = ["--run_name", "cpu", "--nodes", "2", "--gpus_per_node", "0", "--nproc_per_node", "8", "--dry_run"]
-    assert cluster.main(cpu) == 0
+    assert launch.main(cpu) == 0
     assert "GPU memory not planned" in capsys.readouterr().out
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nanotron import report
+from nanotron.commands import report
 
 pytest.importorskip("matplotlib")
 

@@ -68,7 +68,7 @@ def test_a_global_batch_change_is_accepted_when_asked_and_listed(saved, tmp_path
 
 
 def test_another_tokenizer_is_refused(saved, tmp_path, capsys):
-    from nanotron.prepare import train_tokenizer
+    from nanotron.tokenize.bpe import train_tokenizer
 
     train_tokenizer(synthetic_documents(20, seed=7), tmp_path / "other", vocab_size=300)
     assert nanotron.train.main(resume(saved, tmp_path, f"--data.tokenizer={tmp_path / 'other'}")) == 2

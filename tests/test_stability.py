@@ -154,8 +154,8 @@ def poisoned(tmp_path_factory):
     POISON_STEP (global positions inside POISON_WINDOW). The step's loss jumps 2.7x and its gradient norm 42x
     (z 6.2 and 22.7, in runs whose other steps stay below 2 after warm-up)."""
     from nanotron.data import TrainSamples, prepare_data
-    from nanotron.prepare import train_tokenizer
-    from nanotron.tokenizer import load_tokenizer
+    from nanotron.tokenize.bpe import train_tokenizer
+    from nanotron.tokenize.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("poisoned")
     train_tokenizer(synthetic_documents(60), root / "tokenizer", vocab_size=512)

@@ -112,43 +112,35 @@ def test_no_file_over_400_lines():
 # belongs to the layer of the longest prefix that names it.
 LAYERS = [
     ["nanotron", "nanotron.io", "nanotron.errors", "nanotron.signals", "nanotron.hashing", "nanotron.config"],
-    ["nanotron.gpu", "nanotron.tokenizer", "nanotron.models"],
-    ["nanotron.parallel", "nanotron.distributed", "nanotron.optim", "nanotron.activations"],
-    ["nanotron.tokenize", "nanotron.data"],
-    ["nanotron.checkpoint", "nanotron.lock", "nanotron.watch", "nanotron.stability", "nanotron.evaluation"],
-    ["nanotron.metrics", "nanotron.wandb_log", "nanotron.trainer"],
-    [  # commands
-        "nanotron.train",
-        "nanotron.launch",
-        "nanotron.plan",
-        "nanotron.tokenize.cli",
-        "nanotron.tokenize.__main__",
-        "nanotron.convert",
-        "nanotron.hf_mixtral",
-        "nanotron.generate",
-        "nanotron.evaluate",
-        "nanotron.report",
-        "nanotron.prepare",
-        "nanotron.cli",
-        "nanotron.doctor",
-        "nanotron.coord_check",
+    ["nanotron.gpu", "nanotron.tokenize", "nanotron.models"],
+    ["nanotron.parallel", "nanotron.distributed", "nanotron.optim"],
+    ["nanotron.data"],
+    [  # services, and the libraries that read what training wrote
+        "nanotron.checkpoint",
+        "nanotron.lock",
+        "nanotron.watch",
+        "nanotron.stability",
+        "nanotron.evaluation",
+        "nanotron.metrics",
+        "nanotron.hf",
     ],
+    ["nanotron.trainer"],
+    ["nanotron.plan", "nanotron.coord_check", "nanotron.launch"],  # what only commands use
+    # Entry points: every command in nanotron.commands, and the module spellings users and launchers type.
+    ["nanotron.commands", "nanotron.__main__", "nanotron.train", "nanotron.launch.__main__"],
 ]
-# Commands a training process never runs, so never loads (the launcher's local part, `launch.local`, it does).
+ENTRY_POINTS = ["nanotron.commands", "nanotron.__main__", "nanotron.train", "nanotron.launch.__main__"]
+# What a training process never runs, so never loads (the local launcher, `launch.torchrun`, it does).
 NOT_THE_TRAINERS = [
     "nanotron.launch.cluster",
     "nanotron.launch.flags",
-    "nanotron.launch.preflight",
+    "nanotron.launch.checks",
     "nanotron.plan",
-    "nanotron.tokenize.cli",
-    "nanotron.convert",
-    "nanotron.hf_mixtral",
-    "nanotron.generate",
-    "nanotron.evaluate",
-    "nanotron.report",
-    "nanotron.prepare",
-    "nanotron.cli",
     "nanotron.coord_check",
+    "nanotron.hf",
+    "nanotron.metrics.report",
+    "nanotron.data.demo",
+    "nanotron.tokenize.bpe",
 ]
 PRIVATE_DOORS = {PACKAGE / "parallel" / "torch_private.py", PACKAGE / "checkpoint" / "torch_private.py"}
 # A private name reached through torch's modules (in code or in a pickle allow-list string), or one of the private
@@ -191,8 +183,39 @@ def test_a_training_process_loads_only_what_trains():
     """A fresh interpreter that imports the trainer's entry point holds no command it does not run."""
     code = "import sys, nanotron.train; print('\\n'.join(sorted(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert "nanotron.trainer" in loaded and "nanotron.launch.local" in loaded
+    assert "nanotron.trainer" in loaded and "nanotron.launch.torchrun" in loaded
     assert not [m for m in loaded if any(_under(m, name) for name in NOT_THE_TRAINERS)]
+    commands = [m for m in loaded if _under(m, "nanotron.commands")]
+    assert commands == ["nanotron.commands", "nanotron.commands.train"], commands
+
+
+def is_entry_point(path: Path) -> bool:
+    """A module run as a program: a `__main__.py`, a module-level `def main`, or an `if __name__ == "__main__":`."""
+    tree = ast.parse(path.read_text())
+    guard = any(
+        isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test)
+        for node in tree.body
+    )
+    main = any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body)
+    return path.name == "__main__.py" or guard or main
+
+
+def test_entry_point_check_finds_a_main_outside_the_commands(tmp_path):
+    (tmp_path / "library.py").write_text("def main():\n    return 0\n")
+    (tmp_path / "script.py").write_text('if __name__ == "__main__":\n    print()\n')
+    (tmp_path / "plain.py").write_text("def main_loop():\n    return 0\n")
+    assert [is_entry_point(tmp_path / f) for f in ("library.py", "script.py", "plain.py")] == [True, True, False]
+
+
+def test_every_entry_point_is_in_the_commands_package():
+    """One home per kind of thing: what runs as a program lives in nanotron.commands (and the module spellings
+    launchers type, which only call into it)."""
+    outside = [
+        module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if is_entry_point(path) and not any(_under(module_name(path), name) for name in ENTRY_POINTS)
+    ]
+    assert not outside, f"entry points outside nanotron/commands/: {outside}"
 
 
 def private_torch_uses(path: Path) -> list[str]:
@@ -234,3 +257,20 @@ def test_private_torch_check_finds_each_spelling(tmp_path, line):
 def test_private_torch_names_only_behind_the_two_doors():
     uses = [use for path in PACKAGE.rglob("*.py") if path not in PRIVATE_DOORS for use in private_torch_uses(path)]
     assert not uses, "reach private torch APIs through parallel/ or checkpoint/torch_private.py:\n" + "\n".join(uses)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [("nanotron.doctor", "doctor"), ("nanotron.tokenize", "tokenize"), ("nanotron.launch.local", "torchrun")],
+)
+def test_a_retired_module_spelling_is_one_line_naming_the_command(old, new):
+    proc = subprocess.run([sys.executable, "-m", old, "--help"], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"error: `python -m {old}` is now `nanotron {new}` (or `python -m nanotron {new}`)\n"
+
+
+def test_the_documented_module_spellings_still_run():
+    """`python -m nanotron.train` and `python -m nanotron.launch` (the original nanotron's) stay what they were."""
+    for module, words in (("nanotron.train", "--section.key=value"), ("nanotron.launch", "--run_name")):
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
+        assert proc.returncode == 0 and words in proc.stdout, proc.stderr

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from conftest import child_pids
 
+from nanotron.commands import tokenize as cli
 from nanotron.errors import DataError
-from nanotron.prepare import train_tokenizer
-from nanotron.tokenize import cli, encode
+from nanotron.tokenize import encode
+from nanotron.tokenize.bpe import train_tokenizer
 from nanotron.tokenize.format import META, PROGRESS
-from nanotron.tokenizer import load_tokenizer
+from nanotron.tokenize.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "thou art the king of all my love and hate fair foul night day sword crown heaven earth sweet".split()
@@ -108,7 +109,7 @@ def test_killed_after_a_shard_commit_resumes_and_ends_identical(corpus, tmp_path
     (big / "tokenizer").symlink_to(corpus / "tokenizer")
     assert tokenize(big, tmp_path / "reference", "--workers", "1") == 0
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "nanotron.tokenize", str(big / "corpus"), "--tokenizer", str(big / "tokenizer")]
+    command = [sys.executable, "-m", "nanotron", "tokenize", str(big / "corpus"), "--tokenizer", str(big / "tokenizer")]
     command += ["--out", str(out), "--quiet", "--shard_tokens", "4000", "--validation_split", "0.1", "--workers", "2"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -251,7 +252,7 @@ def test_sigterm_stops_in_one_line_with_exit_130_and_no_worker_left(corpus, tmp_
     big = tmp_path / "big"
     write_jsonl(big / "c.jsonl", [{"text": d} for d in documents(3000, seed=2)])
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "nanotron.tokenize", str(big), "--tokenizer", str(corpus / "tokenizer")]
+    command = [sys.executable, "-m", "nanotron", "tokenize", str(big), "--tokenizer", str(corpus / "tokenizer")]
     command += ["--out", str(out), "--shard_tokens", "4000", "--workers", "2", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -318,7 +318,7 @@ def test_a_transient_hang_restarts_the_ranks_in_place_and_a_permanent_one_stops_
 def test_the_doctor_names_a_slow_rank_a_wrong_matmul_and_a_slow_disk(tiny_data, tmp_path, fault, code, expected):
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--parallelism.dp=2"]
     args += ["--parallelism.tp=2", "--config", "configs/tiny.toml"]
-    command = [sys.executable, "-m", "nanotron.doctor", "--nproc_per_node", "4", *args]
+    command = [sys.executable, "-m", "nanotron", "doctor", "--nproc_per_node", "4", *args]
     env = train_env() | {"NANOTRON_FAULT": fault}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == code, proc.stderr[-3000:]
@@ -334,7 +334,7 @@ def test_the_doctor_passes_a_healthy_8_rank_layout_in_under_a_minute_and_runs_be
     layout = ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.pp=2", "--config", "configs/tiny.toml"]
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", *layout]
     started = time.perf_counter()
-    command = [sys.executable, "-m", "nanotron.doctor", "--nproc_per_node", "8", *args]
+    command = [sys.executable, "-m", "nanotron", "doctor", "--nproc_per_node", "8", *args]
     proc = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "doctor: 8 ranks healthy" in proc.stdout, proc.stderr[-3000:]
     assert time.perf_counter() - started < 60

@@ -15,7 +15,7 @@ from typing import Any
 from nanotron.config import Config, to_toml
 from nanotron.config.parse import tomllib
 from nanotron.errors import CheckpointError, ConfigError
-from nanotron.tokenizer import load_tokenizer
+from nanotron.tokenize.tokenizer import load_tokenizer
 
 # model.attention: document masking changes which tokens attend to which, not the weights' meaning
 MODEL_KEYS_A_RESUME_MAY_CHANGE = {"model.size", "model.init_std", "model.max_seq_len", "model.attention"}

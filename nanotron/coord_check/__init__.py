@@ -1,2 +1,2 @@
-"""`nanotron coord-check`: µP's coordinate check on your own config and layout (cli.py; runs.py trains and
-measures, report.py judges and draws)."""
+"""µP's coordinate check on your own config and layout (`nanotron coord-check`): `runs.py` trains and measures,
+`report.py` judges and draws."""

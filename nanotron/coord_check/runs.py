@@ -215,7 +215,7 @@ def changes(initial: nn.Module, trained: nn.Module, tokens: torch.Tensor) -> dic
 
 
 def load(step_dir: Path) -> nn.Module:
-    from nanotron.generate import load_model
+    from nanotron.checkpoint.full_model import load_model
 
     return load_model(step_dir, allow_unverified=True)[0].float()
 

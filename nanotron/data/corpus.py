@@ -24,8 +24,8 @@ from nanotron.errors import ConfigError, DataError
 from nanotron.tokenize.encode import available_cpus
 from nanotron.tokenize.format import META, is_tokenized, summary
 from nanotron.tokenize.sources import Labels, Source, is_hub_name, resolve_sources
+from nanotron.tokenize.tokenizer import Tokenizer, load_tokenizer
 from nanotron.tokenize.writer import DEFAULT_SHARD_TOKENS, job_of, tokenize
-from nanotron.tokenizer import Tokenizer, load_tokenizer
 
 AUTO_MB_PER_WORKER = 16  # one more tokenizer process per 16 MB: a worker's ~1 s start-up stays a small share
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from nanotron.errors import DataError
 from nanotron.tokenize.format import RETOKENIZE, read_meta, shard_name
+from nanotron.tokenize.tokenizer import Tokenizer
 from nanotron.tokenize.writer import check_all
-from nanotron.tokenizer import Tokenizer
 
 OPEN_SHARDS = 64  # memory maps kept open per split (each holds a file descriptor); reopening one costs ~20 us
 

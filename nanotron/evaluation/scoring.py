@@ -30,7 +30,7 @@ from nanotron.evaluation.tasks import Task, encode_item, load_task, predictions,
 from nanotron.io import write_atomic
 from nanotron.parallel.context import IGNORE_INDEX
 from nanotron.parallel.runner import MicrobatchRunner
-from nanotron.tokenizer import Tokenizer
+from nanotron.tokenize.tokenizer import Tokenizer
 
 
 @dataclass

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanotron.errors import DataError
-from nanotron.tokenizer import Tokenizer
+from nanotron.tokenize.tokenizer import Tokenizer
 
 FORMAT_HINT = 'one JSON object per line, e.g. {"context": "...", "choices": ["...", "..."], "gold": 0}'
 

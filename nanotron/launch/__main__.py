@@ -1,5 +1,7 @@
+"""`python -m nanotron.launch`: the Slurm launcher (`nanotron launch`) under the original nanotron's spelling."""
+
 import sys
 
-from nanotron.launch.cluster import main
+from nanotron.commands.launch import main
 
 sys.exit(main())

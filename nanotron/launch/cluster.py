@@ -1,46 +1,25 @@
-"""Slurm launcher: nanotron's `slurm_launcher.py` flags → a run dir → `sbatch launch/slurm.sh`.
-
-    python -m nanotron.launch --run_name my_first_experiment --nodes 4 --model_size base
-    python -m nanotron.launch --run_name cpu_test --nodes 2 --gpus_per_node 0 --nproc_per_node 2 --dp 4 --tp 1 --dry_run
-
-A run starts from `configs/<model_size>.toml` (or `--config FILE`) and the flags override it. The whole config is
-resolved and checked here, on the login node, with what would fail in the queue (paths, Python, data and split
-sizes, filesystems the nodes share: `preflight.py`), so a mistake costs a second instead of a wait for nodes. It
-writes `<out_dir>/<run_name>/config.toml` (the resolved config, absolute paths) and `submit.sh` (the exact `sbatch`
-command), then submits the one job script with `sbatch` options. Any `--section.key=value` argument is passed on
-as a config override, as for `nanotron.train`.
-"""
+"""The Slurm side of `nanotron launch`: nodes and processes for a layout, the plan's verdict before a wait in the
+queue, the `sbatch` command for the one job script, the run dir that reproduces it, submitting and following."""
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
-import nanotron.launch.preflight as preflight
-from nanotron.config import Config, load_config, parse_overrides, to_toml
+import nanotron.launch.checks as checks
+from nanotron.config import Config, load_config, to_toml
 from nanotron.config.validate import RUN_NAME, RUN_NAME_RULE
-from nanotron.errors import ConfigError, LaunchError, run_command
-from nanotron.launch.flags import (
-    CONFIG_FLAGS,
-    config_overrides,
-    fit_max_seq_len,
-    flag_help,
-    model_summary,
-    normalize_spellings,
-    starting_config,
-)
+from nanotron.errors import ConfigError, LaunchError
+from nanotron.launch.flags import config_overrides, fit_max_seq_len, starting_config
 
 JOB_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "slurm.sh"
 
@@ -48,70 +27,6 @@ SAFE_PARTITION = re.compile(r"[A-Za-z0-9_.,-]*")
 SAFE_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+")
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD"}
 ACTIVE_STATES |= {"RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError, so a bad flag is one `error:` line (exit 2), not usage + error."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type whose error names the bound: "argument --nodes: expected an integer >= 1, got '0'"."""
-
-    def parse(text: str) -> int:
-        value = int(text) if text.lstrip("-").isdigit() else minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-
-    return parse
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m nanotron.launch",
-        allow_abbrev=False,
-        description="Resolve and validate a run's config, write runs/<run_name>/, and submit launch/slurm.sh "
-        "with sbatch. Extra --section.key=value arguments are config overrides, as for nanotron.train.",
-    )
-    p.add_argument("--run_name", required=True, help="run dir name and Slurm job name (letters, digits, . _ -)")
-    p.add_argument(
-        "--config",
-        help="TOML config to start from (default: configs/<model_size>.toml; without --model_size, the preset "
-        "nearest --hidden_size, else tiny)",
-    )
-    slurm = p.add_argument_group("Slurm")
-    slurm.add_argument("--nodes", type=_int_at_least(1), default=2, help="most nodes to request (default 2)")
-    slurm.add_argument(
-        "--gpus_per_node", type=_int_at_least(0), default=8, help="one process per GPU (default 8); 0 = CPU nodes"
-    )
-    slurm.add_argument(
-        "--nproc_per_node", type=_int_at_least(1), help="processes per node with --gpus_per_node 0 (default 1)"
-    )
-    slurm.add_argument("--partition", default="hopper-prod", help="default hopper-prod; '' = cluster default")
-    slurm.add_argument("--time_limit", default="1:00:00", help="Slurm time format (default 1:00:00)")
-    slurm.add_argument("--email", help="mail the job's end or failure to this address")
-    config = p.add_argument_group("config (each flag sets the keys in brackets)")
-    for flag in CONFIG_FLAGS:
-        bool_flag = flag == "save_initial_state"
-        config.add_argument(f"--{flag}", action="store_true" if bool_flag else None, default=None, help=flag_help(flag))
-    run = p.add_argument_group("execution")
-    run.add_argument("--show_logs", action="store_true", help="follow the job's log until the job ends")
-    run.add_argument(
-        "--dry_run",
-        action="store_true",
-        help="check, write the run dir and print everything (the plan too); submit nothing",
-    )
-    run.add_argument(
-        "--gpu",
-        default="h100",
-        help="GPU type the plan checks memory against: h100, h200, a100, or '<memory GiB>,<peak TFLOP/s>' "
-        "(default h100)",
-    )
-    run.add_argument("--force", action="store_true", help="submit even if the plan says the layout does not fit")
-    return p
 
 
 def check_slurm_flags(args: argparse.Namespace) -> None:
@@ -185,7 +100,7 @@ def plan_nodes(cfg: Config, args: argparse.Namespace) -> tuple[int, int, list[st
 def plan_before_submit(cfg: Config, args: argparse.Namespace, procs: int) -> list[str]:
     """The per-GPU memory line (and with --dry_run the whole plan); refuses a layout that does not fit the GPUs
     unless --force, so it fails here in a second instead of out of memory after its wait in the queue."""
-    from nanotron.plan.cli import describe, fit_line, fits
+    from nanotron.plan.report import describe, fit_line, fits
     from nanotron.plan.timing import parse_gpu
 
     if not args.gpus_per_node:
@@ -285,61 +200,6 @@ def follow_log(job_id: str, log: Path, out: TextIO | None = None, poll_s: float 
         time.sleep(poll_s)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(_launch, argv)
-
-
-def _launch(argv: list[str]) -> int:
-    parser = build_parser()
-    preflight.check_printable(argv)
-    args, extra = parser.parse_known_args(normalize_spellings(argv, parser))
-    _, passthrough = parse_overrides(extra)
-    for key, _ in passthrough:
-        if "." not in key:
-            flags = [o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")]
-            close = difflib.get_close_matches(key, flags, n=1)
-            hint = f"did you mean --{close[0]}?" if close else "see --help"
-            raise ConfigError(f"unrecognized argument --{key}: {hint} (config overrides look like --section.key=value)")
-        if key == "job.name":
-            raise ConfigError("--job.name: set the run name with --run_name")
-    check_slurm_flags(args)
-    cfg, notes = resolve_config(args, passthrough)
-    nodes, procs, layout_notes = plan_nodes(cfg, args)
-    plan = plan_before_submit(cfg, args, procs)
-    python = preflight.job_python()
-    cmd = sbatch_command(args, cfg, nodes, procs, python)
-    if not JOB_SCRIPT.is_file():
-        raise LaunchError(f"{JOB_SCRIPT} not found: run from a source checkout of nanotron (pip install -e .)")
-    if not args.dry_run and shutil.which("sbatch") is None:
-        raise LaunchError(
-            "sbatch not found: run this on a Slurm login node, or add --dry_run to only write "
-            f"{cfg.run_dir}/config.toml and print the sbatch command"
-        )
-    preflight.check_data(cfg)
-    notes += layout_notes + preflight.shared_filesystem_notes(preflight.job_paths(cfg, sys.prefix, Path.cwd()))
-    for note in notes:
-        print(note, file=sys.stderr)
-    if (cfg.checkpoint_dir / "latest").exists() and cfg.checkpoint.resume_from == "auto":
-        print(f"note: {cfg.checkpoint_dir} has checkpoints: the job resumes from the latest", file=sys.stderr)
-    submit_file = write_run_dir(cfg, cmd, argv)
-    print(model_summary(cfg))
-    print("\n".join(plan))
-    print(f"resolved config: {cfg.run_dir / 'config.toml'}")
-    print(f"sbatch command ({submit_file}):\n  {shlex.join(cmd)}")
-    if args.dry_run:
-        print(to_toml(cfg))
-        print("dry run: nothing submitted")
-        return 0
-    job_id = submit(cmd)
-    log = cfg.run_dir / f"slurm-{job_id}.out"
-    print(f"submitted job {job_id}; log: {log}")
-    if not args.show_logs:
-        return 0
-    state = follow_log(job_id, log)
-    print(f"job {job_id}: {state}")
-    return 0 if state == "COMPLETED" else 1
-
-
 def resolve_config(args: argparse.Namespace, passthrough: list[tuple[str, str]]) -> tuple[Config, list[str]]:
     """The run's config: the starting file, the flags and overrides, absolute paths; and notes on what was chosen."""
     path, notes = starting_config(args)
@@ -347,10 +207,6 @@ def resolve_config(args: argparse.Namespace, passthrough: list[tuple[str, str]])
         raise LaunchError(f"{path} not found: run from a source checkout of nanotron, or pass --config FILE")
     overrides = fit_max_seq_len(path, args, config_overrides(args, passthrough))
     cfg = load_config(path, overrides)
-    preflight.make_paths_absolute(cfg)
-    preflight.check_config_strings(cfg)
+    checks.make_paths_absolute(cfg)
+    checks.check_config_strings(cfg)
     return cfg, notes
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,1 +1,1 @@
-"""`nanotron plan`: per-rank memory and step-time estimates, layout search, fake-process-group build check."""
+"""Per-rank memory and step-time estimates, layout search, fake-process-group build check (`nanotron plan`)."""

@@ -20,7 +20,7 @@ import numpy as np
 import tokenizers
 
 from nanotron.signals import STOP_SIGNALS, die_with_parent, ignore_stop_signals
-from nanotron.tokenizer import Tokenizer
+from nanotron.tokenize.tokenizer import Tokenizer
 
 BATCH_CHARS = 1 << 18  # text per task (~0.15 s of one core): pickling costs <1%, and the workers stay balanced
 # A paragraph break after a non-space character: GPT-2-style byte-level BPE always ends a pre-token there, so

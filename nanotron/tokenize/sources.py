@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from nanotron.errors import DataError
-from nanotron.tokenizer import PREPARE_HINT
+from nanotron.tokenize.tokenizer import PREPARE_HINT
 
 KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

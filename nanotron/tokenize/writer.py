@@ -39,7 +39,7 @@ from nanotron.tokenize.format import (
     token_dtype,
 )
 from nanotron.tokenize.sources import CLI_LABELS, Labels, Source, iter_documents, sources_key
-from nanotron.tokenizer import Tokenizer
+from nanotron.tokenize.tokenizer import Tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 29  # ~1 GiB of uint16 per shard: few files at TB scale, cheap to redo after a kill
 _OUR_FILES = re.compile(r"(train|val)-\d{5}\.(bin|idx)|meta\.json|progress\.json|\.lock")

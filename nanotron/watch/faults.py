@@ -31,7 +31,7 @@ from nanotron.errors import LAUNCH_ATTEMPT_VARIABLE, ConfigError
 from nanotron.watch.nodes import node_name
 
 FAULT_VARIABLE = "NANOTRON_FAULT"
-ATTEMPT_VARIABLE = LAUNCH_ATTEMPT_VARIABLE  # set by nanotron.launch.local (0, 1, ... across in-place restarts)
+ATTEMPT_VARIABLE = LAUNCH_ATTEMPT_VARIABLE  # set by nanotron.launch.torchrun (0, 1, ... across in-place restarts)
 KINDS = ("sleep", "gil_lock", "sigstop", "skip_collective", "slow", "crash", "slow_disk", "bad_matmul", "loss_spike")
 _ONGOING = ("slow", "slow_disk")  # take a value, and act at every step from S on
 _VALUED = (*_ONGOING, "loss_spike")

@@ -25,7 +25,7 @@ from nanotron.io import write_atomic
 from nanotron.watch.faults import Fault
 from nanotron.watch.nodes import node_name
 
-WATCH_DIR_VARIABLE = "NANOTRON_WATCH_DIR"  # set by nanotron.launch.local for its workers: a node-local folder
+WATCH_DIR_VARIABLE = "NANOTRON_WATCH_DIR"  # set by nanotron.launch.torchrun for its workers: a node-local folder
 PHASES = ("startup", "data", "forward", "backward", "optimizer", "checkpoint", "eval", "done")
 STACK_SIGNAL = signal.SIGUSR2
 # version, phase, step, phase start (time.time()), write counter (odd while writing), dump request, dump done,

@@ -1,7 +1,7 @@
-"""The node's watcher: a process beside the ranks (started by `nanotron.launch.local`), so a rank that holds the
+"""The node's watcher: a process beside the ranks (started by `nanotron.launch.torchrun`), so a rank that holds the
 GIL, is stopped or is stuck in native code is still seen.
 
-    python -m nanotron.watch.watcher --dir WATCH_DIR --launcher PID
+    python -m nanotron watcher --dir WATCH_DIR --launcher PID   (`nanotron.commands.watcher`)
 
 Every half second it reads each local rank's slot. A rank that stays in one phase longer than that phase's
 limit is a hang: the limit is `watch.factor` x the longest time any rank of the node has spent in that phase so
@@ -14,7 +14,6 @@ leaves a verdict for the launcher, which exits with `NodeFaultError.exit_code`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -29,7 +28,6 @@ from pathlib import Path
 
 from nanotron.errors import NodeFaultError
 from nanotron.io import write_atomic
-from nanotron.signals import STOP_SIGNALS
 from nanotron.watch.attribution import RankEvidence, Verdict, attribute
 from nanotron.watch.heartbeat import (
     STACK_SIGNAL,
@@ -240,20 +238,3 @@ def _alive(launcher: int) -> bool:
     """Whether the launcher still runs: a killed one is a zombie until its parent reaps it (os.kill(pid, 0) still
     succeeds), but this watcher, its child, has been handed to another parent by then."""
     return os.getppid() == launcher
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanotron.watch.watcher", description=__doc__)
-    parser.add_argument("--dir", type=Path, required=True, help="the node-local folder of the ranks' slots")
-    parser.add_argument("--launcher", type=int, required=True, help="pid of the launcher: stop when it is gone")
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the job (each runs a watcher)")
-    parser.add_argument("--store", default="", help="host:port of the launcher's key-value store (several nodes)")
-    args = parser.parse_args(argv)
-    for sig in STOP_SIGNALS:  # a stop is the ranks' to act on (the launcher hands it to its children, us included)
-        signal.signal(sig, signal.SIG_IGN)
-    coordinator = Coordinator(args.store, args.nnodes, node_name()) if args.nnodes > 1 and args.store else None
-    return watch(args.dir, args.launcher, coordinator)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

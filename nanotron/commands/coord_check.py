@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from nanotron.commands.args import Parser
 from nanotron.config import load_config, parse_overrides
 from nanotron.coord_check.report import LABEL, PARAMETRIZATIONS, markdown, plot, read_rows, verdicts, write_csv
 from nanotron.coord_check.runs import family, measure, parametrization_overrides, probe_batch, run_overrides, train
@@ -43,7 +44,7 @@ from nanotron.errors import ConfigError, UserError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="nanotron coord-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", type=Path, help="the TOML config whose model family and layout are checked")

@@ -1,27 +1,19 @@
-"""Set-up helpers for the demo corpus: plain-text plays → JSONL corpus → byte-level BPE tokenizer dir.
-
-Called by `scripts/prepare_data.sh`; the tokenizer dir is written in Hugging Face layout by hand so that
-neither set-up nor training needs `transformers`, while `AutoTokenizer.from_pretrained` still loads it.
-"""
+"""The demo's data (`scripts/prepare_data.sh`): plain-text plays → a JSONL corpus, and the held-out plays → a
+multiple-choice task (which ending completes a line)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
-import sys
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from nanotron.errors import run_command
 from nanotron.io import write_atomic
 
-EOS_TOKEN = "<|endoftext|>"
 _GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THIS|THE) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
+
+
 _GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THIS|THE) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
 
 
@@ -46,30 +38,6 @@ def read_jsonl_texts(path: Path, text_column: str = "text") -> list[str]:
     """Documents of a JSONL corpus, for training the tokenizer on the very text the model will read."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line)[text_column] for line in f if line.strip()]
-
-
-def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 8192) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style: any byte encodable, exact decode) with one special token, EOS."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "model_max_length": 1_000_000,
-        "clean_up_tokenization_spaces": False,
-    }
-    write_atomic(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-    write_atomic(out_dir / "special_tokens_map.json", json.dumps({"eos_token": EOS_TOKEN}, indent=2) + "\n")
-    write_atomic(out_dir / "tokenizer.json", tokenizer.to_str())
-    return tokenizer
 
 
 _SPEAKER = re.compile(r"^[A-Z][A-Z .,'&-]*\.$")  # "CAESAR." or "FIRST CITIZEN."
@@ -127,48 +95,3 @@ def held_out_texts(corpus: Path, tokenized: Path) -> list[str]:
     meta = json.loads((tokenized / "meta.json").read_text())
     held_out = ValidationSplit(meta["validation_split"], meta["seed"])
     return [text for index, text in enumerate(read_jsonl_texts(corpus, meta["text_column"])) if held_out(index)]
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_command(_main, argv)
-
-
-def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanotron.prepare", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    corpus = sub.add_parser("corpus", help="text files (one document each) -> JSONL corpus")
-    corpus.add_argument("text_files", type=Path, nargs="+")
-    corpus.add_argument("--out", type=Path, required=True)
-    tok = sub.add_parser("tokenizer", help="JSONL corpus -> byte-level BPE tokenizer dir")
-    tok.add_argument("corpus", type=Path)
-    tok.add_argument("--out", type=Path, required=True)
-    tok.add_argument("--vocab-size", type=int, default=8192)
-    task = sub.add_parser("task", help="held-out plays -> a multiple-choice JSONL task (the demo evaluation)")
-    task.add_argument("corpus", type=Path)
-    task.add_argument("--tokenized", type=Path, required=True, help="its `nanotron tokenize` output dir")
-    task.add_argument("--out", type=Path, required=True)
-    task.add_argument("--items", type=int, default=400)
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    if args.command == "task":
-        texts = held_out_texts(args.corpus, args.tokenized)
-        items = next_words_items(texts, args.items)
-        write_atomic(args.out, "".join(json.dumps(item) + "\n" for item in items))
-        print(f"task: {len(items)} items from {len(texts)} held-out documents written to {args.out}")
-        return 0
-    if args.command == "corpus":
-        docs = write_corpus(args.text_files, args.out)
-        size_mb = args.out.stat().st_size / 1e6
-        print(f"corpus: wrote {docs} documents ({size_mb:.1f} MB) to {args.out} in {time.perf_counter() - start:.1f} s")
-    else:
-        texts = read_jsonl_texts(args.corpus)
-        tokenizer = train_tokenizer(texts, args.out, args.vocab_size)
-        print(
-            f"tokenizer: trained byte-level BPE, vocab {tokenizer.get_vocab_size()}, eos {EOS_TOKEN!r}, "
-            f"on {len(texts)} documents, saved to {args.out}/ in {time.perf_counter() - start:.1f} s"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,26 +1,16 @@
-"""`nanotron plan` / `python -m nanotron.plan`: will this layout fit, how fast will it run, which layout is best.
-
-    nanotron plan --config configs/large.toml --nodes 4 --gpus_per_node 8 --gpu h100
-    nanotron plan --config configs/large.toml --nodes 8 --gpus_per_node 8 --gpu h100 --search
-    nanotron plan --config configs/large.toml --nodes 64 --gpus_per_node 8 --check \\
-        --parallelism.pp=4 --parallelism.dp=16 --parallelism.tp=8
-
-Extra `--section.key=value` arguments are config overrides, as for `nanotron train`. Nothing here needs a GPU.
-"""
+"""The plan as text: a layout's memory table, fit verdict and step time (`describe`), the `--search` ranking and
+the `--check` table; what `nanotron plan` prints and the Slurm launcher checks before it submits."""
 
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
-import sys
 
-from nanotron.config import Config, ParallelismConfig, load_config, parse_overrides
-from nanotron.errors import ConfigError, run_command
+from nanotron.config import Config, ParallelismConfig
+from nanotron.errors import ConfigError
 from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
 from nanotron.plan.search import RECOMPUTE_CHOICES, Candidate, reserve_bytes, search, shown_seconds, usable_bytes
-from nanotron.plan.timing import GPUS, UNCALIBRATED_EFFICIENCY, Efficiency, Gpu, estimate_step, parse_gpu
+from nanotron.plan.timing import Gpu, estimate_step
 
 ASSUMPTIONS = (
     "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s peak ({source}); FSDP/DP collectives overlap "
@@ -29,35 +19,6 @@ ASSUMPTIONS = (
     "{nvlink:g} GB/s per GPU over NVLink inside a node, {ib:g} GB/s over InfiniBand across nodes; reserve "
     "{reserve:.1f} GiB per GPU for CUDA context, NCCL and fragmentation"
 )
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="nanotron plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="TOML config (default: built-in defaults); overrides follow as --section.key=value")
-    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
-    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument(
-        "--gpu", default="h100", help=f"{', '.join(GPUS)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (default h100)"
-    )
-    p.add_argument(
-        "--efficiency",
-        type=float,
-        default=None,
-        help="achieved fraction of peak compute (default: the GPU's, from published runs where the calibration "
-        f"set has them: {', '.join(f'{name} {gpu.efficiency.default:g}' for name, gpu in GPUS.items())}; "
-        f"custom GPUs {UNCALIBRATED_EFFICIENCY}, uncalibrated)",
-    )
-    p.add_argument("--nvlink_gbps", type=float, help="ring bandwidth per GPU inside a node, GB/s (default: by --gpu)")
-    p.add_argument("--ib_gbps", type=float, help="bandwidth per GPU across nodes, GB/s (default: by --gpu)")
-    p.add_argument("--search", action="store_true", help="rank every layout that fits this cluster by throughput")
-    p.add_argument("--top", type=int, default=15, help="rows of the --search table (default 15)")
-    p.add_argument("--check", action="store_true", help="build every distinct rank on a fake process group")
-    return p
 
 
 def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: float) -> list[str]:
@@ -213,42 +174,3 @@ def check_table(cfg: Config) -> list[str]:
     if any(r.built_bytes != r.formula_bytes for r in results):
         raise ConfigError("plan --check: the built parameter shards differ from the formula:\n" + "\n".join(lines))
     return lines
-
-
-def _plan(argv: list[str]) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    _, overrides = parse_overrides(extra)
-    for flag, value in (("--nodes", args.nodes), ("--gpus_per_node", args.gpus_per_node), ("--top", args.top)):
-        if value < 1:
-            raise ConfigError(f"{flag}: expected an integer >= 1, got {value}")
-    if args.efficiency is not None and not 0 < args.efficiency <= 1:
-        raise ConfigError(f"--efficiency: expected a fraction in (0, 1], got {args.efficiency}")
-    gpu = parse_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
-    if args.efficiency is not None:  # the user's figure replaces the GPU's default and its published spread
-        gpu = dataclasses.replace(gpu, efficiency=Efficiency(args.efficiency, source="--efficiency"))
-    args.efficiency = gpu.efficiency.default
-    cfg = load_config(args.config, overrides)
-    capacity = args.nodes * args.gpus_per_node
-    p = cfg.parallelism
-    layout = f"dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} GPUs"
-    if cfg.world_size <= capacity:
-        out = describe(cfg, gpu, args.nodes, args.gpus_per_node, args.efficiency)
-    elif args.search and not args.check:  # the search only needs the model, batch and options from the config
-        cluster = f"{args.nodes} x {args.gpus_per_node} GPUs"
-        out = [f"the config's own layout ({layout}) is larger than {cluster}: not described"]
-    else:
-        raise ConfigError(
-            f"{layout} but --nodes {args.nodes} x --gpus_per_node {args.gpus_per_node} = {capacity}; lower "
-            "dp/cp/tp/pp or raise --nodes (--search alone ranks the layouts of this cluster)"
-        )
-    if args.search:
-        out += ["", *search_table(cfg, capacity, gpu, args.gpus_per_node, args.efficiency, args.top)]
-    if args.check:
-        out += ["", *check_table(cfg)]
-    print("\n".join(out))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_command(_plan, list(sys.argv[1:] if argv is None else argv))

@@ -1,6 +1,6 @@
 """Text from a checkpoint, to see what it learned:
 
-    python -m nanotron.generate --checkpoint runs/tiny [--prompt "To be"] [--max_new_tokens 50]
+    nanotron generate --checkpoint runs/tiny [--prompt "To be"] [--max_new_tokens 50]
                                 [--temperature 0.8 --top_k 50 --top_p 0.95 --seed 0]
 
 --checkpoint is a step-N dir, a checkpoint dir or a run dir (their latest). Greedy decoding unless
@@ -12,79 +12,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-from nanotron.checkpoint import read_model_weights, verified_checkpoint
-from nanotron.config import read_model_config
-from nanotron.convert import UNVERIFIED_HELP, expected_shapes, tokenizer_source
+from nanotron.checkpoint.full_model import load_model, tokenizer_source
+from nanotron.commands.args import UNVERIFIED_HELP, Parser
 from nanotron.errors import CheckpointError, UserError, run_command
-from nanotron.models.llama import LlamaForCausalLM
-from nanotron.tokenizer import Tokenizer, load_tokenizer
-
-
-def load_model(
-    checkpoint: Path, device: torch.device | str = "cpu", allow_unverified: bool = False
-) -> tuple[LlamaForCausalLM, Path]:
-    """The full model of a checkpoint in eval mode, and the step dir it came from."""
-    step_dir = verified_checkpoint(checkpoint, allow_unverified)
-    config = read_model_config(step_dir / "config.toml")
-    weights = read_model_weights(step_dir, expected_shapes(config))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.to_empty(device=device)
-    model.init_buffers(device)  # first: the state dict then sets the buffers it holds (MoE routing biases)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as error:
-        raise CheckpointError(f"'{step_dir}' does not match its config.toml ({str(error).splitlines()[0]})") from None
-    return model.eval(), step_dir
-
-
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
-) -> int:
-    """Greedy at temperature 0; otherwise a draw from the softmax restricted to the top-k / nucleus."""
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        outside = probs.cumsum(-1) - probs >= top_p  # tokens after the nucleus is already full
-        logits = logits.scatter(0, order[outside], float("-inf"))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
-
-@torch.no_grad()
-def generate(
-    model: LlamaForCausalLM,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    eos_id: int | None = None,
-) -> list[int]:
-    """New token ids after `prompt_ids`; the context is cut to the model's max_seq_len (no KV cache)."""
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    ids = list(prompt_ids)
-    window = model.config.max_seq_len
-    for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-window:]], device=device)
-        next_id = sample_next(model(context)[0, -1], temperature, top_k, top_p, generator)
-        ids.append(next_id)
-        if next_id == eos_id:
-            break
-    return ids[len(prompt_ids) :]
+from nanotron.models.generate import generate
+from nanotron.tokenize.tokenizer import Tokenizer, load_tokenizer
 
 
 def check_sampling(args: argparse.Namespace) -> None:
@@ -101,9 +37,7 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m nanotron.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog="nanotron generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True, help="step-N dir, or a checkpoint/run dir")
     parser.add_argument("--prompt", default="", help="text to continue (empty: start after an EOS token)")
     parser.add_argument("--max_new_tokens", type=int, default=50)
@@ -142,7 +76,3 @@ def _main(argv: list[str]) -> int:
     )
     print(args.prompt + tokenizer.decode(new_ids), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

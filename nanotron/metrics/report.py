@@ -1,25 +1,15 @@
-"""A run's figures and summary from its metrics.jsonl alone (works on any run dir, also one copied off a cluster):
-
-    nanotron report RUN_DIR [--out DIR]
-
-Writes PNG figures (loss and validation loss, downstream scores, learning rate, tokens/s and MFU, memory, gradient
-norm, activation statistics, straggler scores; spikes and rollbacks marked on the loss) and `summary.md` (config,
-layout, steps, tokens, best scores, incidents) to DIR (default RUN_DIR/report). Needs matplotlib
-(`pip install ".[bench]"`). Records a resumed run wrote twice (the steps between its checkpoint and a kill) count
-once: the later record of a step wins.
-"""
+"""A run's figures and summary from its metrics.jsonl alone (`nanotron report`; any run dir, also one copied off a
+cluster). Records a resumed run wrote twice (the steps between its checkpoint and a kill) count once: the later
+record of a step wins."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-from nanotron.errors import DataError, run_command
-from nanotron.io import write_atomic
+from nanotron.errors import DataError
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -171,32 +161,3 @@ def summary(run_dir: Path, data: dict[str, dict[int, float]], found: list[dict],
     lines += incidents or ["- none recorded"]
     lines += ["", "## Figures", ""] + [f"![{name}]({name})" for name in written]
     return "\n".join(lines) + "\n"
-
-
-def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="nanotron report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--out", type=Path, help="where figures and summary.md go (default RUN_DIR/report)")
-    args = parser.parse_args(argv)
-    records = read_records(args.run_dir)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise DataError("nanotron report draws with matplotlib: pip install '.[bench]' (or matplotlib)") from None
-    out = args.out or args.run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    data, found = series(records), events(records)
-    written = figures(data, found, out)
-    write_atomic(out / "summary.md", summary(args.run_dir, data, found, written), durable=False)
-    print(f"report: {len(written)} figures and summary.md in {out}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_command(_main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

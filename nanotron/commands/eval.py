@@ -19,16 +19,17 @@ import sys
 from pathlib import Path
 
 from nanotron.checkpoint import ModelState, find_checkpoint, load_states
+from nanotron.commands.args import Parser
 from nanotron.config import load_config, parse_overrides
 from nanotron.distributed import destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import ConfigError, run_as_main, run_command
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
-from nanotron.launch.local import pop_nproc, spawn_local
+from nanotron.launch.torchrun import pop_nproc, spawn_local
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
-from nanotron.tokenizer import load_tokenizer
+from nanotron.tokenize.tokenizer import load_tokenizer
 
 # The layout a checkpoint's config is read with, before the command line's overrides: one process.
 ONE_PROCESS = {
@@ -44,9 +45,7 @@ ONE_PROCESS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="nanotron eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog="nanotron eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="step-N dir, checkpoint dir or run dir")
     parser.add_argument("--tasks", nargs="+", required=True, help="JSONL item files, as PATH or NAME=PATH")
     parser.add_argument("--out", type=Path, help="scores JSON (default: eval-step-N.json here)")
@@ -73,7 +72,7 @@ def _main(argv: list[str]) -> int:
     cfg = load_config(step_dir / "config.toml", pairs, world_size=nproc or launched_world_size())
     tasks = load_tasks(cfg)  # bad task files: one line, before any process starts
     if nproc:
-        return spawn_local(nproc, ["-m", "nanotron.evaluate", *argv])
+        return spawn_local(nproc, ["-m", "nanotron", "eval", *argv])
     ctx = init_distributed(cfg)
     set_matmul_precision(cfg, ctx.device)
     stages = build_model(cfg, ctx, initialize=False)

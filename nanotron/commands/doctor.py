@@ -11,7 +11,7 @@ import sys
 from nanotron.config import load_config, parse_overrides
 from nanotron.distributed import destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import run_as_main, run_command
-from nanotron.launch.local import pop_nproc, spawn_local
+from nanotron.launch.torchrun import pop_nproc, spawn_local
 from nanotron.watch.doctor import preflight
 
 
@@ -22,7 +22,7 @@ def _main(argv: list[str]) -> int:
     nproc = pop_nproc(argv)
     cfg = load_config(*parse_overrides(argv), world_size=nproc or launched_world_size())
     if nproc:
-        return spawn_local(nproc, ["-m", "nanotron.doctor", *argv])
+        return spawn_local(nproc, ["-m", "nanotron", "doctor", *argv])
     ctx = init_distributed(cfg)
     preflight(cfg, ctx)
     if ctx.rank == 0:

@@ -1,6 +1,6 @@
 """Starting workers on this machine: torchrun in-process, with the exit code and signals a job needs.
 
-    python -m nanotron.launch.local [torchrun options] -m nanotron.train --config ...
+    nanotron torchrun [torchrun options] -m nanotron.train --config ...   (`nanotron.commands.torchrun`)
 
 is `torchrun` with two differences: when workers fail on bad input (exit code 2; 3: diverged; 4: a spike)
 it exits with that code and prints nothing more than the workers' own one-line errors, and the stop signals
@@ -157,7 +157,7 @@ def _watcher(config: argparse.Namespace) -> Iterator[Path]:
     several nodes, the watchers meet in the rendezvous endpoint's key-value store."""
     with tempfile.TemporaryDirectory(prefix="nanotron-watch-") as folder:
         os.environ[WATCH_DIR_VARIABLE] = folder
-        command = [sys.executable, "-m", "nanotron.watch.watcher", "--dir", folder, "--launcher", str(os.getpid())]
+        command = [sys.executable, "-m", "nanotron", "watcher", "--dir", folder, "--launcher", str(os.getpid())]
         nnodes = int(str(config.nnodes).rpartition(":")[2])
         if nnodes > 1 and config.rdzv_endpoint and not config.standalone:
             command += ["--nnodes", str(nnodes), "--store", config.rdzv_endpoint]
@@ -178,11 +178,3 @@ def _forward_to_workers(signum: int, frame: object) -> None:
         with contextlib.suppress(OSError, IndexError, ValueError):
             if stat.read_text().rpartition(")")[2].split()[1] == me:
                 os.kill(int(stat.parent.name), signum)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_torchrun(list(sys.argv[1:] if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,19 +1,16 @@
-"""Step metrics: one fixed log line per logged step, metrics.jsonl, TensorBoard scalars, MFU; profiling."""
+"""What a logged step measures: throughput and MFU (against a device's peak), peak memory over all ranks, the
+step time and ETA, and the line that opens a run's log."""
 
 from __future__ import annotations
 
-import json
 import resource
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nanotron.config import Config, ProfilerConfig
-from nanotron.errors import storage_errors
+from nanotron.config import Config
 from nanotron.gpu import gpu_peak_tflops, math_mode
 from nanotron.models.shapes import active_params, num_params
 
@@ -65,91 +62,6 @@ def memory_record(device: torch.device) -> dict[str, float]:
 
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-    )
-
-
-METRICS_HINT = "free space or fix the run dir (job.out_dir), then resume from the last checkpoint"
-
-
-class MetricsLogger:
-    """Writes on the logging rank only; every other rank gets a no-op logger."""
-
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: Any = None):
-        self.enabled = enabled
-        self.writer = None
-        self.file = None
-        self.wandb = wandb  # a WandbRun, or None
-        if not enabled:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
-        with storage_errors("write metrics", self.path, METRICS_HINT):
-            self.file = open(self.path, "a")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-
-    def log(self, record: dict, line: str | None = None) -> None:
-        if not self.enabled:
-            return
-        with storage_errors("write metrics", self.path, METRICS_HINT):
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-        if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, record["step"])
-            self.writer.flush()
-        if self.wandb is not None:
-            self.wandb.log(record)
-        if line:
-            print(line, flush=True)
-
-    def log_step(self, record: dict, total_steps: int) -> None:
-        """A training step's record as metrics and the step line."""
-        self.log(record, step_line(record, total_steps))
-
-    def resumed(self, step: int) -> None:
-        """A resume from `step`'s checkpoint: W&B gets again what an earlier process may have lost (see wandb_log)."""
-        if self.wandb is not None and self.path.is_file():
-            self.wandb.resend(self.path, step)
-
-    def info(self, message: str) -> None:
-        if self.enabled:
-            print(message, file=sys.stdout, flush=True)
-
-    def close(self) -> None:
-        if self.file is not None:
-            try:
-                self.file.close()
-            except OSError:  # its buffered line failed to write: already reported by `log`
-                pass
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb is not None:
-            self.wandb.close()
-
-
-def step_line(r: dict, total_steps: int) -> str:
-    """The one log line per step; fixed field order so benchmarks can parse it with a regex."""
-    return (
-        f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad_norm {r['grad_norm']:.3f}"
-        f" | tokens/s {r['tokens_per_sec']:.0f} | tflops {r['tflops']:.3f} | mfu {100 * r['mfu']:.2f}%"
-        f" | mem {r['memory_gib']:.2f}GiB{_memory_detail(r)} | eta {format_duration(r['eta_sec'])}"
-    )
-
-
-def _memory_detail(r: dict) -> str:
-    if "memory_reserved_gib" not in r:
-        return ""
-    return f" (reserved {r['memory_reserved_gib']:.2f}GiB, host {r['host_memory_gib']:.2f}GiB)"
 
 
 def throughput(tokens: int, flops: float, step_time: float, world_size: int, peak_tflops: float) -> dict:
@@ -209,36 +121,3 @@ class StepTimer:
         eta = (now - self.run_start) / max(step - self.first_step, 1) * (self.total - step)
         self.lap_start, self.lap_step = now, step
         return step_time, eta
-
-
-class Profiler:
-    """torch.profiler traces (TensorBoard/Chrome JSON) of a few steps, or a no-op when profiling is off."""
-
-    def __init__(self, profile: torch.profiler.profile | None):
-        self.profile = profile
-
-    @classmethod
-    def start(cls, cfg: ProfilerConfig, device: torch.device, worker: str, enabled: bool) -> Profiler:
-        """Profiles on rank 0 and the logging rank (`enabled`), when profiler.export_path is set."""
-        if not cfg.export_path or not enabled:
-            return cls(None)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profile = torch.profiler.profile(
-            activities=activities,
-            schedule=torch.profiler.schedule(wait=cfg.wait_steps, warmup=1, active=cfg.active_steps, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(cfg.export_path, worker_name=worker),
-            record_shapes=True,
-            profile_memory=True,
-        )
-        profile.start()
-        return cls(profile)
-
-    def step(self) -> None:
-        if self.profile is not None:
-            self.profile.step()
-
-    def stop(self) -> None:
-        if self.profile is not None:
-            self.profile.stop()

@@ -16,13 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+from nanotron.commands.args import Parser
 from nanotron.errors import ConfigError, DataError, run_command
 from nanotron.signals import ABORT_EXIT_CODE
 from nanotron.tokenize.encode import available_cpus
 from nanotron.tokenize.format import check_files, read_meta, summary
 from nanotron.tokenize.sources import resolve_sources
+from nanotron.tokenize.tokenizer import load_tokenizer
 from nanotron.tokenize.writer import DEFAULT_SHARD_TOKENS, tokenize
-from nanotron.tokenizer import load_tokenizer
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -30,7 +31,7 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanotron tokenize", description=__doc__, formatter_class=_Help)
+    p = Parser(prog="nanotron tokenize", description=__doc__, formatter_class=_Help)
     p.add_argument("sources", nargs="*", metavar="SOURCE", help="files, folders or hub dataset names, in order")
     p.add_argument("--tokenizer", help="tokenizer.json file or Hugging Face tokenizer dir (data.tokenizer)")
     p.add_argument("--out", type=Path, help="the tokenized dir to write (data.path of the run)")

@@ -1,0 +1,29 @@
+"""What the commands' argument parsers share: bad flags as one `error:` line, and common help texts."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from nanotron.errors import ConfigError
+
+UNVERIFIED_HELP = "read a checkpoint that has no checksums.json (its files are then not checked for corruption)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError, so a bad flag is one `error:` line (exit 2), not usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type whose error names the bound: "argument --nodes: expected an integer >= 1, got '0'"."""
+
+    def parse(text: str) -> int:
+        value = int(text) if text.lstrip("-").isdigit() else minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse

@@ -1,0 +1,84 @@
+"""`nanotron plan`: will this layout fit, how fast will it run, which layout is best.
+
+    nanotron plan --config configs/large.toml --nodes 4 --gpus_per_node 8 --gpu h100
+    nanotron plan --config configs/large.toml --nodes 8 --gpus_per_node 8 --gpu h100 --search
+    nanotron plan --config configs/large.toml --nodes 64 --gpus_per_node 8 --check \\
+        --parallelism.pp=4 --parallelism.dp=16 --parallelism.tp=8
+
+Extra `--section.key=value` arguments are config overrides, as for `nanotron train`. Nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from nanotron.commands.args import Parser
+from nanotron.config import load_config, parse_overrides
+from nanotron.errors import ConfigError, run_command
+from nanotron.plan.report import check_table, describe, search_table
+from nanotron.plan.timing import GPUS, UNCALIBRATED_EFFICIENCY, Efficiency, parse_gpu
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="nanotron plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML config (default: built-in defaults); overrides follow as --section.key=value")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
+    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument(
+        "--gpu", default="h100", help=f"{', '.join(GPUS)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (default h100)"
+    )
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="achieved fraction of peak compute (default: the GPU's, from published runs where the calibration "
+        f"set has them: {', '.join(f'{name} {gpu.efficiency.default:g}' for name, gpu in GPUS.items())}; "
+        f"custom GPUs {UNCALIBRATED_EFFICIENCY}, uncalibrated)",
+    )
+    p.add_argument("--nvlink_gbps", type=float, help="ring bandwidth per GPU inside a node, GB/s (default: by --gpu)")
+    p.add_argument("--ib_gbps", type=float, help="bandwidth per GPU across nodes, GB/s (default: by --gpu)")
+    p.add_argument("--search", action="store_true", help="rank every layout that fits this cluster by throughput")
+    p.add_argument("--top", type=int, default=15, help="rows of the --search table (default 15)")
+    p.add_argument("--check", action="store_true", help="build every distinct rank on a fake process group")
+    return p
+
+
+def _plan(argv: list[str]) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    _, overrides = parse_overrides(extra)
+    for flag, value in (("--nodes", args.nodes), ("--gpus_per_node", args.gpus_per_node), ("--top", args.top)):
+        if value < 1:
+            raise ConfigError(f"{flag}: expected an integer >= 1, got {value}")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise ConfigError(f"--efficiency: expected a fraction in (0, 1], got {args.efficiency}")
+    gpu = parse_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
+    if args.efficiency is not None:  # the user's figure replaces the GPU's default and its published spread
+        gpu = dataclasses.replace(gpu, efficiency=Efficiency(args.efficiency, source="--efficiency"))
+    args.efficiency = gpu.efficiency.default
+    cfg = load_config(args.config, overrides)
+    capacity = args.nodes * args.gpus_per_node
+    p = cfg.parallelism
+    layout = f"dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} GPUs"
+    if cfg.world_size <= capacity:
+        out = describe(cfg, gpu, args.nodes, args.gpus_per_node, args.efficiency)
+    elif args.search and not args.check:  # the search only needs the model, batch and options from the config
+        cluster = f"{args.nodes} x {args.gpus_per_node} GPUs"
+        out = [f"the config's own layout ({layout}) is larger than {cluster}: not described"]
+    else:
+        raise ConfigError(
+            f"{layout} but --nodes {args.nodes} x --gpus_per_node {args.gpus_per_node} = {capacity}; lower "
+            "dp/cp/tp/pp or raise --nodes (--search alone ranks the layouts of this cluster)"
+        )
+    if args.search:
+        out += ["", *search_table(cfg, capacity, gpu, args.gpus_per_node, args.efficiency, args.top)]
+    if args.check:
+        out += ["", *check_table(cfg)]
+    print("\n".join(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(_plan, list(sys.argv[1:] if argv is None else argv))

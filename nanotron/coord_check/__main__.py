@@ -1,5 +1,0 @@
-import sys
-
-from nanotron.coord_check.cli import main
-
-sys.exit(main())
