@@ -42,10 +42,10 @@ import statistics
 import time
 
 from benchmarks.common import REPO, RESULTS_DIR, write_table
-from nanotron.plan.report import recompute_label
 from nanotron.config import load_config
 from nanotron.models.shapes import flops_per_token
 from nanotron.plan.memory import GIB, worst_stage
+from nanotron.plan.report import recompute_label
 from nanotron.plan.search import search
 from nanotron.plan.timing import estimate_step, parse_gpu
 
