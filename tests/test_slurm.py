@@ -1,9 +1,12 @@
 """Real Slurm jobs on a local cluster: `launch/slurm.sh` by hand, the launcher, and preempt → requeue → resume.
 
-The cluster is the one already answering (`.ci/run` starts one and exports SLURM_CONF), or one started here with
-tests/slurm/cluster-up.sh for this module and stopped after it; the SLURM_LOCAL_* knobs of that script (ports, node
-prefix) pass through from the environment, so it can run beside another cluster. Without Slurm installed the tests
-skip; in CI (CI=true) they fail instead, so a cluster that can't start is never mistaken for a pass.
+These tests submit only to a cluster they may spend: the project's own local cluster (tests/slurm/cluster-up.sh,
+ClusterName=nanotron-local-test; `.ci/run` starts one and exports SLURM_CONF, or one is started here for this module
+and stopped after it), or a real cluster the user names explicitly with NANOTRON_TEST_SLURM_CLUSTER=<its ClusterName>
+(`scontrol show config`). Any other cluster that answers — a login node's — is never submitted to. The SLURM_LOCAL_*
+knobs of cluster-up.sh (ports, node prefix) pass through from the environment, so it can run beside another cluster.
+Without Slurm installed the tests skip; in CI (CI=true) they fail instead, so a cluster that can't start is never
+mistaken for a pass.
 """
 
 from __future__ import annotations
@@ -34,11 +37,41 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+LOCAL_CLUSTER = "nanotron-local-test"  # ClusterName in the slurm.conf tests/slurm/cluster-up.sh writes
+OPT_IN = "NANOTRON_TEST_SLURM_CLUSTER"  # the ClusterName of a real cluster the user lets these tests submit to
+
+
 def cluster_answers(env: dict[str, str]) -> bool:
     if shutil.which("scontrol") is None:
         return False
     ping = subprocess.run(["scontrol", "ping"], env=env, capture_output=True, text=True, timeout=20)
     return ping.returncode == 0 and "UP" in ping.stdout
+
+
+def cluster_name(env: dict[str, str]) -> str:
+    config = subprocess.run(["scontrol", "show", "config"], env=env, capture_output=True, text=True, timeout=20)
+    return next(
+        (line.split("=", 1)[1].strip() for line in config.stdout.splitlines() if line.startswith("ClusterName")), ""
+    )
+
+
+def may_submit_to(name: str, opt_in: str) -> bool:
+    """The project's own test cluster, or the one cluster the user named; never whatever answers."""
+    return name == LOCAL_CLUSTER or (bool(opt_in) and name == opt_in)
+
+
+@pytest.mark.parametrize(
+    "name, opt_in, allowed",
+    [
+        (LOCAL_CLUSTER, "", True),
+        ("university-hpc", "", False),  # a login node's cluster answers: never spent unasked
+        ("university-hpc", "university-hpc", True),
+        ("university-hpc", "other-cluster", False),
+        ("", "", False),
+    ],
+)
+def test_the_tests_submit_only_to_their_own_cluster_or_one_named_explicitly(name, opt_in, allowed):
+    assert may_submit_to(name, opt_in) is allowed
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +80,15 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     env = {k: v for k, v in train_env().items() if k != "NPROC_PER_NODE"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the venv activated, as the docs ask
     if cluster_answers(env):
-        yield env
-        return
+        name = cluster_name(env)
+        if may_submit_to(name, os.environ.get(OPT_IN, "")):
+            yield env
+            return
+        if not IN_CI:
+            pytest.skip(
+                f"the Slurm cluster that answers (ClusterName={name or '?'}) is not the project's local test cluster: "
+                f"set {OPT_IN}={name} to let these tests submit real jobs to it"
+            )
     if shutil.which("sbatch") is None and not IN_CI:  # CI lets cluster-up.sh install the packages
         pytest.skip("Slurm is not installed; as root, `bash tests/slurm/cluster-up.sh DIR` installs and starts it")
     if os.geteuid() != 0:

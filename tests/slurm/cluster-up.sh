@@ -64,7 +64,7 @@ if [ "$GPUS" -gt 0 ]; then
   GRES_CONF="NodeName=$NODELIST Name=gpu File=$DIR/dev/gpu[0-$((GPUS - 1))]"
 fi
 CONF="# written by tests/slurm/cluster-up.sh: a local test cluster
-ClusterName=nanotron
+ClusterName=nanotron-local-test
 SlurmctldHost=localhost
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
