@@ -48,13 +48,15 @@ def history(path: Path) -> tuple[set[str], list[tuple[int, set[str]]]]:
 
 def train(tiny_data, out: Path, extra: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={out}", "--job.name=run", "--training.steps=6"]
-    args += ["--logging.wandb=true", "--logging.wandb_mode=offline", "--checkpoint.interval=3", *extra]
+    args += ["--logging.wandb=true", "--checkpoint.interval=3", *extra]
     command = [sys.executable, "-m", "nanotron.train", *args]
     return subprocess.run(command, cwd=REPO, env=train_env() | env, capture_output=True, text=True, timeout=300)
 
 
 def test_a_killed_and_resumed_run_is_one_wandb_run_with_every_step_once(tiny_data, tmp_path):
+    """Offline through W&B's own WANDB_MODE (the config leaves wandb_mode empty): a cluster user's setting holds."""
     env = {"WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "config"), "WANDB_CACHE_DIR": str(tmp_path)}
+    env["WANDB_MODE"] = "offline"
     killed = train(tiny_data, tmp_path, [], env | {"NANOTRON_FAULT": "rank:0,step:6,kind:crash"})
     assert killed.returncode != 0
     run_dir = tmp_path / "run"
@@ -86,8 +88,35 @@ def test_without_the_package_the_run_goes_on_with_one_warning(tiny_data, tmp_pat
     hidden.mkdir()
     (hidden / "wandb.py").write_text("raise ImportError('hidden for the test')\n")
     env = {"PYTHONPATH": f"{hidden}:{REPO}"}
-    done = train(tiny_data, tmp_path, ["--training.steps=2"], env)
+    done = train(tiny_data, tmp_path, ["--training.steps=2", "--logging.wandb_mode=offline"], env)
     assert done.returncode == 0, done.stderr[-3000:]
     warnings = [line for line in done.stdout.splitlines() if "wandb" in line]
     assert len(warnings) == 1 and "not installed" in warnings[0] and "metrics.jsonl" in warnings[0]
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+
+
+def test_wandbs_own_variables_apply_where_the_config_leaves_the_key_empty(tmp_path):
+    from nanotron.config import load_config
+    from nanotron.metrics.wandb_run import init_settings
+
+    environ = {"WANDB_PROJECT": "theirs", "WANDB_MODE": "offline", "WANDB_DIR": "/scratch/wandb"}
+    cfg = load_config("configs/tiny.toml", [("job.out_dir", str(tmp_path))])
+    # None: wandb.init reads WANDB_ENTITY / WANDB_RUN_GROUP / WANDB_MODE / WANDB_DIR itself
+    assert init_settings(cfg, environ) == {
+        "project": "theirs",
+        "entity": None,
+        "group": None,
+        "mode": None,
+        "dir": None,
+    }
+    assert init_settings(cfg, {}) == {
+        "project": "nanotron",
+        "entity": None,
+        "group": None,
+        "mode": None,
+        "dir": str(cfg.run_dir),
+    }
+    keys = [("logging.wandb_project", "mine"), ("logging.wandb_mode", "online"), ("logging.wandb_group", "sweep")]
+    cfg = load_config("configs/tiny.toml", [("job.out_dir", str(tmp_path)), *keys])
+    settings = init_settings(cfg, environ)
+    assert (settings["project"], settings["mode"], settings["group"]) == ("mine", "online", "sweep")

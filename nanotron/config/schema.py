@@ -241,11 +241,14 @@ class LoggingConfig:
         0, "steps between activation statistics (mean |x| per layer output, act/* metrics); 0 disables", min=0
     )
     wandb: bool = _opt(False, "also send every metrics record to Weights & Biases (pip install '.[wandb]')")
-    wandb_project: str = _opt("nanotron", "W&B project")
-    wandb_entity: str = _opt("", "W&B entity (team or user); empty = your default")
-    wandb_group: str = _opt("", "W&B group, e.g. a sweep's name; empty = none")
+    # Empty W&B keys leave the choice to W&B's own environment variables, as a cluster's users expect.
+    wandb_project: str = _opt("", "W&B project; empty = $WANDB_PROJECT, else 'nanotron'")
+    wandb_entity: str = _opt("", "W&B entity (team or user); empty = $WANDB_ENTITY, else your default")
+    wandb_group: str = _opt("", "W&B group, e.g. a sweep's name; empty = $WANDB_RUN_GROUP, else none")
     wandb_mode: str = _opt(
-        "online", "online, or offline (no network; `wandb sync` uploads later)", ("online", "offline")
+        "",
+        "online, offline (no network; `wandb sync` uploads later) or disabled; empty = $WANDB_MODE, else online",
+        ("", "online", "offline", "disabled"),
     )
 
 

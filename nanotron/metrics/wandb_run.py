@@ -9,14 +9,18 @@ after 5 steps left an empty log), so a resumed process first re-sends the record
 checkpoint's step (those W&B already holds are dropped), then logs on: every step once, none missing. Cost: one
 read of metrics.jsonl at a resume, on the logging rank (100k records at 1M steps: seconds).
 
-`logging.wandb_mode = "offline"` needs no network (`wandb sync <run dir>/wandb/offline-run-*` later). No package,
-or no way to start the run: one warning line, and the run goes on with metrics.jsonl and TensorBoard.
+`logging.wandb_mode = "offline"` (or `WANDB_MODE=offline`) needs no network (`wandb sync <run
+dir>/wandb/offline-run-*` later). W&B's own variables (`WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY`,
+`WANDB_RUN_GROUP`, `WANDB_DIR`) apply wherever the config leaves the key empty. No package, or no way to start the
+run: one warning line, and the run goes on with metrics.jsonl and TensorBoard.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,19 @@ STATE_FILE = "wandb.json"
 HINT = "logging to metrics.jsonl and TensorBoard only"
 
 
+def init_settings(cfg: Config, environ: Mapping[str, str] = os.environ) -> dict[str, str | None]:
+    """`wandb.init`'s project, entity, group, mode and dir: the config's where it sets them; else None, which lets
+    W&B read its own variable (the project falls back to 'nanotron', the dir to the run dir)."""
+    log = cfg.logging
+    return {
+        "project": log.wandb_project or environ.get("WANDB_PROJECT") or "nanotron",
+        "entity": log.wandb_entity or None,
+        "group": log.wandb_group or None,
+        "mode": log.wandb_mode or None,
+        "dir": None if environ.get("WANDB_DIR") else str(cfg.run_dir),
+    }
+
+
 class WandbRun:
     def __init__(self, run: Any):
         self.run = run
@@ -34,7 +51,6 @@ class WandbRun:
     @classmethod
     def start(cls, cfg: Config) -> WandbRun | None:
         """The run dir's W&B run, started or continued; None (after one warning line) when it can't be."""
-        log = cfg.logging
         try:
             import wandb
         except ImportError:
@@ -54,14 +70,10 @@ class WandbRun:
         write_atomic(path, json.dumps({"id": run_id}) + "\n", durable=False)
         try:
             run = wandb.init(
-                project=log.wandb_project,
-                entity=log.wandb_entity or None,
-                group=log.wandb_group or None,
+                **init_settings(cfg),
                 name=cfg.job.name,
                 id=run_id,
                 resume="allow",
-                dir=str(cfg.run_dir),
-                mode=log.wandb_mode,
                 config=cfg.to_dict(),
                 settings=wandb.Settings(silent=True, init_timeout=60),
             )
