@@ -274,3 +274,13 @@ def test_the_documented_module_spellings_still_run():
     for module, words in (("nanotron.train", "--section.key=value"), ("nanotron.launch", "--run_name")):
         proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
         assert proc.returncode == 0 and words in proc.stdout, proc.stderr
+
+
+def test_the_console_script_points_at_the_command_dispatcher():
+    """`nanotron` (pyproject's [project.scripts]) must name a function that exists: a moved module breaks it."""
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["nanotron"].partition(":")
+    assert getattr(importlib.import_module(module), function).__module__ == "nanotron.commands"
