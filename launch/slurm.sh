@@ -10,6 +10,11 @@
 # Submit from the repository root with nanotron's Python environment active: the job runs in the submit directory,
 # inherits the submitting shell's environment and runs `python -m nanotron torchrun` with the `python` found on
 # PATH (NANOTRON_PYTHON=/path/to/python picks another). The log is <job name>-<job id>.out in the submit directory.
+# Every node's environment, set in the submitting shell (the launcher's --setup, --container_* set the same):
+#   NANOTRON_SETUP=FILE                    sourced on every node before Python starts (module load, conda activate)
+#   NANOTRON_CONTAINER_IMAGE=IMAGE         each node's task runs in it (pyxis/enroot: srun --container-image),
+#   NANOTRON_CONTAINER_MOUNTS=SRC:DST,...  with these mounts (the repository, data and run dir must be visible)
+#   NANOTRON_CONTAINER_EXEC="apptainer exec --nv IMAGE.sif"   or each node's task runs through this command
 # Options given to sbatch on the command line override the #SBATCH defaults below.
 # Ten minutes before the time limit Slurm sends SIGUSR1 to this script ("B:"), which forwards it to
 # the trainer; the trainer saves a checkpoint at the next step boundary and exits, and the job
@@ -36,12 +41,26 @@ fi
 CONFIG=$1
 shift
 
-# ---- Python: checked here, so a job started without nanotron's environment fails in one line ----------------------
+# ---- Set-up and Python: checked here, so a job started without nanotron's environment fails in one line ------------
+SETUP=${NANOTRON_SETUP:-}
+CONTAINER="${NANOTRON_CONTAINER_IMAGE:-}${NANOTRON_CONTAINER_EXEC:-}"
+if [ -n "$SETUP" ] && { [ ! -f "$SETUP" ] || [ ! -r "$SETUP" ]; }; then
+  fail "NANOTRON_SETUP='$SETUP' is not a readable file (the shell file every node sources before Python starts)"
+fi
 PYTHON=${NANOTRON_PYTHON:-python}
-if ! "$PYTHON" -c 'import importlib.util as u, nanotron.launch.torchrun; raise SystemExit(u.find_spec("torch") is None)' \
-  2>/dev/null; then
-  fail "'$PYTHON' cannot import nanotron and torch on ${SLURMD_NODENAME:-$(hostname)}: activate nanotron's" \
-    "environment before sbatch (the job inherits it) or set NANOTRON_PYTHON=/path/to/env/bin/python"
+if [ -z "$CONTAINER" ]; then   # in a container, Python is the image's: each node's task finds out
+  if [ -n "$SETUP" ]; then
+    set +u   # set-up files (module, conda) read unset variables
+    # shellcheck source=/dev/null
+    . "$SETUP" || fail "NANOTRON_SETUP='$SETUP' failed (exit $?) on ${SLURMD_NODENAME:-$(hostname)}"
+    set -u
+  fi
+  if ! "$PYTHON" -c 'import importlib.util as u, nanotron.launch.torchrun; raise SystemExit(u.find_spec("torch") is None)' \
+    2>/dev/null; then
+    fail "'$PYTHON' cannot import nanotron and torch on ${SLURMD_NODENAME:-$(hostname)}: activate nanotron's" \
+      "environment before sbatch (the job inherits it), set NANOTRON_SETUP=FILE to activate it on every node, or" \
+      "NANOTRON_PYTHON=/path/to/env/bin/python"
+  fi
 fi
 
 # ---- Layout and rendezvous -----------------------------------------------------------------------------------------
@@ -105,8 +124,17 @@ reader_pid=$!
 # boundary). A worker stopped by bad input makes its peers stop within seconds with the same code, so srun lets every
 # node end by itself (--kill-on-bad-exit=0) and kills the nodes still running 60 s after the first one ended (a crash
 # that left peers blocked in a collective).
+# Each task sources NANOTRON_SETUP and runs through NANOTRON_CONTAINER_EXEC (word-split: a command and its options),
+# inside NANOTRON_CONTAINER_IMAGE when set.
+container=()
+if [ -n "${NANOTRON_CONTAINER_IMAGE:-}" ]; then
+  container=(--container-image="$NANOTRON_CONTAINER_IMAGE" --container-workdir="$PWD")
+  [ -z "${NANOTRON_CONTAINER_MOUNTS:-}" ] || container+=(--container-mounts="$NANOTRON_CONTAINER_MOUNTS")
+fi
 srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=0 --wait=60 \
-  bash -c 'trap "" USR1; exec "$@"' _ \
+  ${container[@]+"${container[@]}"} \
+  bash -c 'trap "" USR1; if [ -n "${NANOTRON_SETUP:-}" ]; then . "$NANOTRON_SETUP" || exit 2; fi
+    exec ${NANOTRON_CONTAINER_EXEC:-} "$@"' _ \
   "$PYTHON" -m nanotron torchrun --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
   --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --max_restarts 0 \
   --no-python bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" -m nanotron.train --config "$CONFIG" "$@" \

@@ -128,6 +128,57 @@ def test_a_python_without_nanotron_is_one_error_line_before_anything_starts(tmp_
     assert "NANOTRON_PYTHON=" in proc.stderr and not (tmp_path / "srun-args").exists()
 
 
+def python_shim(tmp_path: Path) -> Path:
+    """A set-up file that puts a `python` first on PATH (as `conda activate` does) which logs every start: a Python
+    started after the set-up ran is seen in shim.log."""
+    shim = tmp_path / "env" / "bin"
+    shim.parent.mkdir()
+    stand_in(shim, "python", f'echo "$*" >> "$RECORD/shim.log"\nexec {sys.executable} "$@"')
+    setup = tmp_path / "setup.sh"
+    setup.write_text(f'export PATH="{shim}:$PATH"\nmodule_loaded=$UNSET_IN_A_STRICT_SHELL\n')
+    return setup
+
+
+def test_the_set_up_file_is_sourced_before_the_jobs_python_check(tmp_path):
+    proc = run_script(tmp_path, env=job_env(tmp_path, NANOTRON_SETUP=str(python_shim(tmp_path))))
+    assert proc.returncode == 0, proc.stderr
+    assert "nanotron.launch.torchrun" in (tmp_path / "shim.log").read_text()  # the check ran the set-up's Python
+    missing = run_script(tmp_path, env=job_env(tmp_path, NANOTRON_SETUP=str(tmp_path / "nope.sh")))
+    assert missing.returncode == 2 and missing.stderr.startswith(f"error: NANOTRON_SETUP='{tmp_path}/nope.sh' is not")
+
+
+def test_a_container_image_and_its_mounts_reach_srun_and_the_host_python_is_not_checked(tmp_path):
+    env = job_env(tmp_path, NANOTRON_CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:24.05-py3", NANOTRON_PYTHON="nope")
+    env["NANOTRON_CONTAINER_MOUNTS"] = "/data:/data,/scratch:/scratch"
+    proc = run_script(tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "srun-args").read_text().splitlines()
+    container = [a for a in args if a.startswith("--container-")]
+    assert container == [
+        "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
+        f"--container-workdir={REPO}",
+        "--container-mounts=/data:/data,/scratch:/scratch",
+    ]
+
+
+@pytest.mark.slow
+def test_every_nodes_task_sources_the_set_up_and_runs_through_the_container_command(tiny_data: TinyData, tmp_path):
+    """The set-up's side effect (its Python first on PATH) reaches the node's launcher and the trainers it starts,
+    all run through NANOTRON_CONTAINER_EXEC (an apptainer-style wrapper)."""
+    wrapper = tmp_path / "bin" / "container-exec"
+    stand_in(tmp_path / "bin", "container-exec", 'echo "$*" >> "$RECORD/exec.log"\nshift 2\nexec "$@"')
+    env = job_env(tmp_path, srun=PGID_SRUN, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
+    env |= {"NANOTRON_SETUP": str(python_shim(tmp_path)), "NANOTRON_CONTAINER_EXEC": f"{wrapper} --nv img.sif"}
+    args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--job.name=setup"]
+    proc = run_script(tmp_path, *args, "--parallelism.dp=2", "--training.steps=2", "--checkpoint.interval=0", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "setup") if "loss" in r] == [1, 2]
+    assert (tmp_path / "exec.log").read_text().startswith("--nv img.sif python -m nanotron torchrun --nnodes 1")
+    starts = (tmp_path / "shim.log").read_text().splitlines()
+    assert len([s for s in starts if s.startswith("-m nanotron torchrun")]) == 1  # no host check: in the container
+    assert len([s for s in starts if s.startswith("-m nanotron.train")]) == 2  # each trainer: the set-up's Python
+
+
 def test_the_job_exits_with_the_first_failed_nodes_code_not_the_killed_peers(tmp_path):
     # Node 1 stopped on bad input (2); node 2, blocked in a collective, was killed by srun --wait (137).
     failing_srun = (

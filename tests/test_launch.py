@@ -84,8 +84,7 @@ def test_dry_run_writes_the_resolved_config_and_prints_the_exact_sbatch_command(
         "--nodes=2",
         "--time=1:00:00",
         f"--output={in_tmp}/runs/exp1/slurm-%j.out",
-        "--signal=B:USR1@360",
-        "--partition=hopper-prod",
+        "--signal=B:USR1@360",  # no --partition: the cluster's default (no site's name)
         "--gpus-per-node=8",
         f"--export=ALL,NPROC_PER_NODE=8,NANOTRON_PYTHON={sys.executable}",
         str(cluster.JOB_SCRIPT),
@@ -94,6 +93,59 @@ def test_dry_run_writes_the_resolved_config_and_prints_the_exact_sbatch_command(
     assert f"  {shlex.join(expected)}\n" in out
     assert (in_tmp / "runs/exp1/submit.sh").read_text().splitlines()[-1] == shlex.join(expected)
     assert "dry run: nothing submitted" in out
+
+
+def test_every_slurm_and_environment_option_reaches_the_submission_it_shows(in_tmp, checked_data, capsys):
+    """What a stranger's cluster asks for (account, QoS, reservation, excluded nodes, features, any other sbatch
+    option) and how its nodes start (a set-up file, a container) are in the printed script and submit.sh."""
+    (in_tmp / "setup.sh").write_text("module load cuda\n")
+    argv = ["--run_name", "site", "--nodes", "2", "--dp", "4", "--dry_run", "--account", "proj-42", "--qos", "high"]
+    argv += [
+        "--reservation",
+        "maint_1",
+        "--exclude",
+        "node[3-4],node7",
+        "--constraint",
+        "h100&ib",
+        "--partition",
+        "gpu",
+    ]
+    argv += ["--sbatch_args", "--mem=0 --comment='two words'", "--setup", "setup.sh"]
+    argv += ["--container_image", "nvcr.io#nvidia/pytorch:24.05-py3", "--container_mounts", "/data:/data,/scratch:/s"]
+    assert launch.main(argv) == 0
+    out = capsys.readouterr().out
+    submit = (in_tmp / "runs/site/submit.sh").read_text().splitlines()
+    exports = [
+        f"export NANOTRON_SETUP={in_tmp}/setup.sh",
+        "export NANOTRON_CONTAINER_IMAGE='nvcr.io#nvidia/pytorch:24.05-py3'",
+        "export NANOTRON_CONTAINER_MOUNTS=/data:/data,/scratch:/s",
+    ]
+    assert submit[-4:-1] == exports
+    sbatch = shlex.split(submit[-1])
+    options = ["--partition=gpu", "--account=proj-42", "--qos=high", "--reservation=maint_1"]
+    options += ["--exclude=node[3-4],node7", "--constraint=h100&ib"]
+    assert [o for o in sbatch if o.split("=")[0] in {x.split("=")[0] for x in options}] == options
+    assert sbatch[-4:-2] == ["--mem=0", "--comment=two words"]  # after ours: they override them
+    assert "NANOTRON_PYTHON=python" in " ".join(sbatch)  # in a container, the image's Python
+    for line in [*exports, submit[-1]]:
+        assert f"  {line}\n" in out
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--account", "a;rm -rf ~"], "--account 'a;rm -rf ~': unexpected characters for an sbatch --account value"),
+        (["--sbatch_args", "mem=0"], "--sbatch_args 'mem=0': expected sbatch options"),
+        (["--sbatch_args", "--comment='unclosed"], '--sbatch_args "--comment=\'unclosed": No closing quotation'),
+        (["--setup", "missing.sh"], "--setup 'missing.sh': not a readable file"),
+        (["--container_mounts", "/a:/a"], "--container_mounts needs --container_image"),
+        (["--container_image", "i", "--container_exec", "apptainer exec x.sif"], "pick pyxis (image) or a wrapper"),
+    ],
+)
+def test_bad_slurm_and_environment_options_are_one_line(in_tmp, checked_data, capsys, argv, expected):
+    assert launch.main(["--run_name", "bad", "--dry_run", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
 
 
 @pytest.mark.parametrize("size", ["small", "base", "large"])

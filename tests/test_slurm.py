@@ -183,7 +183,37 @@ def test_two_node_job_script_trains_with_world_size_nodes_times_processes(slurm_
     assert train_steps(tmp_path / "by-hand") == [1, 2, 3, 4]
 
 
-def test_launcher_job_on_two_cpu_nodes_completes_and_show_logs_follows_it(slurm_env, tiny_data, tmp_path):
+@pytest.fixture
+def reservation(slurm_env) -> Iterator[str]:
+    """A reservation of every node for this test (the launcher's --reservation must name one that exists)."""
+    name = f"nanotron_test_{os.getpid()}"
+    create = ["scontrol", "create", "reservation", f"reservationname={name}", "users=root", "nodes=ALL"]
+    create += ["starttime=now", "duration=30", "flags=ignore_jobs"]
+    if subprocess.run(create, env=slurm_env, capture_output=True).returncode != 0:
+        unavailable("could not create a Slurm reservation (needs root on the local cluster)")
+    yield name
+    subprocess.run(["scontrol", "delete", f"reservation={name}"], env=slurm_env, capture_output=True)
+
+
+def test_launcher_job_on_two_cpu_nodes_completes_and_show_logs_follows_it(slurm_env, tiny_data, tmp_path, reservation):
+    """Also every option a stranger's cluster asks for reaches the job, and the set-up file runs on every node
+    before the trainers' Python (it puts a sitecustomize on PYTHONPATH, which each trainer runs at start). QoS is
+    passed and accepted; without an accounting database the local cluster does not record it."""
+    nodes = subprocess.run(["sinfo", "-h", "-o", "%N"], env=slurm_env, capture_output=True, text=True).stdout
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", nodes.strip()], env=slurm_env, capture_output=True, text=True
+    )
+    excluded = hosts.stdout.split()[-1] if len(hosts.stdout.split()) > 2 else ""
+    site_dir = tmp_path / "site"  # every Python started after the set-up logs its command line
+    site_dir.mkdir()
+    command_line = "open('/proc/self/cmdline').read().replace(chr(0), ' ')"
+    (site_dir / "sitecustomize.py").write_text(
+        f"open({str(tmp_path / 'starts.log')!r}, 'a').write({command_line} + chr(10))\n"
+    )
+    (tmp_path / "setup.sh").write_text(f'export PYTHONPATH="{site_dir}:$PYTHONPATH"\n')
+    site = ["--account", "proj42", "--qos", "normal", "--reservation", reservation, "--constraint", "local&cpu"]
+    site += ["--sbatch_args", "--comment=from-the-launcher", "--setup", str(tmp_path / "setup.sh")]
+    site += ["--exclude", excluded] if excluded else []
     flags = (
         "--run_name via-launcher --nodes 2 --gpus_per_node 0 --nproc_per_node 2 --time_limit 10 --dp 4 --tp 1 "
         "--pp 1 --train_steps 4 --micro_batch_size 2 --grad_accum_steps 1 --max_seq_len 16 --hidden_size 32 "
@@ -196,11 +226,22 @@ def test_launcher_job_on_two_cpu_nodes_completes_and_show_logs_follows_it(slurm_
     ).split()
     overrides += [f"--data.tokenizer={tiny_data.tokenizer}", f"--data.cache_dir={tiny_data.cache}"]
 
-    cmd = [sys.executable, "-m", "nanotron.launch", *flags, *paths, *overrides]
+    cmd = [sys.executable, "-m", "nanotron.launch", *flags, *site, *paths, *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=300)
 
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
     job = proc.stdout.split("submitted job ")[1].split(";")[0]
+    info = dict(
+        f.split("=", 1)
+        for f in subprocess.check_output(["scontrol", "show", "job", "-o", job], env=slurm_env, text=True).split()
+        if "=" in f
+    )
+    assert (info["Account"], info["Reservation"], info["Features"]) == ("proj42", reservation, "local&cpu")
+    assert info["Comment"] == "from-the-launcher" and info["ExcNodeList"] == (excluded or "(null)")
+    starts = (tmp_path / "starts.log").read_text().splitlines()
+    launchers = [s for s in starts if " -m nanotron torchrun " in s]
+    trainers = [s for s in starts if " -m nanotron.train " in s and s not in launchers]
+    assert (len(launchers), len(trainers)) == (2, 4)  # on 2 nodes, 2 trainers each, all after the set-up
     assert f"job {job}: COMPLETED" in proc.stdout
     assert "2 node(s) x 2 process(es)" in proc.stdout and " on 4 x cpu " in proc.stdout  # the followed log
     assert (tmp_path / "via-launcher" / f"slurm-{job}.out").is_file()

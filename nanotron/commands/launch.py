@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -29,11 +28,13 @@ from nanotron.launch.cluster import (
     JOB_SCRIPT,
     check_slurm_flags,
     follow_log,
+    job_environment,
     plan_before_submit,
     plan_nodes,
     resolve_config,
     sbatch_command,
     submit,
+    submit_lines,
     write_run_dir,
 )
 from nanotron.launch.flags import CONFIG_FLAGS, flag_help, model_summary, normalize_spellings
@@ -60,9 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument(
         "--nproc_per_node", type=int_at_least(1), help="processes per node with --gpus_per_node 0 (default 1)"
     )
-    slurm.add_argument("--partition", default="hopper-prod", help="default hopper-prod; '' = cluster default")
+    slurm.add_argument("--partition", default="", help="Slurm partition (default: the cluster's default)")
+    slurm.add_argument("--account", default="", help="account to charge (most clusters require one)")
+    slurm.add_argument("--qos", default="", help="quality of service")
+    slurm.add_argument("--reservation", default="", help="reservation to run in")
+    slurm.add_argument("--exclude", default="", help="nodes to leave out, e.g. node[3-4],node7")
+    slurm.add_argument("--constraint", default="", help="node features required, e.g. h100&ib")
     slurm.add_argument("--time_limit", default="1:00:00", help="Slurm time format (default 1:00:00)")
     slurm.add_argument("--email", help="mail the job's end or failure to this address")
+    slurm.add_argument(
+        "--sbatch_args",
+        default="",
+        help='any other sbatch options, as one quoted value: --sbatch_args "--mem=0 --comment=x"',
+    )
+    env = p.add_argument_group("every node's environment (plain sbatch: NANOTRON_SETUP, NANOTRON_CONTAINER_*)")
+    env.add_argument("--setup", help="shell file sourced on every node before Python starts (module load, conda ...)")
+    env.add_argument("--container_image", help="run each node's task in this image (pyxis: srun --container-image)")
+    env.add_argument("--container_mounts", help="SRC:DST[,SRC:DST...] for --container_image (the data, the run dir)")
+    env.add_argument("--container_exec", help="a command each node's task runs through: 'apptainer exec --nv x.sif'")
     config = p.add_argument_group("config (each flag sets the keys in brackets)")
     for flag in CONFIG_FLAGS:
         bool_flag = flag == "save_initial_state"
@@ -84,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _join_sbatch_args(argv: list[str]) -> list[str]:
+    """`--sbatch_args "--mem=0 ..."` as one value: argparse would take its leading "--" for a flag of ours."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--sbatch_args":
+            out[i : i + 2] = [f"--sbatch_args={out[i + 1]}"]
+            break
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_command(_launch, argv)
 
@@ -91,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 def _launch(argv: list[str]) -> int:
     parser = build_parser()
     checks.check_printable(argv)
-    args, extra = parser.parse_known_args(normalize_spellings(argv, parser))
+    args, extra = parser.parse_known_args(normalize_spellings(_join_sbatch_args(argv), parser))
     _, passthrough = parse_overrides(extra)
     for key, _ in passthrough:
         if "." not in key:
@@ -105,8 +131,9 @@ def _launch(argv: list[str]) -> int:
     cfg, notes = resolve_config(args, passthrough)
     nodes, procs, layout_notes = plan_nodes(cfg, args)
     plan = plan_before_submit(cfg, args, procs)
-    python = checks.job_python()
+    python = "python" if args.container_image or args.container_exec else checks.job_python()  # the image's
     cmd = sbatch_command(args, cfg, nodes, procs, python)
+    environment = job_environment(args)
     if not JOB_SCRIPT.is_file():
         raise LaunchError(f"{JOB_SCRIPT} not found: run from a source checkout of nanotron (pip install -e .)")
     if not args.dry_run and shutil.which("sbatch") is None:
@@ -120,16 +147,16 @@ def _launch(argv: list[str]) -> int:
         print(note, file=sys.stderr)
     if (cfg.checkpoint_dir / "latest").exists() and cfg.checkpoint.resume_from == "auto":
         print(f"note: {cfg.checkpoint_dir} has checkpoints: the job resumes from the latest", file=sys.stderr)
-    submit_file = write_run_dir(cfg, cmd, argv)
+    submit_file = write_run_dir(cfg, environment, cmd, argv)
     print(model_summary(cfg))
     print("\n".join(plan))
     print(f"resolved config: {cfg.run_dir / 'config.toml'}")
-    print(f"sbatch command ({submit_file}):\n  {shlex.join(cmd)}")
+    print(f"submit script ({submit_file}):\n" + "\n".join(f"  {line}" for line in submit_lines(environment, cmd)))
     if args.dry_run:
         print(to_toml(cfg))
         print("dry run: nothing submitted")
         return 0
-    job_id = submit(cmd)
+    job_id = submit(cmd, environment)
     log = cfg.run_dir / f"slurm-{job_id}.out"
     print(f"submitted job {job_id}; log: {log}")
     if not args.show_logs:

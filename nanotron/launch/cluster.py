@@ -24,6 +24,21 @@ from nanotron.launch.flags import config_overrides, fit_max_seq_len, starting_co
 JOB_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "slurm.sh"
 
 SAFE_PARTITION = re.compile(r"[A-Za-z0-9_.,-]*")
+# Values of sbatch options: Slurm names, node lists (node[1-4,7]), feature expressions (a100&ib|h100).
+SLURM_VALUES = {
+    "account": re.compile(r"[A-Za-z0-9_.-]*"),
+    "qos": re.compile(r"[A-Za-z0-9_.,-]*"),
+    "reservation": re.compile(r"[A-Za-z0-9_.,-]*"),
+    "exclude": re.compile(r"[A-Za-z0-9_.,\[\]-]*"),
+    "constraint": re.compile(r"[A-Za-z0-9_.,&|*()\[\]:-]*"),
+}
+# How the job script learns the node environment (launch/slurm.sh reads the same variables under plain sbatch).
+JOB_VARIABLES = {
+    "setup": "NANOTRON_SETUP",
+    "container_image": "NANOTRON_CONTAINER_IMAGE",
+    "container_mounts": "NANOTRON_CONTAINER_MOUNTS",
+    "container_exec": "NANOTRON_CONTAINER_EXEC",
+}
 SAFE_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+")
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD"}
 ACTIVE_STATES |= {"RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
@@ -35,6 +50,24 @@ def check_slurm_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--run_name {args.run_name!r}: use {RUN_NAME_RULE} (it names a folder and the Slurm job)")
     if not SAFE_PARTITION.fullmatch(args.partition):
         raise ConfigError(f"--partition {args.partition!r}: expected a Slurm partition name (letters, digits, _.,-)")
+    for flag, allowed in SLURM_VALUES.items():
+        if not allowed.fullmatch(getattr(args, flag)):
+            raise ConfigError(f"--{flag} {getattr(args, flag)!r}: unexpected characters for an sbatch --{flag} value")
+    extra = sbatch_extra(args)
+    if any(not option.startswith("-") for option in extra[:1]):
+        raise ConfigError(f'--sbatch_args {args.sbatch_args!r}: expected sbatch options, e.g. "--mem=0 --comment=x"')
+    if args.container_image and args.container_exec:
+        raise ConfigError("--container_image and --container_exec both set: pick pyxis (image) or a wrapper (exec)")
+    if args.container_mounts and not args.container_image:
+        raise ConfigError("--container_mounts needs --container_image (with --container_exec, pass the binds in it)")
+    for flag in ("container_image", "container_mounts"):
+        if any(c.isspace() for c in getattr(args, flag) or ""):
+            raise ConfigError(f"--{flag} {getattr(args, flag)!r}: expected no spaces")
+    if args.setup is not None:
+        setup = Path(args.setup).expanduser()
+        if not setup.is_file() or not os.access(setup, os.R_OK):
+            raise ConfigError(f"--setup {args.setup!r}: not a readable file (the shell file each node sources)")
+        args.setup = str(setup.absolute())
     if args.email is not None and not SAFE_EMAIL.fullmatch(args.email):
         raise ConfigError(f"--email {args.email!r}: expected an address like name@example.org")
     if args.nproc_per_node is not None and args.gpus_per_node > 0:
@@ -132,10 +165,30 @@ def sbatch_command(args: argparse.Namespace, cfg: Config, nodes: int, procs: int
         cmd.append(f"--partition={args.partition}")
     if args.gpus_per_node:
         cmd.append(f"--gpus-per-node={procs}")
+    cmd += [f"--{flag}={getattr(args, flag)}" for flag in SLURM_VALUES if getattr(args, flag)]
     if args.email:
         cmd += [f"--mail-user={args.email}", "--mail-type=END,FAIL"]
     cmd.append(f"--export=ALL,NPROC_PER_NODE={procs},NANOTRON_PYTHON={python}")
-    return [*cmd, _display_path(JOB_SCRIPT), str(run_dir / "config.toml")]
+    return [*cmd, *sbatch_extra(args), _display_path(JOB_SCRIPT), str(run_dir / "config.toml")]
+
+
+def sbatch_extra(args: argparse.Namespace) -> list[str]:
+    """--sbatch_args, split as a shell would; they come after the launcher's own options, so they override them."""
+    try:
+        return shlex.split(args.sbatch_args)
+    except ValueError as error:
+        raise ConfigError(f"--sbatch_args {args.sbatch_args!r}: {error}") from None
+
+
+def job_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The job script's NANOTRON_* variables for set-up and containers, exported to sbatch (the job inherits them;
+    a value may hold commas, which sbatch --export can't pass)."""
+    return {name: getattr(args, flag) for flag, name in JOB_VARIABLES.items() if getattr(args, flag)}
+
+
+def submit_lines(environment: dict[str, str], cmd: list[str]) -> list[str]:
+    """The submission as shell lines: the exported variables, then sbatch."""
+    return [f"export {name}={shlex.quote(value)}" for name, value in environment.items()] + [shlex.join(cmd)]
 
 
 def _display_path(path: Path) -> str:
@@ -146,22 +199,23 @@ def _display_path(path: Path) -> str:
         return str(path)
 
 
-def write_run_dir(cfg: Config, cmd: list[str], argv: list[str]) -> Path:
-    """Saves what reproduces the run in its run dir: the resolved config and the sbatch command."""
+def write_run_dir(cfg: Config, environment: dict[str, str], cmd: list[str], argv: list[str]) -> Path:
+    """Saves what reproduces the run in its run dir: the resolved config and the submission (submit.sh)."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "config.toml").write_text(to_toml(cfg))
     submit = cfg.run_dir / "submit.sh"
+    lines = "\n".join(submit_lines(environment, cmd))
     submit.write_text(
         f"#!/usr/bin/env bash\n# {datetime.now().isoformat(timespec='seconds')}: "
-        f"{shlex.join(['python', '-m', 'nanotron.launch', *argv])}\n"
-        f"cd {shlex.quote(os.getcwd())}\n{shlex.join(cmd)}\n"
+        f"{shlex.join(['nanotron', 'launch', *argv])}\n"
+        f"cd {shlex.quote(os.getcwd())}\n{lines}\n"
     )
     return submit
 
 
-def submit(cmd: list[str]) -> str:
-    """Runs sbatch and returns the job id."""
-    result = subprocess.run(cmd, capture_output=True, text=True)
+def submit(cmd: list[str], environment: dict[str, str]) -> str:
+    """Runs sbatch (with the job's NANOTRON_* variables in its environment) and returns the job id."""
+    result = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | environment)
     if result.returncode != 0:
         reason = (result.stderr.strip() or result.stdout.strip() or f"exit code {result.returncode}").splitlines()
         raise LaunchError(f"sbatch refused the job: {reason[-1]}")

@@ -93,7 +93,7 @@ SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 $GRES_TYPES
 NodeName=$NODELIST NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + NODES - 1)) \
-CPUs=$CPUS RealMemory=$MEM_MB$GRES_NODE State=UNKNOWN
+CPUs=$CPUS RealMemory=$MEM_MB$GRES_NODE Features=local,cpu State=UNKNOWN
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
 
 all_running() {  # every daemon recorded in DIR/run/daemons is still that process, one per node + slurmctld
