@@ -35,6 +35,12 @@ def run_launcher(*argv: str, cwd: Path, path: str | None = None) -> subprocess.C
     )
 
 
+def printed_sbatch(out: str) -> str:
+    """The sbatch line of the submit script the launcher prints."""
+    script = out.split("submit script (")[1].splitlines()[1:]
+    return next(line.strip() for line in script if line.strip().startswith("sbatch "))
+
+
 def fake_command(bin_dir: Path, name: str, script: str) -> None:
     """A stand-in executable for a Slurm client command."""
     bin_dir.mkdir(exist_ok=True)
@@ -269,7 +275,7 @@ def test_only_the_nodes_and_gpus_that_dp_tp_pp_needs_are_requested(
 ):
     assert launch.main(["--run_name", "shrink", *flags, "--grad_accum_steps", "1", "--dry_run"]) == 0
     out, err = capsys.readouterr()
-    command = out.split("sbatch command")[1].splitlines()[1].split()
+    command = printed_sbatch(out).split()
     assert f"--nodes={nodes}" in command and per_node in command
     assert err.startswith("note: dp*cp*tp*pp = ") and "requesting only that" in err
 
@@ -277,7 +283,7 @@ def test_only_the_nodes_and_gpus_that_dp_tp_pp_needs_are_requested(
 def test_cpu_nodes_get_nproc_per_node_processes_and_no_gpu_request(in_tmp, checked_data, capsys):
     argv = "--run_name cpu --nodes 2 --gpus_per_node 0 --nproc_per_node 2 --dp 4 --tp 1 --dry_run".split()
     assert launch.main([*argv, "--partition", ""]) == 0
-    command = capsys.readouterr().out.split("sbatch command")[1].splitlines()[1].split()
+    command = printed_sbatch(capsys.readouterr().out).split()
     assert "--nodes=2" in command and f"--export=ALL,NPROC_PER_NODE=2,NANOTRON_PYTHON={sys.executable}" in command
     assert not any(arg.startswith(("--gpus-per-node", "--partition")) for arg in command)
 
@@ -328,7 +334,7 @@ def test_submit_runs_the_printed_command_and_reports_job_id_and_log(in_tmp, chec
     monkeypatch.setenv("PATH", f"{in_tmp / 'bin'}:{os.environ['PATH']}")
     assert launch.main("--run_name real --nodes 1 --dp 4 --tp 2".split()) == 0
     out = capsys.readouterr().out
-    printed = out.split("sbatch command")[1].splitlines()[1].strip()
+    printed = printed_sbatch(out)
     assert shlex.split(printed)[1:] == (in_tmp / "sbatch-args").read_text().splitlines()
     assert f"submitted job 4242; log: {in_tmp}/runs/real/slurm-4242.out" in out
 
