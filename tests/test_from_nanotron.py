@@ -12,6 +12,7 @@ from conftest import read_metrics, run_train
 
 from nanotron.commands.config import main
 from nanotron.config import load_config
+from nanotron.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -313,3 +314,13 @@ def test_bad_input_is_one_error_line_naming_the_file_and_key(tmp_path, capsys, y
     assert (code, text) == (2, "")
     assert err.startswith(f"error: {tmp_path / 'old.yaml'}: ") and err.count("\n") == 1
     assert error in err
+
+
+def test_a_yaml_config_given_to_training_names_the_converter(tmp_path):
+    yaml = tmp_path / "config.yaml"
+    yaml.write_text(TINY)
+    with pytest.raises(ConfigError) as error:
+        load_config(yaml)
+    assert f"convert the original nanotron's YAML with `nanotron config from-nanotron {yaml} > new.toml`" in str(
+        error.value
+    )
