@@ -256,6 +256,83 @@ def test_the_originals_full_example_converts_key_by_key(tmp_path, capsys):
     assert (cfg.training.grad_accum_steps, cfg.training.global_batch_size) == (8, 64)
 
 
+# Other shapes the original writes: a Qwen2 mixture of experts, a Nanoset blend, AdamW's keys directly in
+# [optimizer] (before April 2024), keys left to the original's defaults, a max_position_embeddings it ignores.
+QWEN_MOE = """\
+general: {project: moe-ablation}
+parallelism: {dp: 2, tp: 1, pp: 1, expert_parallel_size: 2}
+model:
+  init_method: {std: 0.02}
+  model_config:
+    is_qwen2_config: true
+    hidden_size: 64
+    intermediate_size: 128
+    num_hidden_layers: 4
+    num_attention_heads: 4
+    num_key_value_heads: 2
+    vocab_size: 1000
+    max_position_embeddings: 128
+    _use_doc_masking: true
+    moe_config: {num_experts: 4, top_k: 2, moe_intermediate_size: 32, layers: [1, 2, 3], enable_shared_expert: true,
+                 shared_expert_intermediate_size: 64, router_aux_loss_coef: 0.01}
+tokens: {sequence_length: 256, train_steps: 10, micro_batch_size: 2, batch_accumulation_per_replica: 1}
+optimizer:
+  zero_stage: 0
+  weight_decay: 0.0
+  clip_grad: null
+  accumulate_grad_in_fp32: true
+  adam_beta1: 0.9
+  adam_beta2: 0.99
+  adam_eps: 1.0e-06
+  torch_adam_is_fused: false
+  learning_rate_scheduler: {learning_rate: 0.001, lr_warmup_steps: 2}
+data_stages:
+- name: blend
+  start_training_step: 1
+  data:
+    dataset: {dataset_folder: [/data/web/tokenized, /data/code/tokenized], dataset_weights: [0.7, 0.3]}
+"""
+
+
+def test_a_moe_nanoset_config_with_the_originals_defaults_converts(tmp_path, capsys):
+    code, text, err = convert(tmp_path, capsys, QWEN_MOE)
+    assert code == 0
+    tables = tomllib.loads(text)
+    assert tables["job"] == {"name": "moe-ablation"}
+    assert tables["model"]["max_seq_len"] == 256  # the original ignores a shorter max_position_embeddings
+    assert tables["model"]["attention"] == "document"
+    assert tables["model"]["moe"] == {
+        "num_experts": 4,
+        "top_k": 2,
+        "moe_intermediate_size": 32,
+        "router": "softmax_topk",
+        "renormalize": False,  # the original keeps the softmax over all experts for the chosen k
+        "first_dense_layers": 1,
+    }
+    assert tables["parallelism"] | {"ep": 2, "pp_engine": "afab", "tp_mode": "all_reduce"} == tables["parallelism"]
+    assert tables["training"]["dtype"] == "bfloat16" and tables["training"]["clip_grad"] == 0.0
+    assert tables["optimizer"] == {
+        "weight_decay": 0.0,
+        "lr": 0.001,
+        "warmup_steps": 2,
+        "decay_style": "linear",
+        "min_lr": 0.001,
+        "decay_steps": 0,
+        "betas": [0.9, 0.99],
+        "eps": 1e-06,
+        "fused": False,
+    }
+    assert tables["data"]["datasets"] == [
+        {"path": "data/tokenized/data_web_tokenized", "weight": 0.7},
+        {"path": "data/tokenized/data_code_tokenized", "weight": 0.3},
+    ]
+    assert [named(line.removeprefix("note: ")) for line in err.splitlines()] == [
+        "model.model_config.max_position_embeddings",
+        "model.model_config.moe_config.enable_shared_expert",
+        "data_stages[0].data.dataset.dataset_folder",
+    ]
+
+
 TINY = """\
 general: {project: converted, run: from_yaml, seed: 7}
 parallelism: {dp: 1, tp: 1, pp: 1, pp_engine: 1f1b, tp_mode: ALL_REDUCE}

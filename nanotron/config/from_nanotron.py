@@ -115,6 +115,7 @@ def convert(path: Path) -> tuple[str, list[str]]:
         _outputs,
         tokenizer,
         data_stages,
+        _positions,
     ):
         section(c)
     c.finish(KNOWN, f"not a key of the original's config at {COMMIT[:8]}, nor one known here")
@@ -126,11 +127,11 @@ def convert(path: Path) -> tuple[str, list[str]]:
 def _general(c: Conversion) -> None:
     c.copy("general.seed", "job.seed", int)
     project = c.copy("general.project", "logging.wandb_project", str)
-    run = c.src.get("general.run", str, "%date_%jobid")
-    name = re.sub(r"[_-]{2,}", "_", run.replace("%date", "").replace("%jobid", "")).strip("_-") or project
+    run = c.src.get("general.run", str)
+    name = re.sub(r"[_-]{2,}", "_", (run or "").replace("%date", "").replace("%jobid", "")).strip("_-") or project
     if name:
         c.set("job.name", name, "general.run")
-    if "%date" in run or "%jobid" in run:
+    if run and ("%date" in run or "%jobid" in run):
         c.note(
             "general.run",
             f"general.run={show(run)}: %date and %jobid left out: a run dir here is named by job.name alone, so a "
@@ -177,6 +178,18 @@ def _model(c: Conversion) -> None:
     if dtype == "float16":
         c.note("model.dtype", 'model.dtype="float16" written as bfloat16: float16 training is not supported here')
     _moe(c)
+
+
+def _positions(c: Conversion) -> None:
+    """The original ignores max_position_embeddings below the sequence length it trains on; here it bounds RoPE."""
+    seq_len, positions = c.tables.get("training", {}).get("seq_len", 0), c.tables["model"]["max_seq_len"]
+    if seq_len > positions:
+        c.set("model.max_seq_len", seq_len, f"{MODEL}.max_position_embeddings", "tokens.sequence_length")
+        c.note(
+            f"{MODEL}.max_position_embeddings",
+            f"{MODEL}.max_position_embeddings={positions} written as {seq_len}, the sequence length: the original "
+            "ignores it when it is shorter",
+        )
 
 
 def _moe(c: Conversion) -> None:
