@@ -156,6 +156,9 @@ tokens:
 """
 
 
+MODEL = "model:\n  model_config: {num_attention_heads: 4, num_key_value_heads: 2}\n"
+
+
 def convert(tmp_path, capsys, yaml: str) -> tuple[int, str, str]:
     """Runs the command on `yaml` written to a file: (exit code, the TOML written, stderr)."""
     source, out = tmp_path / "old.yaml", tmp_path / "new.toml"
@@ -333,6 +336,16 @@ def test_a_moe_nanoset_config_with_the_originals_defaults_converts(tmp_path, cap
     ]
 
 
+def test_the_data_section_before_data_stages_is_read_as_the_one_stage(tmp_path, capsys):
+    data = (
+        "data: {seed: 42, num_loading_workers: 3, dataset: {hf_dataset_or_datasets: a/b, hf_dataset_splits: train}}\n"
+    )
+    code, text, err = convert(tmp_path, capsys, "parallelism: {dp: 1, tp: 1, pp: 1}\n" + MODEL + data)
+    assert code == 0
+    assert tomllib.loads(text)["data"] == {"num_workers": 3, "path": "data/tokenized/a_b"}
+    assert [named(line.removeprefix("note: ")) for line in err.splitlines()] == ["data.dataset.hf_dataset_or_datasets"]
+
+
 TINY = """\
 general: {project: converted, run: from_yaml, seed: 7}
 parallelism: {dp: 1, tp: 1, pp: 1, pp_engine: 1f1b, tp_mode: ALL_REDUCE}
@@ -365,9 +378,6 @@ def test_a_converted_config_trains(tiny_data, tmp_path, capsys):
     run_train([*args, "--training.steps=2", "--training.eval_interval=0"])
     losses = [r["loss"] for r in read_metrics(tmp_path / "from_yaml") if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
-
-
-MODEL = "model:\n  model_config: {num_attention_heads: 4, num_key_value_heads: 2}\n"
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,17 @@ def _no_effect(prefix: str, names: str) -> dict[str, tuple[None, str]]:
     return {f"{prefix}.{name}": _NO_EFFECT for name in names.split()}
 
 
+_DATASET_KEYS = {  # of a data stage's dataset (hub or Nanoset)
+    "dataset_max_tokens": ((), "a token budget per dataset"),
+    "sft_dataloader": ((False,), "fine-tuning data here is plain text, no prompt masking"),
+    "debug_max_samples": ((), "every sample of a dataset is used here"),
+    **dict.fromkeys(
+        "hf_dataset_splits dataset_processing_num_proc_per_process dataset_overwrite_cache dataset_read_path "
+        "tokenizer_name vocab_size token_size_in_bytes return_positions skip_in_stream "
+        "pad_samples_to_global_batch_size shuffle_files use_old_brrr_dataloader".split(),
+        _NO_EFFECT,
+    ),
+}
 # An original key no mapping reads (list indices left out) -> (its values that mean what this project does anyway,
 # or ANY: no value changes a result here; why another value is not carried over).
 KNOWN: dict[str, tuple[tuple | None, str]] = {
@@ -74,9 +85,11 @@ KNOWN: dict[str, tuple[tuple | None, str]] = {
     "profiler.repeat": ((1,), "one profiling window here"),
     "profiler.with_stack": ((False,), "traces here carry no Python stacks"),
     "tokenizer.tokenizer_revision": ((), "tokenizers are read from local files here"),
-    "data_stages.data.dataset.dataset_max_tokens": ((), "a token budget per dataset"),
-    "data_stages.data.dataset.sft_dataloader": ((False,), "fine-tuning data here is plain text, no prompt masking"),
-    "data_stages.data.dataset.debug_max_samples": ((), "every sample of a dataset is used here"),
+    **{
+        f"{data}.dataset.{key}": rule
+        for data in ("data_stages.data", "data")  # `data`: the one data section before April 2024
+        for key, rule in _DATASET_KEYS.items()
+    },
     **_no_effect("general", "ignore_sanity_checks"),
     **_no_effect("parallelism", "tp_recompute_allgather"),
     **_no_effect("model", "ddp_bucket_cap_mb"),
@@ -93,12 +106,6 @@ KNOWN: dict[str, tuple[tuple | None, str]] = {
     **_no_effect("metrics_logging", "log_detail_interval"),
     **_no_effect("profiler", "record_shapes profile_memory export_chrome_trace"),
     **_no_effect("tokenizer", "tokenizer_max_length"),
-    **_no_effect(
-        "data_stages.data.dataset",
-        "hf_dataset_splits dataset_processing_num_proc_per_process dataset_overwrite_cache dataset_read_path "
-        "tokenizer_name vocab_size token_size_in_bytes return_positions skip_in_stream "
-        "pad_samples_to_global_batch_size shuffle_files use_old_brrr_dataloader",
-    ),
 }
 
 

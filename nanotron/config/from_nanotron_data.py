@@ -24,7 +24,8 @@ def tokenizer(c: Conversion) -> None:
 
 
 def data_stages(c: Conversion) -> None:
-    """The first stage becomes [data]; a run here trains on one data mix, so each later stage is a note."""
+    """The first stage becomes [data]; a run here trains on one data mix, so each later stage is a note. Before
+    April 2024 the original had one top-level `data` section instead."""
     stages = c.src.peek("data_stages", list) or []
     starts = [c.required(f"data_stages[{i}].start_training_step", int) for i in range(len(stages))]
     for index in sorted(range(len(stages)), key=starts.__getitem__)[1:]:
@@ -35,15 +36,21 @@ def data_stages(c: Conversion) -> None:
             "one data mix; train the stage as a run of its own",
         )
     if not stages:
+        if c.src.peek("data") is not None:
+            _data(c, "data")
         return
     first = f"data_stages[{starts.index(min(starts))}]"
     c.src.get(f"{first}.name", str)
     c.copy(f"{first}.sequence_length", "training.seq_len", int)
-    seed = c.src.get(f"{first}.data.seed", int)
+    _data(c, f"{first}.data")
+
+
+def _data(c: Conversion, data: str) -> None:
+    seed = c.src.get(f"{data}.seed", int)
     if seed is not None and seed != c.src.get("general.seed", int, 42):
-        c.note(f"{first}.data.seed", f"{first}.data.seed={seed} not carried over: job.seed orders the data here")
-    c.copy(f"{first}.data.num_loading_workers", "data.num_workers", int, 1)
-    dataset = f"{first}.data.dataset"
+        c.note(f"{data}.seed", f"{data}.seed={seed} not carried over: job.seed orders the data here")
+    c.copy(f"{data}.num_loading_workers", "data.num_workers", int, 1)
+    dataset = f"{data}.dataset"
     keys = c.src.peek(dataset) or {}
     if "hf_dataset_or_datasets" in keys:
         _hub_dataset(c, dataset)
