@@ -24,6 +24,7 @@ COMMANDS = {
     "convert": "convert",
     "report": "report",
     "coord-check": "coord_check",
+    "config": "config",
 }
 # Processes nanotron's launchers start on each node; not for typing.
 INTERNAL = {"watcher": "watcher", "suspects": "suspects"}

@@ -136,8 +136,9 @@ def _read_tables(path: Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what}: file '{path}' not found; see configs/ for examples")
     if path.suffix.lower() in (".yaml", ".yml"):
         raise ConfigError(
-            f"{what}: '{path}' is YAML; nanotron configs are TOML with [section] tables (see configs/*.toml, "
-            "and `python -m nanotron.train --help` for every key)"
+            f"{what}: '{path}' is YAML; nanotron configs are TOML with [section] tables: convert the original "
+            f"nanotron's YAML with `nanotron config from-nanotron {path} > new.toml` (see configs/*.toml, and "
+            "`python -m nanotron.train --help` for every key)"
         )
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
