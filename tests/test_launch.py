@@ -7,6 +7,7 @@ real submissions run in tests/test_slurm.py.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 import shlex
@@ -14,6 +15,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,7 +64,9 @@ def checked_data(in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list:
     corpus folder exists, so data.path is a path and not a hub dataset name."""
     (in_tmp / "data" / "corpus").mkdir(parents=True)
     checked: list = []
-    monkeypatch.setattr(checks, "check_data", checked.append)
+    monkeypatch.setattr(
+        checks, "check_data", lambda cfg: checked.append(cfg) or SimpleNamespace(num_train_samples=10**9)
+    )
     return checked
 
 
@@ -152,6 +156,35 @@ def test_bad_slurm_and_environment_options_are_one_line(in_tmp, checked_data, ca
     assert launch.main(["--run_name", "bad", "--dry_run", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
+
+
+def test_a_run_that_repeats_its_corpus_or_outlasts_its_time_limit_is_warned_of(in_tmp, monkeypatch, capsys):
+    """One warning line each, not an error: 250 steps x 64 samples over 2,000 samples is 8 passes (over the default
+    4); large.toml's planned 5,000 steps on 4 x 8 H100s take hours, and a 2-hour limit means requeues."""
+    monkeypatch.setattr(checks, "check_data", lambda cfg: SimpleNamespace(num_train_samples=2000))
+    small = ["--run_name", "repeat", "--model_size", "tiny", "--nodes", "1", "--gpus_per_node", "0", "--dry_run"]
+    small += ["--train_steps", "250", "--training.global_batch_size=64"]
+    assert launch.main(small) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "passes over" in line or " h, more" in line]
+    assert warnings == [
+        "warning: 250 steps x 64 samples = 8.0 passes over the corpus's 2,000 training samples (more than "
+        "--max_epochs 4): lower training.steps, add data, or raise --max_epochs if the repetition is intended"
+    ]
+    assert launch.main([*small, "--max_epochs", "10"]) == 0
+    assert "passes over" not in capsys.readouterr().err
+
+    long = ["--run_name", "long", "--model_size", "large", "--nodes", "4", "--time_limit", "2:00:00", "--dry_run"]
+    assert launch.main([*long, "--max_epochs", "1e9"]) == 0
+    cfg = load_config("runs/long/config.toml")
+    step = cluster.planned_step_seconds(cfg, launch.build_parser().parse_args(long), 8)
+    hours, requeues = cfg.training.steps * step / 3600, math.ceil(cfg.training.steps * step / (7200 - 600)) - 1
+    assert hours > 2 and requeues >= 1
+    warning = next(line for line in capsys.readouterr().err.splitlines() if " h, more" in line)
+    assert warning == (
+        f"warning: {cfg.training.steps} steps of ~{step:.2f} s (the plan) take ~{hours:.1f} h, more than --time_limit "
+        f"2:00:00: the job will requeue ~{requeues} time(s), each resuming from its latest checkpoint; raise "
+        "--time_limit to run it in one go"
+    )
 
 
 @pytest.mark.parametrize("size", ["small", "base", "large"])

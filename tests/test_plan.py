@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -158,7 +159,7 @@ def test_bad_gpu_and_layout_larger_than_the_cluster_are_one_line_errors(capsys):
 @pytest.fixture
 def no_data_check(monkeypatch):
     """These tests are about the memory plan: the launcher's data check (tested in test_launch.py) is skipped."""
-    monkeypatch.setattr(checks, "check_data", lambda cfg: None)
+    monkeypatch.setattr(checks, "check_data", lambda cfg: SimpleNamespace(num_train_samples=10**9))
 
 
 def launch_70b(zero_stage: int, *extra: str) -> int:
@@ -191,7 +192,7 @@ def test_launcher_prints_the_memory_line_when_it_submits_and_cpu_nodes_skip_the_
 ):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(launch.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(launch, "submit", lambda cmd: "42")
+    monkeypatch.setattr(launch, "submit", lambda cmd, environment: "42")
     assert launch.main(["--run_name", "gpu", "--nodes", "2", "--gpus_per_node", "8"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^memory: fits: [\d.]+ GiB per GPU of [\d.]+ GiB usable on h100$", out, re.M), out

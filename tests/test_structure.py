@@ -279,6 +279,7 @@ def test_the_documented_module_spellings_still_run():
 def test_the_console_script_points_at_the_command_dispatcher():
     """`nanotron` (pyproject's [project.scripts]) must name a function that exists: a moved module breaks it."""
     import importlib
+
     import tomllib
 
     scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]

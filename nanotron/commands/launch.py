@@ -31,7 +31,9 @@ from nanotron.launch.cluster import (
     job_environment,
     plan_before_submit,
     plan_nodes,
+    planned_step_seconds,
     resolve_config,
+    run_length_notes,
     sbatch_command,
     submit,
     submit_lines,
@@ -97,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default h100)",
     )
     run.add_argument("--force", action="store_true", help="submit even if the plan says the layout does not fit")
+    run.add_argument(
+        "--max_epochs",
+        type=float,
+        default=4.0,
+        help="warn when the run passes over its corpus more often (default 4: Muennighoff et al. 2023 found up to "
+        "~4 repeated epochs cost little)",
+    )
     return p
 
 
@@ -141,7 +150,9 @@ def _launch(argv: list[str]) -> int:
             "sbatch not found: run this on a Slurm login node, or add --dry_run to only write "
             f"{cfg.run_dir}/config.toml and print the sbatch command"
         )
-    checks.check_data(cfg)
+    corpus = checks.check_data(cfg)
+    step_seconds = planned_step_seconds(cfg, args, procs)
+    notes += run_length_notes(cfg, corpus.num_train_samples, args.max_epochs, step_seconds, args.time_limit)
     notes += layout_notes + checks.shared_filesystem_notes(checks.job_paths(cfg, sys.prefix, Path.cwd()))
     for note in notes:
         print(note, file=sys.stderr)

@@ -11,12 +11,16 @@ import re
 import sys
 import unicodedata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nanotron.config import Config
 from nanotron.errors import ConfigError, LaunchError
 from nanotron.tokenize.sources import is_hub_name
 
 # Filesystems one node can't share with another: each node reads its own copy of what is written here.
+if TYPE_CHECKING:
+    from nanotron.data import Corpus
+
 NODE_LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "vfat", "exfat"}
 SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "wekafs", "panfs", "afs"}
 SHARED_FS |= {"pvfs2", "orangefs", "gfs2", "ocfs2", "fuse.glusterfs", "fuse.ceph", "fuse.juicefs", "fuse.sshfs"}
@@ -139,9 +143,9 @@ def job_paths(cfg: Config, environment: str, workdir: Path) -> dict[str, Path]:
     return paths | {key: Path(value) for key, value in path_keys(cfg).items()}
 
 
-def check_data(cfg: Config) -> None:
+def check_data(cfg: Config) -> Corpus:
     """Tokenizer, tokenized dirs (shards checked against meta.json) and split sizes, as the trainer will find them;
     a small raw corpus is tokenized here, on the login node, so the job finds it ready in data.cache_dir."""
     from nanotron.data import prepare_data
 
-    prepare_data(cfg)
+    return prepare_data(cfg)

@@ -148,6 +148,47 @@ def plan_before_submit(cfg: Config, args: argparse.Namespace, procs: int) -> lis
     return [line]
 
 
+def planned_step_seconds(cfg: Config, args: argparse.Namespace, procs: int) -> float | None:
+    """The plan's step time on the requested GPUs (None on CPU nodes: nothing to plan against)."""
+    from nanotron.plan.timing import estimate_step, parse_gpu
+
+    if not args.gpus_per_node:
+        return None
+    gpu = parse_gpu(args.gpu)
+    return estimate_step(cfg, gpu, procs, gpu.efficiency.default).step_s
+
+
+def signal_margin(limit_seconds: int) -> int:
+    """Seconds before the time limit at which Slurm asks the job to checkpoint (--signal=B:USR1@...)."""
+    return min(600, limit_seconds // 10)
+
+
+def run_length_notes(
+    cfg: Config, train_samples: int, max_epochs: float, step_seconds: float | None, time_limit: str
+) -> list[str]:
+    """One warning each when the run repeats its corpus more than max_epochs times, or when its planned duration
+    exceeds the time limit (how many requeues that takes): both are fine on purpose and costly by mistake."""
+    t, notes = cfg.training, []
+    epochs = t.steps * t.global_batch_size / max(train_samples, 1)
+    if epochs > max_epochs:
+        notes.append(
+            f"warning: {t.steps} steps x {t.global_batch_size} samples = {epochs:,.1f} passes over the corpus's "
+            f"{train_samples:,} training samples (more than --max_epochs {max_epochs:g}): lower training.steps, "
+            "add data, or raise --max_epochs if the repetition is intended"
+        )
+    if step_seconds is not None:
+        limit = time_limit_seconds(time_limit)
+        duration = t.steps * step_seconds
+        if duration > limit:
+            requeues = math.ceil(duration / (limit - signal_margin(limit))) - 1
+            notes.append(
+                f"warning: {t.steps} steps of ~{step_seconds:.2f} s (the plan) take ~{duration / 3600:.1f} h, more "
+                f"than --time_limit {time_limit}: the job will requeue ~{requeues} time(s), each resuming from its "
+                "latest checkpoint; raise --time_limit to run it in one go"
+            )
+    return notes
+
+
 def sbatch_command(args: argparse.Namespace, cfg: Config, nodes: int, procs: int, python: str) -> list[str]:
     """sbatch options for the one job script: no templated second script, so hand and launcher runs agree."""
     run_dir = cfg.run_dir
@@ -159,7 +200,7 @@ def sbatch_command(args: argparse.Namespace, cfg: Config, nodes: int, procs: int
         f"--nodes={nodes}",
         f"--time={args.time_limit}",
         f"--output={run_dir / 'slurm-%j.out'}",
-        f"--signal=B:USR1@{min(600, limit // 10)}",
+        f"--signal=B:USR1@{signal_margin(limit)}",
     ]
     if args.partition:
         cmd.append(f"--partition={args.partition}")
