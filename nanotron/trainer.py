@@ -18,7 +18,6 @@ from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, r
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
-from nanotron.distributed import ParallelContext, init_distributed, loss_mesh
 from nanotron.errors import DivergenceError, NodeFaultError
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.gpu import set_matmul_precision
@@ -31,6 +30,7 @@ from nanotron.metrics.wandb_run import WandbRun
 from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel.expert import ExpertBalance
+from nanotron.parallel.mesh import ParallelContext, init_distributed, loss_mesh
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest

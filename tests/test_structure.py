@@ -113,7 +113,7 @@ def test_no_file_over_400_lines():
 LAYERS = [
     ["nanotron", "nanotron.io", "nanotron.errors", "nanotron.signals", "nanotron.hashing", "nanotron.config"],
     ["nanotron.gpu", "nanotron.tokenize", "nanotron.models"],
-    ["nanotron.parallel", "nanotron.distributed", "nanotron.optim"],
+    ["nanotron.parallel", "nanotron.optim"],
     ["nanotron.data"],
     [  # services, and the libraries that read what training wrote
         "nanotron.checkpoint",

@@ -21,12 +21,12 @@ from pathlib import Path
 from nanotron.checkpoint import ModelState, find_checkpoint, load_states
 from nanotron.commands.args import Parser
 from nanotron.config import load_config, parse_overrides
-from nanotron.distributed import destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import ConfigError, run_as_main, run_command
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.launch.torchrun import pop_nproc, spawn_local
+from nanotron.parallel.mesh import destroy_distributed, init_distributed, launched_world_size
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.tokenize.tokenizer import load_tokenizer

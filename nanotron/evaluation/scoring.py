@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import Config
-from nanotron.distributed import ParallelContext
 from nanotron.evaluation.tasks import Task, encode_item, load_task, predictions, rates
 from nanotron.io import write_atomic
 from nanotron.parallel.context import IGNORE_INDEX
+from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.tokenize.tokenizer import Tokenizer
 

@@ -27,11 +27,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from nanotron.config import Config
-from nanotron.distributed import ParallelContext
 from nanotron.models.attention import document_ids
 from nanotron.parallel.context import IGNORE_INDEX, shard_sequence
 from nanotron.parallel.expert import expert_layers
 from nanotron.parallel.fsdp import GradientSync
+from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.pipeline import build_schedule, forward_only
 
 Window = tuple[int, int] | None  # (lo, hi): the positions a scoring batch's targets lie in

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import Config
-from nanotron.distributed import ParallelContext
 from nanotron.errors import ConfigError, NodeFaultError
 from nanotron.io import write_atomic
 from nanotron.models.shapes import num_params
+from nanotron.parallel.mesh import ParallelContext
 from nanotron.watch.faults import Fault
 from nanotron.watch.nodes import node_name
 
