@@ -197,7 +197,7 @@ class SpikeGuard:
         t.activation_stats.restart()
         t.heartbeat.beat("data", t.state.step + 1)
         loss, grad_norm = t.forward_backward()
-        _, second = t.ctx.agree([], t.shares(loss, grad_norm))
+        _, second = t.ctx.agree([], t.runner.step_shares(loss, grad_norm))
         tolerance = t.cfg.stability.replay_tolerance
         table = torch.tensor(mine + self.local_values(loss, grad_norm), dtype=torch.float64, device=t.ctx.device)
         gathered = [table]

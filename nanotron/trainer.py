@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
 from nanotron.checkpoint.resume_policy import check_resume
@@ -30,7 +29,8 @@ from nanotron.metrics.wandb_run import WandbRun
 from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel.expert import ExpertBalance
-from nanotron.parallel.mesh import ParallelContext, init_distributed, loss_mesh
+from nanotron.parallel.layout import layout_sizes
+from nanotron.parallel.mesh import ParallelContext, init_distributed
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
@@ -88,7 +88,6 @@ class Trainer:
         set_matmul_precision(cfg, self.ctx.device)
         if cfg.training.preflight:  # bad nodes stop the job before anything is built
             preflight(cfg, self.ctx)
-        p = cfg.parallelism
         self.corpus = prepare_data(cfg)
         # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
         self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
@@ -112,19 +111,18 @@ class Trainer:
         self.state = TrainState()
         self.stability = Stability(cfg)
         self.spikes = SpikeGuard(self)
-        # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
-        first = self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 and self.ctx.tp_rank == 0
-        self.is_logging_rank = self.runner.has_last and first
+        self.is_logging_rank = self.runner.is_logging_rank
         wandb = WandbRun.start(cfg) if self.is_logging_rank and cfg.logging.wandb else None
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard, wandb)
-        self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
-        dp_cp = loss_mesh(self.ctx.mesh).get_group() if p.dp * p.cp > 1 else None
-        self.experts = ExpertBalance(cfg, self.modules, dp_cp, self.ctx.device)
+        self.activation_stats = ActivationStats(
+            cfg, self.modules, self.ctx.tp_rank, self.ctx.device, self.runner.sequence_sharded
+        )
+        self.experts = ExpertBalance(cfg, self.modules, self.ctx)
         self.downstream = None
         if cfg.evaluation.tasks:  # tokenized once, each rank its own share of the rows
             tasks = load_tasks(cfg)
             tokenizer = load_tokenizer(cfg.data.tokenizer)
-            self.downstream = DownstreamEval(tasks, cfg, self.ctx, self.runner, tokenizer)
+            self.downstream = DownstreamEval(tasks, cfg, self.runner, tokenizer)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir,
             cfg.checkpoint,
@@ -134,7 +132,7 @@ class Trainer:
             meta={
                 "global_batch_size": cfg.training.global_batch_size,
                 "world_size": self.ctx.world_size,
-                "layout": {"dp": p.dp, "cp": p.cp, "ep": p.ep, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
+                "layout": layout_sizes(cfg),
             },
             log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
             device=self.ctx.device,
@@ -145,14 +143,6 @@ class Trainer:
     def next_batch(self) -> torch.Tensor:
         """grad_accum_steps microbatches stacked: [grad_accum_steps * micro_batch_size, seq_len + 1]."""
         return torch.cat([next(self.loader_iter) for _ in range(self.cfg.training.grad_accum_steps)])
-
-    def dp_mean(self, value: torch.Tensor | None) -> float | None:
-        """The dp x cp average of a per-rank loss, on the host (a collective and a sync: logging steps only)."""
-        if value is None:
-            return None
-        if self.cfg.parallelism.dp * self.cfg.parallelism.cp > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=loss_mesh(self.ctx.mesh).get_group())
-        return value.item()
 
     def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
         """One optimizer step; returns (loss, grad norm) as device tensors and whether a stop was agreed.
@@ -170,7 +160,7 @@ class Trainer:
         loss, grad_norm = self.forward_backward(injected=True)
         bad_loss = False if loss is None else ~torch.isfinite(loss)
         flags, values = self.agree(
-            [self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)], self.shares(loss, grad_norm)
+            [self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)], self.runner.step_shares(loss, grad_norm)
         )
         stop, non_finite = flags
         self.applied, self.rolled_back = not non_finite, False
@@ -191,15 +181,7 @@ class Trainer:
         if injected and fault is not None and loss is not None:  # a drill's transient fault on this rank's loss
             loss = loss * fault.loss_factor(self.ctx.rank, self.state.step + 1)
         self.heartbeat.beat("optimizer")
-        pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
-        return loss, clip_grad_norm(self.params, self.cfg.training.clip_grad, pp_group)
-
-    def shares(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> list[torch.Tensor | float]:
-        """This rank's terms of the global loss (the dp x cp mean of the last stage's losses, once per tp group)
-        and of the gradient norm (already global: rank 0's), summed by the step's all-reduce."""
-        p = self.cfg.parallelism
-        loss_share = loss.double() / (p.dp * p.cp) if loss is not None and self.ctx.tp_rank == 0 else 0.0
-        return [loss_share, grad_norm if self.ctx.rank == 0 else 0.0]
+        return loss, clip_grad_norm(self.params, self.cfg.training.clip_grad, self.runner.pp_group)
 
     def agree(self, flags: list, values: list) -> tuple[list[bool], list[float]]:
         """The step's collective (`ParallelContext.agree`), timed for the straggler scores; an injected fault
@@ -227,10 +209,11 @@ class Trainer:
 
     def evaluate(self) -> float | None:
         """The validation loss, averaged over dp (None on ranks without the last pipeline stage)."""
-        t, p = self.cfg.training, self.cfg.parallelism
-        microbatches = list(eval_batches(self.corpus, t, dp=p.dp, dp_rank=self.ctx.dp_rank))
+        t = self.cfg.training
+        microbatches = list(eval_batches(self.corpus, t, dp=self.ctx.dp, dp_rank=self.ctx.dp_rank))
         steps = range(0, len(microbatches), t.grad_accum_steps)
-        return self.dp_mean(self.runner.evaluate([torch.cat(microbatches[i : i + t.grad_accum_steps]) for i in steps]))
+        losses = self.runner.evaluate([torch.cat(microbatches[i : i + t.grad_accum_steps]) for i in steps])
+        return self.runner.mean_loss(losses)
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -299,7 +282,7 @@ class Trainer:
             self.corpus,
             self.cfg.training,
             seed=self.cfg.job.seed,
-            dp=self.cfg.parallelism.dp,
+            dp=self.ctx.dp,
             dp_rank=self.ctx.dp_rank,
             start_sample=self.state.consumed_samples,
             skips=self.stability.skips,
@@ -350,7 +333,7 @@ class Trainer:
             self.state.consumed_tokens += tokens_per_step
             if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
                 step_time, eta = timer.lap(self.state.step)
-                loss_value = self.dp_mean(loss)
+                loss_value = self.runner.mean_loss(loss)
                 memory = memory_record(self.ctx.device)  # a collective: every rank
                 if self.is_logging_rank:
                     group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation

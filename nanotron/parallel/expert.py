@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanotron.config import Config
 from nanotron.models.moe import MoE, loop_matmul
+from nanotron.parallel.mesh import ParallelContext, loss_mesh
 from nanotron.parallel.torch_private import grouped_mm
 
 
@@ -137,7 +138,7 @@ class ExpertBalance:
     """Per step: the routers' bias update from the global load (auxiliary-loss-free balancing) and, on logging
     steps, the MoE metrics; both read and then clear the layers' per-step counters."""
 
-    def __init__(self, cfg: Config, modules: list[nn.Module], group: dist.ProcessGroup | None, device):
+    def __init__(self, cfg: Config, modules: list[nn.Module], ctx: ParallelContext):
         self.layers = sorted(
             (
                 (int(name.split(".")[2]), m)
@@ -148,7 +149,8 @@ class ExpertBalance:
             key=lambda item: item[0],
         )
         moe, p = cfg.model.moe, cfg.parallelism
-        self.rate, self.group, self.device = moe.bias_update_rate, group, device
+        self.rate, self.device = moe.bias_update_rate, ctx.device
+        self.group = loss_mesh(ctx.mesh).get_group() if p.dp * p.cp > 1 else None  # the ranks of distinct tokens
         self.num_layers, self.num_experts = cfg.model.num_layers, moe.num_experts
         self.tp, self.dp_cp = p.tp, p.dp * p.cp
         self.microbatches = cfg.training.grad_accum_steps

@@ -50,6 +50,7 @@ class ParallelContext:
     tp_rank: int
     pp_rank: int
     cp_rank: int = 0
+    dp: int = 1  # data-parallel ranks: each reads its own samples
     # ("edp", "ep"): dp x cp split for expert parallelism (ep innermost); None when ep = 1
     expert_mesh: DeviceMesh | None = None
     timeout: timedelta = timedelta(minutes=30)  # distributed.timeout_minutes, applied by end_startup()
@@ -109,6 +110,7 @@ def init_distributed(cfg: Config) -> ParallelContext:
         mesh["tp"].get_local_rank(),
         mesh["pp"].get_local_rank(),
         mesh["cp"].get_local_rank() if cfg.parallelism.cp > 1 else 0,
+        dp=cfg.parallelism.dp,
         expert_mesh=expert_mesh(mesh, cfg.parallelism.ep),
         timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
     )
