@@ -26,7 +26,7 @@ from nanotron.checkpoint.layout import committed_steps, step_of
 from nanotron.config import Config, StabilityConfig
 from nanotron.data.skips import SampleSkips, read_run_skips, write_run_skips
 from nanotron.errors import NodeFaultError, SpikeError
-from nanotron.io import write_atomic
+from nanotron.watch.suspects import write_suspects
 
 # The standard deviation a z-score divides by is at least this much (in log space: a 1% change): a flat curve
 # (variance ~0) must not turn rounding noise into spikes.
@@ -177,7 +177,7 @@ class SpikeGuard:
                     t.metrics.log(event | {"stability/action": "exclude"}, line)
                     if t.ctx.rank == 0 and ranks:
                         nodes = sorted({t.stragglers.nodes[r] for r in ranks})
-                        write_atomic(t.cfg.run_dir / "suspect_nodes.txt", "".join(f"{n}\n" for n in nodes))
+                        write_suspects(t.cfg.run_dir, nodes)
                     raise NodeFaultError(f"{line}; stopped to requeue without its node (stability.on_transient)")
                 t.metrics.log(event, f"{line}; going on with the replayed step (stability.on_transient)")
                 detector.observe(loss2, norm2)

@@ -39,6 +39,7 @@ from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
 from nanotron.watch.doctor import preflight
 from nanotron.watch.heartbeat import Heartbeat
 from nanotron.watch.straggler import StragglerScores
+from nanotron.watch.suspects import write_suspects
 
 
 @dataclass
@@ -259,7 +260,7 @@ class Trainer:
             line = self.stragglers.describe(rank, scores)
             if self.cfg.watch.straggler_action == "exclude":
                 if self.ctx.rank == 0:
-                    write_atomic(self.cfg.run_dir / "suspect_nodes.txt", self.stragglers.nodes[rank] + "\n")
+                    write_suspects(self.cfg.run_dir, [self.stragglers.nodes[rank]])
                 raise NodeFaultError(f"{line}; stopped to requeue without its node (watch.straggler_action)")
             self.metrics.info(f"warning: {line}")
 
