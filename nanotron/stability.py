@@ -195,7 +195,7 @@ class SpikeGuard:
             optimizer.zero_grad(set_to_none=True)
         t.experts.reset()
         t.activation_stats.restart()
-        t.heartbeat.beat("data", t.state.step + 1)
+        t.beat("data", t.state.step + 1)
         loss, grad_norm = t.forward_backward()
         _, second = t.ctx.agree([], t.runner.step_shares(loss, grad_norm))
         tolerance = t.cfg.stability.replay_tolerance
@@ -262,7 +262,7 @@ class SpikeGuard:
                 "lower optimizer.lr or raise stability.max_rollbacks, and resume"
             )
         first = t.state.consumed_samples
-        t.heartbeat.beat("checkpoint", step)
+        t.beat("checkpoint", step)
         t.checkpoints.load(older[-1])
         t.stability.rollbacks += 1
         window = t.stability.window(first, cfg.training.global_batch_size, t.state.consumed_samples)

@@ -37,6 +37,7 @@ from nanotron.signals import StopRequest
 from nanotron.stability import SpikeGuard, Stability
 from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
 from nanotron.watch.doctor import preflight
+from nanotron.watch.faults import Drill
 from nanotron.watch.heartbeat import Heartbeat
 from nanotron.watch.straggler import StragglerScores
 from nanotron.watch.suspects import write_suspects
@@ -84,7 +85,11 @@ class Trainer:
         self.stop = StopRequest()
         info = {"run_dir": str(cfg.run_dir.absolute()), "checkpoint_dir": str(cfg.checkpoint_dir.absolute())}
         info["watch"] = asdict(cfg.watch)
-        self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), info, cfg.watch.enabled)
+        rank = int(os.environ.get("RANK", "0"))
+        self.heartbeat = Heartbeat.from_env(rank, info, cfg.watch.enabled)
+        # A fault drill (NANOTRON_FAULT: tests, game days) wraps the step's pieces from outside; else they are as is.
+        drill = Drill.from_env(rank)
+        self.beat = drill.phases(self.heartbeat.beat)
         self.ctx: ParallelContext = init_distributed(cfg)
         set_matmul_precision(cfg, self.ctx.device)
         if cfg.training.preflight:  # bad nodes stop the job before anything is built
@@ -101,10 +106,11 @@ class Trainer:
         self.build_seconds = time.perf_counter() - started
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
-        self.runner = MicrobatchRunner(
-            self.stages, cfg, self.ctx, on_phase=self.heartbeat.beat, eos_id=self.corpus.eos_id
-        )
+        self.runner = MicrobatchRunner(self.stages, cfg, self.ctx, on_phase=self.beat, eos_id=self.corpus.eos_id)
+        self.run_microbatches = drill.losses(self.runner.forward_backward)
         self.stragglers = StragglerScores(cfg.watch, self.ctx.rank, self.ctx.world_size, self.ctx.device)
+        # The step's collective (`ParallelContext.agree`), timed for the straggler scores.
+        self.agree = drill.collective(self.stragglers.timed(self.ctx.agree))
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [
             build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
@@ -156,9 +162,9 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
             set_lr(optimizer, lr_at(self.state.step, self.cfg.optimizer, t.steps))
-        self.heartbeat.beat("data", self.state.step + 1)
+        self.beat("data", self.state.step + 1)
         self.batch = self.next_batch()
-        loss, grad_norm = self.forward_backward(injected=True)
+        loss, grad_norm = self.forward_backward()
         bad_loss = False if loss is None else ~torch.isfinite(loss)
         flags, values = self.agree(
             [self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)], self.runner.step_shares(loss, grad_norm)
@@ -175,24 +181,11 @@ class Trainer:
                 optimizer.step()
         return loss, grad_norm, stop
 
-    def forward_backward(self, injected: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def forward_backward(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's gradients from `self.batch`, clipped; (this rank's loss, the global gradient norm)."""
-        loss = self.runner.forward_backward(self.batch)
-        fault = self.heartbeat.fault
-        if injected and fault is not None and loss is not None:  # a drill's transient fault on this rank's loss
-            loss = loss * fault.loss_factor(self.ctx.rank, self.state.step + 1)
-        self.heartbeat.beat("optimizer")
+        loss = self.run_microbatches(self.batch)
+        self.beat("optimizer")
         return loss, clip_grad_norm(self.params, self.cfg.training.clip_grad, self.runner.pp_group)
-
-    def agree(self, flags: list, values: list) -> tuple[list[bool], list[float]]:
-        """The step's collective (`ParallelContext.agree`), timed for the straggler scores; an injected fault
-        may delay it or skip it on its rank."""
-        fault, step = self.heartbeat.fault, self.state.step + 1
-        if fault is not None:
-            fault.at(self.ctx.rank, "step_collective", step)
-            if fault.skips_collective(self.ctx.rank, step):
-                return [False] * len(flags), [0.0] * len(values)
-        return self.stragglers.timed(lambda: self.ctx.agree(flags, values))
 
     def skip_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
         """A non-finite loss or gradient: the step is not applied, and after training.max_skipped_steps such
@@ -219,7 +212,7 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------
 
     def log_eval(self) -> None:
-        self.heartbeat.beat("eval", self.state.step)
+        self.beat("eval", self.state.step)
         eval_loss = self.evaluate()
         if eval_loss is not None:
             self.metrics.log(
@@ -230,7 +223,7 @@ class Trainer:
 
     def log_downstream(self) -> None:
         """The downstream tasks' scores at this step (and each item's, with evaluation.write_items)."""
-        self.heartbeat.beat("eval", self.state.step)
+        self.beat("eval", self.state.step)
         started = time.perf_counter()
         result = self.downstream.run()
         if result is None or not self.is_logging_rank:
@@ -249,7 +242,7 @@ class Trainer:
         return bool(interval) and (step % interval == 0 or step == self.cfg.training.steps)
 
     def save_checkpoint(self, final: bool = False) -> None:
-        self.heartbeat.beat("checkpoint", self.state.step)
+        self.beat("checkpoint", self.state.step)
         self.checkpoints.save(self.state.step, final=final)
 
     def log_stragglers(self, scores: dict[str, float]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,16 @@ class StragglerScores:
         if world_size > 1 and cfg.straggler_interval:
             dist.all_gather_object(self.nodes, node_name())  # once, at start-up
 
-    def timed(self, collective):
-        """Runs the step's collective, adding the time this rank waited in it."""
-        started = time.perf_counter()
-        result = collective()
-        self.waited += time.perf_counter() - started
-        return result
+    def timed(self, collective: Callable) -> Callable:
+        """The step's collective, adding the time this rank waits in each call."""
+
+        def timed_collective(*args):
+            started = time.perf_counter()
+            result = collective(*args)
+            self.waited += time.perf_counter() - started
+            return result
+
+        return timed_collective
 
     def step_end(self) -> dict[str, float] | None:
         """Called on every rank after each step; every straggler_interval steps, the scores (a collective)."""
