@@ -8,16 +8,19 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
+from nanotron.checkpoint.layout import committed_steps
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
 from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
-from nanotron.errors import DivergenceError, NodeFaultError
+from nanotron.data.skips import write_run_skips
+from nanotron.errors import DivergenceError, NodeFaultError, UserError
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
@@ -34,7 +37,7 @@ from nanotron.parallel.mesh import ParallelContext, init_distributed
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
-from nanotron.stability import SpikeGuard, Stability
+from nanotron.stability import Decision, Observation, Replay, Stability, rank_values
 from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
 from nanotron.watch.doctor import preflight
 from nanotron.watch.faults import Drill
@@ -117,7 +120,6 @@ class Trainer:
         ]
         self.state = TrainState()
         self.stability = Stability(cfg)
-        self.spikes = SpikeGuard(self)
         self.is_logging_rank = self.runner.is_logging_rank
         wandb = WandbRun.start(cfg) if self.is_logging_rank and cfg.logging.wandb else None
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard, wandb)
@@ -151,12 +153,13 @@ class Trainer:
         """grad_accum_steps microbatches stacked: [grad_accum_steps * micro_batch_size, seq_len + 1]."""
         return torch.cat([next(self.loader_iter) for _ in range(self.cfg.training.grad_accum_steps)])
 
-    def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
-        """One optimizer step; returns (loss, grad norm) as device tensors and whether a stop was agreed.
+    def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool, str]:
+        """One optimizer step; returns (loss, grad norm) as device tensors, whether a stop was agreed and what
+        became of the update: "apply", "skip" or "rollback".
 
         The step's one host sync: a tiny all-reduce telling every rank whether any rank was asked to stop and
         whether the loss or the gradient norm is non-finite anywhere, and summing the global loss and gradient norm
-        the spike detector scores. A non-finite step is not applied; a spike is handled by `[stability]`.
+        the spike detector scores. A non-finite step is not applied; a finite one is the stability policy's.
         """
         t = self.cfg.training
         for optimizer in self.optimizers:
@@ -170,22 +173,76 @@ class Trainer:
             [self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)], self.runner.step_shares(loss, grad_norm)
         )
         stop, non_finite = flags
-        self.applied, self.rolled_back = not non_finite, False
         if non_finite:
             self.skip_step(loss, grad_norm)
+            outcome = "skip"
         else:
-            self.applied = self.spikes.check(*values, loss, grad_norm)
-        if self.applied:
+            outcome = self.settle(Observation(self.state.step + 1, *values), loss, grad_norm)
+        if outcome == "apply":
             self.checkpoints.wait_for_staging()  # an async save's copy of the weights is complete
             for optimizer in self.optimizers:
                 optimizer.step()
-        return loss, grad_norm, stop
+        return loss, grad_norm, stop, outcome
 
     def forward_backward(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's gradients from `self.batch`, clipped; (this rank's loss, the global gradient norm)."""
         loss = self.run_microbatches(self.batch)
         self.beat("optimizer")
         return loss, clip_grad_norm(self.params, self.cfg.training.clip_grad, self.runner.pp_group)
+
+    def settle(self, seen: Observation, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> str:
+        """The stability policy's decision on a finite step (`Stability.decide`), carried out with the trainer's
+        parts: the replay and the checkpoint list it asks for, then a rollback, or the log and a stop. Returns what
+        became of the update."""
+        decision = self.stability.decide(seen)
+        if decision.action == "replay":
+            seen = replace(seen, replay=self.replay(loss, grad_norm))
+            decision = self.stability.decide(seen)
+        if decision.action == "checkpoints":
+            self.checkpoints.wait()  # an async save in flight commits first: it may be the one to go back to
+            decision = self.stability.decide(replace(seen, checkpoints=committed_steps(self.cfg.checkpoint_dir)))
+        if decision.action == "rollback":
+            return self.roll_back(decision)
+        if decision.event is not None:
+            self.metrics.log(decision.event, decision.line)
+        if decision.error is not None:
+            self.halt(decision.error)
+        return decision.action
+
+    def replay(self, first_loss: torch.Tensor | None, first_norm: torch.Tensor) -> Replay:
+        """The step recomputed from the same state and batch, and every rank's own values of both passes: a step
+        and an all-gather of 4 numbers per rank, on spiking steps only."""
+        clip = self.cfg.training.clip_grad
+        first = rank_values(first_loss, first_norm, self.params, clip)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.experts.reset()
+        self.activation_stats.restart()
+        self.beat("data", self.state.step + 1)
+        loss, grad_norm = self.forward_backward()
+        _, (global_loss, global_norm) = self.ctx.agree([], self.runner.step_shares(loss, grad_norm))
+        rows = self.ctx.gather(first + rank_values(loss, grad_norm, self.params, clip))
+        return Replay(global_loss, global_norm, rows, self.stragglers.nodes)
+
+    def roll_back(self, decision: Decision) -> str:
+        """Loads the checkpoint the stability policy chose and goes on from there in this process, past the window
+        of samples that led to the spike."""
+        first_sample = self.state.consumed_samples
+        self.beat("checkpoint", self.state.step + 1)
+        self.checkpoints.load(decision.target)
+        event, line = self.stability.rolled_back(decision, first_sample, self.state.step, self.state.consumed_samples)
+        if self.ctx.rank == 0:
+            write_run_skips(self.cfg.run_dir, self.stability.skips)
+        self.metrics.log(event, line)
+        self.experts.reset()
+        self.loader_iter = self.data_iterator()
+        return "rollback"
+
+    def halt(self, error: UserError) -> NoReturn:
+        """Stops the run as a service decided (every rank alike): a node fault names its nodes for the requeue."""
+        if isinstance(error, NodeFaultError) and error.nodes and self.ctx.rank == 0:
+            write_suspects(self.cfg.run_dir, error.nodes)
+        raise error
 
     def skip_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
         """A non-finite loss or gradient: the step is not applied, and after training.max_skipped_steps such
@@ -252,9 +309,8 @@ class Trainer:
         for rank in self.stragglers.persistent():
             line = self.stragglers.describe(rank, scores)
             if self.cfg.watch.straggler_action == "exclude":
-                if self.ctx.rank == 0:
-                    write_suspects(self.cfg.run_dir, [self.stragglers.nodes[rank]])
-                raise NodeFaultError(f"{line}; stopped to requeue without its node (watch.straggler_action)")
+                message = f"{line}; stopped to requeue without its node (watch.straggler_action)"
+                self.halt(NodeFaultError(message, [self.stragglers.nodes[rank]]))
             self.metrics.info(f"warning: {line}")
 
     def resume(self) -> None:
@@ -308,10 +364,10 @@ class Trainer:
         )
         while self.state.step < t.steps and not stop:
             with self.activation_stats.step(self.state.step + 1):
-                loss, grad_norm, stop = self.train_step()
+                loss, grad_norm, stop, outcome = self.train_step()
             self.ctx.end_startup()  # the first step is done: collectives get distributed.timeout_minutes
             profiler.step()
-            if self.rolled_back:  # the state is the older checkpoint's: the loop goes on from there
+            if outcome == "rollback":  # the state is the older checkpoint's: the loop goes on from there
                 self.activation_stats.discard()
                 timer = StepTimer(self.state.step, t.steps)
                 continue
@@ -319,7 +375,7 @@ class Trainer:
             if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
                 self.metrics.log({"step": self.state.step} | activations)
             logging_step = self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps
-            if (moe := self.experts.step_end(self.applied, logging_step)) is not None and logging_step:
+            if (moe := self.experts.step_end(outcome == "apply", logging_step)) is not None and logging_step:
                 self.metrics.log({"step": self.state.step} | moe)
             if (scores := self.stragglers.step_end()) is not None:  # a collective every straggler_interval steps
                 self.log_stragglers(scores)

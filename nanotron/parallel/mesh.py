@@ -86,6 +86,15 @@ class ParallelContext:
         host = out.tolist()
         return [v > 0 for v in host[: len(flags)]], host[len(flags) :]
 
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (float64), in rank order: one all-gather, for rare steps (a stability replay)."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        every = [mine]
+        if self.world_size > 1:
+            every = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+        return [row.tolist() for row in every]
+
 
 def init_distributed(cfg: Config) -> ParallelContext:
     """Joins (or, for one plain process, creates) the process group and builds the mesh."""
