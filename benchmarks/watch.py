@@ -64,7 +64,7 @@ def watch_cost_ratio(rounds: int = 7) -> dict:
             heartbeat.beat("backward")
             heartbeat.beat("optimizer")
             collective()
-            stragglers.step_end()
+            stragglers.count_step()
 
         steps, calls = [], []
         for _ in range(rounds):

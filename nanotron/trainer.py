@@ -1,11 +1,12 @@
 """The Trainer: one rank's model pieces, optimizer, data and checkpoints, and the training loop.
 
-Started by `nanotron.train` (the command line); everything a step does is here.
+Started by `nanotron.train` (the command line); everything a step does is here. Nothing else holds the trainer:
+the stability policy decides from agreed values and the step-end services (`nanotron.step_end`) report; the
+trainer carries out their decisions with its own parts.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -18,10 +19,10 @@ from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, r
 from nanotron.checkpoint.layout import committed_steps
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
-from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
+from nanotron.data import build_train_loader, loader_batches, prepare_data
 from nanotron.data.skips import write_run_skips
 from nanotron.errors import DivergenceError, NodeFaultError, UserError
-from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
+from nanotron.evaluation.evaluator import Evaluator
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.metrics.activations import ActivationStats
@@ -38,7 +39,8 @@ from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
 from nanotron.stability import Decision, Observation, Replay, Stability, rank_values
-from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
+from nanotron.step_end import StepEnd, StepInfo, StepReport
+from nanotron.tokenize.tokenizer import copy_tokenizer
 from nanotron.watch.doctor import preflight
 from nanotron.watch.faults import Drill
 from nanotron.watch.heartbeat import Heartbeat
@@ -127,11 +129,7 @@ class Trainer:
             cfg, self.modules, self.ctx.tp_rank, self.ctx.device, self.runner.sequence_sharded
         )
         self.experts = ExpertBalance(cfg, self.modules, self.ctx)
-        self.downstream = None
-        if cfg.evaluation.tasks:  # tokenized once, each rank its own share of the rows
-            tasks = load_tasks(cfg)
-            tokenizer = load_tokenizer(cfg.data.tokenizer)
-            self.downstream = DownstreamEval(tasks, cfg, self.runner, tokenizer)
+        self.evaluator = Evaluator(cfg, self.corpus, self.ctx, self.runner, on_phase=self.beat)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir,
             cfg.checkpoint,
@@ -145,6 +143,7 @@ class Trainer:
             },
             log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
             device=self.ctx.device,
+            on_phase=self.beat,
         )
 
     # ---- one step -------------------------------------------------------------------------------
@@ -258,60 +257,7 @@ class Trainer:
             )
         self.metrics.info(f"warning: non-finite loss or gradients at {where}; step skipped")
 
-    def evaluate(self) -> float | None:
-        """The validation loss, averaged over dp (None on ranks without the last pipeline stage)."""
-        t = self.cfg.training
-        microbatches = list(eval_batches(self.corpus, t, dp=self.ctx.dp, dp_rank=self.ctx.dp_rank))
-        steps = range(0, len(microbatches), t.grad_accum_steps)
-        losses = self.runner.evaluate([torch.cat(microbatches[i : i + t.grad_accum_steps]) for i in steps])
-        return self.runner.mean_loss(losses)
-
     # ---- the loop -------------------------------------------------------------------------------
-
-    def log_eval(self) -> None:
-        self.beat("eval", self.state.step)
-        eval_loss = self.evaluate()
-        if eval_loss is not None:
-            self.metrics.log(
-                {"step": self.state.step, "eval_loss": eval_loss},
-                f"eval step {self.state.step} | eval_loss {eval_loss:.4f} | eval_ppl "
-                f"{math.exp(min(eval_loss, 50)):.1f}",
-            )
-
-    def log_downstream(self) -> None:
-        """The downstream tasks' scores at this step (and each item's, with evaluation.write_items)."""
-        self.beat("eval", self.state.step)
-        started = time.perf_counter()
-        result = self.downstream.run()
-        if result is None or not self.is_logging_rank:
-            return
-        scores, items = result
-        seconds = time.perf_counter() - started
-        self.metrics.log(
-            {"step": self.state.step} | scores | {"eval/seconds": seconds},
-            scores_line(self.state.step, self.downstream.tasks, scores) + f" | {seconds:.1f}s",
-        )
-        if self.cfg.evaluation.write_items:
-            write_items(self.cfg.run_dir / "evaluation" / f"step-{self.state.step}.jsonl", items)
-
-    def evaluating(self, interval: int) -> bool:
-        step = self.state.step
-        return bool(interval) and (step % interval == 0 or step == self.cfg.training.steps)
-
-    def save_checkpoint(self, final: bool = False) -> None:
-        self.beat("checkpoint", self.state.step)
-        self.checkpoints.save(self.state.step, final=final)
-
-    def log_stragglers(self, scores: dict[str, float]) -> None:
-        """The scores to the metrics; a rank late for straggler_patience intervals in a row is named (every rank
-        holds the same scores, so every rank takes the same decision)."""
-        self.metrics.log({"step": self.state.step} | scores)
-        for rank in self.stragglers.persistent():
-            line = self.stragglers.describe(rank, scores)
-            if self.cfg.watch.straggler_action == "exclude":
-                message = f"{line}; stopped to requeue without its node (watch.straggler_action)"
-                self.halt(NodeFaultError(message, [self.stragglers.nodes[rank]]))
-            self.metrics.info(f"warning: {line}")
 
     def resume(self) -> None:
         if self.source is None:
@@ -347,18 +293,12 @@ class Trainer:
         self.loader_iter = self.data_iterator()
         self.metrics.info(run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step))
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
-            self.save_checkpoint()
-        downstream_interval = cfg.evaluation.interval or t.eval_interval
-        if t.eval_interval and self.state.step == 0:
-            self.log_eval()
-        if self.downstream is not None and downstream_interval and self.state.step == 0:
-            self.log_downstream()
-        tokens_per_step = t.global_batch_size * t.seq_len
-        flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+            self.checkpoints.save(0)
+        self.carry_out(self.evaluator.start(self.state.step))
         peak = cfg.logging.peak_tflops or (
             detect_peak_tflops(self.ctx.device, t.dtype, t.tf32) if self.is_logging_rank else 0.0
         )
-        timer, stop = StepTimer(self.state.step, t.steps), False
+        self.timer, stop = StepTimer(self.state.step, t.steps), False
         profiler = Profiler.start(
             cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
         )
@@ -369,44 +309,65 @@ class Trainer:
             profiler.step()
             if outcome == "rollback":  # the state is the older checkpoint's: the loop goes on from there
                 self.activation_stats.discard()
-                timer = StepTimer(self.state.step, t.steps)
+                self.timer = StepTimer(self.state.step, t.steps)
                 continue
-            self.state.step += 1
-            if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
-                self.metrics.log({"step": self.state.step} | activations)
-            logging_step = self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps
-            if (moe := self.experts.step_end(outcome == "apply", logging_step)) is not None and logging_step:
-                self.metrics.log({"step": self.state.step} | moe)
-            if (scores := self.stragglers.step_end()) is not None:  # a collective every straggler_interval steps
-                self.log_stragglers(scores)
-            self.state.consumed_samples += t.global_batch_size
-            self.state.consumed_tokens += tokens_per_step
-            if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
-                step_time, eta = timer.lap(self.state.step)
-                loss_value = self.runner.mean_loss(loss)
-                memory = memory_record(self.ctx.device)  # a collective: every rank
-                if self.is_logging_rank:
-                    group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
-                    lr = group["lr"] / group.get("lr_scale", 1.0)
-                    record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
-                    record |= {f"stability/{name}_z": z for name, z in self.stability.last_z.items()}
-                    record |= throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
-                    self.metrics.log_step(record | memory, t.steps)
-            if self.evaluating(t.eval_interval):
-                self.log_eval()
-            if self.downstream is not None and self.evaluating(downstream_interval):
-                self.log_downstream()
-            if not stop and cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
-                self.save_checkpoint()
+            info = self.keep(applied=outcome == "apply", stopping=stop)
+            self.end_step(info, self.activation_stats, self.experts, self.stragglers)
+            if info.logging:
+                self.log_step(loss, grad_norm, peak)
+            self.end_step(info, self.evaluator, self.checkpoints)
         profiler.stop()
         if stop or cfg.checkpoint.save_final:
-            self.save_checkpoint(final=True)
+            self.checkpoints.save(self.state.step, final=True)
         self.checkpoints.wait()
         if stop:
             self.metrics.info(
                 f"preempted: stopped at step {self.state.step} after a stop signal; checkpoint saved "
                 f"in {cfg.checkpoint_dir}; rerun the same command to resume"
             )
+
+    def keep(self, applied: bool, stopping: bool) -> StepInfo:
+        """The step counts: the progress that checkpoints carry moves on."""
+        t = self.cfg.training
+        self.state.step += 1
+        self.state.consumed_samples += t.global_batch_size
+        self.state.consumed_tokens += t.global_batch_size * t.seq_len
+        last = self.state.step == t.steps
+        logging = self.state.step % self.cfg.logging.log_interval == 0 or last
+        return StepInfo(self.state.step, applied, logging, last, stopping)
+
+    def end_step(self, info: StepInfo, *services: StepEnd) -> None:
+        """The services' ends of a kept step, in the order given: the same on every rank, so collectives line up."""
+        for service in services:
+            self.carry_out(service.step_end(info))
+
+    def carry_out(self, report: StepReport | None) -> None:
+        """A service's report: its records and lines logged, then its stop."""
+        if report is None:
+            return
+        for record, line in report.entries:
+            if record is None:
+                self.metrics.info(line)
+            else:
+                self.metrics.log(record, line)
+        if report.stop is not None:
+            self.halt(report.stop)
+
+    def log_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor, peak: float) -> None:
+        """The step's record and line: loss (dp x cp mean), rate, gradient norm, spike scores, throughput, memory."""
+        t = self.cfg.training
+        step_time, eta = self.timer.lap(self.state.step)
+        loss_value = self.runner.mean_loss(loss)
+        memory = memory_record(self.ctx.device)  # a collective: every rank
+        if self.is_logging_rank:
+            group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
+            lr = group["lr"] / group.get("lr_scale", 1.0)
+            record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
+            record |= {f"stability/{name}_z": z for name, z in self.stability.last_z.items()}
+            tokens = t.global_batch_size * t.seq_len
+            flops = flops_per_token(self.cfg.model, t.seq_len) * tokens
+            record |= throughput(tokens, flops, step_time, self.ctx.world_size, peak)
+            self.metrics.log_step(record | memory, t.steps)
 
     def write_checkpoint_extras(self, step_dir: Path) -> None:
         """What makes a step dir usable on its own: the resolved config and the tokenizer."""

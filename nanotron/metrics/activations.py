@@ -34,6 +34,7 @@ from nanotron.config import Config
 from nanotron.models.moe import MoE
 from nanotron.models.shapes import is_moe_layer
 from nanotron.parallel.torch_private import in_backward_pass
+from nanotron.step_end import StepInfo, StepReport
 
 
 def activation_names(num_layers: int, moe_layers: frozenset[int] = frozenset()) -> list[str]:
@@ -92,6 +93,12 @@ class ActivationStats:
     def discard(self) -> None:
         """The step was not kept (a rollback): nothing to report, on every rank alike."""
         self.pending = False
+
+    def step_end(self, info: StepInfo) -> StepReport | None:
+        """The kept step's `act/*` means, after a stats step (a collective: every rank calls it)."""
+        if (activations := self.result()) is None:
+            return None
+        return StepReport([({"step": info.step} | activations, None)])
 
     def result(self) -> dict[str, float] | None:
         """The step's `act/*` means on every rank (None after a step without stats). Every rank calls it."""

@@ -32,6 +32,7 @@ from nanotron.config import Config
 from nanotron.models.moe import MoE, loop_matmul
 from nanotron.parallel.mesh import ParallelContext, loss_mesh
 from nanotron.parallel.torch_private import grouped_mm
+from nanotron.step_end import StepInfo, StepReport
 
 
 class _AllToAll(torch.autograd.Function):
@@ -156,21 +157,21 @@ class ExpertBalance:
         self.microbatches = cfg.training.grad_accum_steps
 
     @torch.no_grad()
-    def step_end(self, applied: bool, log: bool) -> dict[str, float] | None:
-        """After the optimizer step: moves the biases (if the step was applied) and returns the metrics on
-        logging steps (a collective over the world: every rank calls it with the same `log`)."""
+    def step_end(self, info: StepInfo) -> StepReport | None:
+        """After the optimizer step: moves the biases (if the step was applied) and reports the metrics on
+        logging steps (a collective over the world: every rank calls it with the same `info`)."""
         if not self.num_experts:
             return None
         loads = torch.stack([m.tokens_per_expert for _, m in self.layers]) if self.layers else None
-        if self.rate and applied and loads is not None:
+        if self.rate and info.applied and loads is not None:
             total = loads.clone()
             if self.group is not None:
                 dist.all_reduce(total, group=self.group)
             for (_, m), load in zip(self.layers, total):
                 m.gate.expert_bias += self.rate * torch.sign(load.mean() - load)
-        metrics = self._metrics(loads) if log else None
+        metrics = self._metrics(loads) if info.logging else None
         self.reset()
-        return metrics
+        return StepReport([({"step": info.step} | metrics, None)]) if metrics is not None else None
 
     def reset(self) -> None:
         """Forgets the step's counts: after it ends, or before it is recomputed or rolled back."""
