@@ -1,4 +1,4 @@
-"""Downstream tasks scored on the training layout: `Trainer.log_downstream` and `nanotron eval` call this.
+"""Downstream tasks scored on the training layout: the `Evaluator` (in training) and `nanotron eval` call this.
 
 Every (item, choice) becomes one token row of seq_len + 1 tokens (see `tasks`), right-padded with EOS and
 with targets only on the continuation's tokens. The rows of all tasks are dealt out to the dp ranks in equal

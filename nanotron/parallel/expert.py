@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanotron.config import Config
 from nanotron.models.moe import MoE, loop_matmul
-from nanotron.parallel.mesh import ParallelContext, loss_mesh
+from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.torch_private import grouped_mm
 from nanotron.step_end import StepInfo, StepReport
 
@@ -151,7 +151,7 @@ class ExpertBalance:
         )
         moe, p = cfg.model.moe, cfg.parallelism
         self.rate, self.device = moe.bias_update_rate, ctx.device
-        self.group = loss_mesh(ctx.mesh).get_group() if p.dp * p.cp > 1 else None  # the ranks of distinct tokens
+        self.group = ctx.loss_group()  # the ranks that route distinct tokens
         self.num_layers, self.num_experts = cfg.model.num_layers, moe.num_experts
         self.tp, self.dp_cp = p.tp, p.dp * p.cp
         self.microbatches = cfg.training.grad_accum_steps

@@ -67,6 +67,11 @@ class ParallelContext:
         ]
         return list({id(group): group for group in groups}.values())
 
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose losses together cover the global batch (dp x cp: `loss_mesh`); None when it is one."""
+        mesh = loss_mesh(self.mesh)
+        return mesh.get_group() if mesh.size() > 1 else None
+
     def end_startup(self) -> None:
         """From now on collectives fail after distributed.timeout_minutes (called after each step; once it acts)."""
         if self.in_startup:

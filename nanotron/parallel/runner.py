@@ -34,7 +34,7 @@ from nanotron.models.attention import document_ids
 from nanotron.parallel.context import shard_sequence
 from nanotron.parallel.expert import expert_layers
 from nanotron.parallel.fsdp import GradientSync
-from nanotron.parallel.mesh import ParallelContext, loss_mesh
+from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.pipeline import build_schedule, forward_only
 
 IGNORE_INDEX = -100  # targets that carry no loss (the token after an EOS under document masking, evaluation padding)
@@ -83,7 +83,7 @@ class MicrobatchRunner:
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
         self.rank, self.dp_rank, self.tp_rank = ctx.rank, ctx.dp_rank, ctx.tp_rank
         self.is_logging_rank = self.has_last and ctx.dp_rank == 0 and ctx.cp_rank == 0 and ctx.tp_rank == 0
-        self.loss_group = loss_mesh(ctx.mesh).get_group() if p.dp * p.cp > 1 else None
+        self.loss_group = ctx.loss_group()
         self.pp_group = ctx.mesh["pp"].get_group() if p.pp > 1 else None  # gradient norms add up over the stages
         # Plain (non-DTensor) activations are sequence shards under sequence parallelism, else whole on each tp rank.
         self.sequence_sharded = p.tp > 1 and p.tp_mode == "reduce_scatter"
