@@ -5,7 +5,9 @@ The detector keeps an exponentially smoothed forecast (level and trend of the lo
 gradient norm, with the variance of its errors, and scores each step by its z-score against them. It sees only
 the step's agreed values (the all-reduce every step already does), so every rank takes the same decision at no
 extra collective. Its statistics, the skipped sample windows and the rollback count travel in every checkpoint's
-trainer_state.json, so a resumed run is not blind for a warm-up.
+trainer_state.json, so a resumed run is not blind for a warm-up. The policy is a decision from values
+(`Stability.decide(Observation) -> Decision`); the replay, the checkpoint reload and the data reset it asks for
+are the trainer's to carry out.
 The idea of replaying a suspicious step to separate a transient fault from a reproducible one is Megatron-LM's
 rerun state machine (`megatron/core/rerun_state_machine.py`); spotting spikes and the rollback-and-skip remedy
 are what the PaLM (Chowdhery et al. 2022, §5.1) and OPT logbooks describe doing by hand.
