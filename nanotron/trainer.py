@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
@@ -135,7 +136,7 @@ class Trainer:
             cfg.checkpoint,
             states={"model": ModelState(self.modules), "optimizer": OptimizerState(self.modules, self.optimizers)},
             progress=Progress(self.state, self.stability, cfg.checkpoint_dir),
-            write_extras=self.write_checkpoint_extras,
+            write_extras=partial(write_checkpoint_extras, cfg),  # a function of the config, not of the trainer
             meta={
                 "global_batch_size": cfg.training.global_batch_size,
                 "world_size": self.ctx.world_size,
@@ -369,16 +370,17 @@ class Trainer:
             record |= throughput(tokens, flops, step_time, self.ctx.world_size, peak)
             self.metrics.log_step(record | memory, t.steps)
 
-    def write_checkpoint_extras(self, step_dir: Path) -> None:
-        """What makes a step dir usable on its own: the resolved config and the tokenizer."""
-        (step_dir / "config.toml").write_text(to_toml(self.cfg))
-        copy_tokenizer(Path(self.cfg.data.tokenizer), step_dir / "tokenizer")
-
     def close(self) -> None:
         self.heartbeat.close()
         self.checkpoints.close()
         self.metrics.close()
         self.stop.close()
+
+
+def write_checkpoint_extras(cfg: Config, step_dir: Path) -> None:
+    """What makes a step dir usable on its own: the resolved config and the tokenizer."""
+    (step_dir / "config.toml").write_text(to_toml(cfg))
+    copy_tokenizer(Path(cfg.data.tokenizer), step_dir / "tokenizer")
 
 
 def _host(value: torch.Tensor | None) -> float | None:
