@@ -48,8 +48,8 @@ def train_run(name: str, args: list[str], work_dir: Path) -> tuple[list[dict], b
     non-finite loss or gradient: the records until then are kept). The trainer's output goes to train.log. A run
     that ends early otherwise (a stop signal: the trainer saves and returns) raises: its loss is no result."""
     from nanotron.config import load_config, parse_overrides
-    from nanotron.distributed import destroy_distributed
     from nanotron.errors import DivergenceError
+    from nanotron.parallel.mesh import destroy_distributed
     from nanotron.trainer import Trainer
 
     run_dir = work_dir / "runs" / name

@@ -121,8 +121,8 @@ def worker(args: list[str], out: Path) -> None:
 
     from benchmarks.probe import StepProbe, nbytes, pipeline_buffer_bytes
     from nanotron.config import load_config, parse_overrides
-    from nanotron.distributed import destroy_distributed, launched_world_size
     from nanotron.metrics.step import memory_record
+    from nanotron.parallel.mesh import destroy_distributed, launched_world_size
     from nanotron.trainer import Trainer
 
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0

@@ -72,10 +72,10 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
 
     from nanotron.config import load_config, parse_overrides
     from nanotron.data import build_train_loader, prepare_data
-    from nanotron.distributed import pick_device
     from nanotron.models.llama import LlamaForCausalLM
     from nanotron.optim import build_optimizer
     from nanotron.parallel.init import init_weights
+    from nanotron.parallel.mesh import pick_device
 
     cfg = load_config(*parse_overrides(args))
     t, device = cfg.training, pick_device(cfg)

@@ -54,6 +54,7 @@ def watch_cost_ratio(rounds: int = 7) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         heartbeat = Heartbeat(Path(folder), 0, {"run_dir": folder, "watch": {}})
         stragglers = StragglerScores(cfg.watch, 0, 1, torch.device("cpu"))
+        collective = stragglers.timed(lambda: None)
         step = [0]
 
         def watch_work() -> None:
@@ -62,8 +63,8 @@ def watch_cost_ratio(rounds: int = 7) -> dict:
             heartbeat.beat("forward")
             heartbeat.beat("backward")
             heartbeat.beat("optimizer")
-            stragglers.timed(lambda: None)
-            stragglers.step_end()
+            collective()
+            stragglers.count_step()
 
         steps, calls = [], []
         for _ in range(rounds):

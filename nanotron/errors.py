@@ -59,9 +59,13 @@ class SpikeError(UserError):
 
 class NodeFaultError(UserError):
     """A node stalls or slows the job (named by the watcher or the straggler scores, in suspect_nodes.txt of the
-    run dir): the job stops so that it can be requeued without that node."""
+    run dir): the job stops so that it can be requeued without that node. `nodes`: the ones to leave out."""
 
     exit_code = 75
+
+    def __init__(self, message: str, nodes: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.nodes = list(nodes)
 
 
 class LaunchError(UserError):

@@ -5,7 +5,9 @@ The detector keeps an exponentially smoothed forecast (level and trend of the lo
 gradient norm, with the variance of its errors, and scores each step by its z-score against them. It sees only
 the step's agreed values (the all-reduce every step already does), so every rank takes the same decision at no
 extra collective. Its statistics, the skipped sample windows and the rollback count travel in every checkpoint's
-trainer_state.json, so a resumed run is not blind for a warm-up.
+trainer_state.json, so a resumed run is not blind for a warm-up. The policy is a decision from values
+(`Stability.decide(Observation) -> Decision`); the replay, the checkpoint reload and the data reset it asks for
+are the trainer's to carry out.
 The idea of replaying a suspicious step to separate a transient fault from a reproducible one is Megatron-LM's
 rerun state machine (`megatron/core/rerun_state_machine.py`); spotting spikes and the rollback-and-skip remedy
 are what the PaLM (Chowdhery et al. 2022, §5.1) and OPT logbooks describe doing by hand.
@@ -16,17 +18,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nanotron.checkpoint.layout import committed_steps, step_of
+from nanotron.checkpoint.layout import step_of
 from nanotron.config import Config, StabilityConfig
-from nanotron.data.skips import SampleSkips, read_run_skips, write_run_skips
-from nanotron.errors import NodeFaultError, SpikeError
-from nanotron.io import write_atomic
+from nanotron.data.skips import SampleSkips, read_run_skips
+from nanotron.errors import NodeFaultError, SpikeError, UserError
 
 # The standard deviation a z-score divides by is at least this much (in log space: a 1% change): a flat curve
 # (variance ~0) must not turn rounding noise into spikes.
@@ -102,12 +101,51 @@ class SpikeDetector:
         self.max_z = {name: float(state["max_z"][name]) for name in SIGNALS}
 
 
+@dataclass(frozen=True)
+class Replay:
+    """A spiking step recomputed from the same state and batch: its global loss and gradient norm, every rank's own
+    [loss, squared gradient norm] of the first pass and then of the replay (`rank_values`), and each rank's node."""
+
+    loss: float
+    grad_norm: float
+    rank_values: list[list[float]]
+    nodes: list[str]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A finite step as every rank agrees on it (its global loss and gradient norm), and what the trainer found out
+    when the policy asked: the step's replay, the committed checkpoints (None: not asked yet)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    replay: Replay | None = None
+    checkpoints: list[Path] | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the trainer does with a step: "apply" its update, "skip" it, "rollback" to `target` or "stop" with
+    `error`, logging `event` with `line` first (a rollback's line is completed by `Stability.rolled_back`); or a
+    question, "replay" or "checkpoints", that the trainer answers in the next Observation."""
+
+    action: str
+    event: dict | None = None
+    line: str | None = None
+    error: UserError | None = None
+    target: Path | None = None
+
+
 class Stability:
     """What a run knows about its spikes, saved with its progress: the detector, the skipped windows (the config's,
-    the run dir's and the checkpoint's, united) and the rollbacks so far."""
+    the run dir's and the checkpoint's, united) and the rollbacks so far; and the policy that decides on each step
+    from them. It holds no part of the trainer: the replay, the checkpoint reload and the data reset are the
+    trainer's, carried out on its decisions."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg.stability
+        self.global_batch_size = cfg.training.global_batch_size
         self.detector = SpikeDetector(cfg.stability)
         self.skips = SampleSkips.parse(cfg.data.skip_samples)
         self.skips.update(read_run_skips(cfg.run_dir))
@@ -140,149 +178,112 @@ class Stability:
         start = max(first_sample - (self.cfg.window_steps - 1) * global_batch_size, floor_sample)
         return self.skips.position(start), self.skips.position(first_sample + global_batch_size - 1) + 1
 
-
-class SpikeGuard:
-    """A step's spike check, replay and remedy. It works on the trainer's own parts (model runner, optimizers,
-    checkpoints, metrics), as the trainer's hands for this one concern; the trainer only calls `check`."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
-    def check(self, loss: float, grad_norm: float, local_loss: torch.Tensor | None, local_norm: torch.Tensor) -> bool:
-        """Scores the step (every rank holds the same agreed values: one decision for the job); on a spike, replays
-        it and acts. Returns whether the step's update is applied."""
-        t = self.trainer
-        detector, cfg, step = t.stability.detector, t.cfg.stability, t.state.step + 1
-        z = t.stability.last_z = detector.scores(loss, grad_norm)
-        if not detector.is_spike(z):
-            detector.observe(loss, grad_norm)
-            return True
-        event = {"step": step, "stability/loss": loss, "stability/grad_norm": grad_norm}
+    def decide(self, seen: Observation) -> Decision:
+        """The step scored against the running forecast (every rank holds the same values: one decision for the
+        job). A spike asks for a replay (stability.replay), then, under rollback, for the committed checkpoints; the
+        detector moves only with a final decision, so asking again with the answers scores the same step."""
+        z = self.last_z = self.detector.scores(seen.loss, seen.grad_norm)
+        if not self.detector.is_spike(z):
+            self.detector.observe(seen.loss, seen.grad_norm)
+            return Decision("apply")
+        event = {"step": seen.step, "stability/loss": seen.loss, "stability/grad_norm": seen.grad_norm}
         event |= {"stability/loss_z": z["loss"], "stability/grad_norm_z": z["grad_norm"]}
         what = (
-            f"stability: step {step} spiked (loss {loss:.4g}, z {z['loss']:.1f}; grad_norm {grad_norm:.4g}, "
-            f"z {z['grad_norm']:.1f})"
+            f"stability: step {seen.step} spiked (loss {seen.loss:.4g}, z {z['loss']:.1f}; grad_norm "
+            f"{seen.grad_norm:.4g}, z {z['grad_norm']:.1f})"
         )
-        if cfg.replay:
-            replayed = self.replay((loss, grad_norm), local_loss, local_norm)
-            if replayed is not None:  # a transient fault: the replayed step is the clean one
-                ranks, seen, (loss2, norm2) = replayed
-                event |= {"stability/action": "transient", "stability/ranks": ranks}
-                named = ", ".join(f"rank {r} (node {t.stragglers.nodes[r]})" for r in ranks) or "no single rank"
-                line = (
-                    f"{what}; the replay gave loss {loss2:.4g}, grad_norm {norm2:.4g}: a transient fault, {seen} "
-                    f"differed on {named}"
-                )
-                if cfg.on_transient == "stop":
-                    t.metrics.log(event | {"stability/action": "exclude"}, line)
-                    if t.ctx.rank == 0 and ranks:
-                        nodes = sorted({t.stragglers.nodes[r] for r in ranks})
-                        write_atomic(t.cfg.run_dir / "suspect_nodes.txt", "".join(f"{n}\n" for n in nodes))
-                    raise NodeFaultError(f"{line}; stopped to requeue without its node (stability.on_transient)")
-                t.metrics.log(event, f"{line}; going on with the replayed step (stability.on_transient)")
-                detector.observe(loss2, norm2)
-                return True
+        if self.cfg.replay:
+            if seen.replay is None:
+                return Decision("replay")
+            if (transient := self._transient(seen, event, what)) is not None:
+                return transient
             what += "; the replay reproduced it (the data or the optimisation, not a rank)"
-        return self.act(event, what, loss, grad_norm)
+        return self._act(seen, event, what)
 
-    def replay(self, first: tuple[float, float], first_loss: torch.Tensor | None, first_norm: torch.Tensor):
-        """Recomputes the step from the same state and batch. None if it reproduces the global loss and gradient
-        norm (within replay_tolerance); else (the ranks whose own values changed, which value, the replay's global
-        loss and gradient norm). Costs a step and an all-gather of 4 numbers per rank, on spiking steps only."""
-        t = self.trainer
-        mine = self.local_values(first_loss, first_norm)
-        for optimizer in t.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        t.experts.reset()
-        t.activation_stats.restart()
-        t.heartbeat.beat("data", t.state.step + 1)
-        loss, grad_norm = t.forward_backward()
-        _, second = t.ctx.agree([], t.shares(loss, grad_norm))
-        tolerance = t.cfg.stability.replay_tolerance
-        table = torch.tensor(mine + self.local_values(loss, grad_norm), dtype=torch.float64, device=t.ctx.device)
-        gathered = [table]
-        if t.ctx.world_size > 1:
-            gathered = [torch.empty_like(table) for _ in range(t.ctx.world_size)]
-            dist.all_gather(gathered, table)
-        rows = [g.tolist() for g in gathered]
-        ranks, seen = differing_ranks([r[:2] for r in rows], [r[2:] for r in rows], tolerance)
+    def _transient(self, seen: Observation, event: dict, what: str) -> Decision | None:
+        """A replay that differs (on some rank, or in the global values) shows a transient fault: the replayed step
+        is the clean one. None if it reproduced the step within replay_tolerance."""
+        replay, tolerance = seen.replay, self.cfg.replay_tolerance
+        rows = replay.rank_values
+        ranks, changed = differing_ranks([r[:2] for r in rows], [r[2:] for r in rows], tolerance)
+        first, second = (seen.loss, seen.grad_norm), (replay.loss, replay.grad_norm)
         if not ranks and not any(differs(a, b, tolerance) for a, b in zip(first, second)):
             return None
-        return ranks, seen or "nothing rank-local", tuple(second)
-
-    def local_values(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> list[float]:
-        """This rank's own loss and the squared norm of its gradient shards before clipping: what a replay compares
-        rank by rank."""
-        t = self.trainer
-        squares = sum(
-            (g.to_local() if isinstance(g, DTensor) else g).double().square().sum()
-            for g in (p.grad for p in t.params)
-            if g is not None
+        event |= {"stability/action": "transient", "stability/ranks": ranks}
+        named = ", ".join(f"rank {r} (node {replay.nodes[r]})" for r in ranks) or "no single rank"
+        line = (
+            f"{what}; the replay gave loss {replay.loss:.4g}, grad_norm {replay.grad_norm:.4g}: a transient fault, "
+            f"{changed or 'nothing rank-local'} differed on {named}"
         )
-        clip = t.cfg.training.clip_grad
-        coefficient = min(1.0, clip / (grad_norm.item() + 1e-6)) if clip > 0 else 1.0
-        return [0.0 if loss is None else loss.item(), float(squares) / coefficient**2]
+        if self.cfg.on_transient == "stop":
+            message = f"{line}; stopped to requeue without its node (stability.on_transient)"
+            error = NodeFaultError(message, sorted({replay.nodes[r] for r in ranks}))
+            return Decision("stop", event | {"stability/action": "exclude"}, line, error)
+        self.detector.observe(replay.loss, replay.grad_norm)
+        return Decision("apply", event, f"{line}; going on with the replayed step (stability.on_transient)")
 
-    def act(self, event: dict, what: str, loss: float, grad_norm: float) -> bool:
-        """stability.action on a spike the replay reproduced (or that was not replayed); whether to apply it."""
-        t = self.trainer
-        action = t.cfg.stability.action
+    def _act(self, seen: Observation, event: dict, what: str) -> Decision:
+        """stability.action on a spike the replay reproduced (or that was not replayed)."""
+        action = self.cfg.action
         if action == "warn":
-            t.stability.detector.observe(loss, grad_norm)
-            t.metrics.log(event | {"stability/action": "warn"}, f"warning: {what}; applied (stability.action=warn)")
-            return True
+            self.detector.observe(seen.loss, seen.grad_norm)
+            return Decision(
+                "apply", event | {"stability/action": "warn"}, f"warning: {what}; applied (stability.action=warn)"
+            )
         if action == "stop":
-            t.metrics.log(event | {"stability/action": "stop"})
-            raise SpikeError(
+            error = SpikeError(
                 f"{what}; stopped before applying it (stability.action=stop): resume from the last checkpoint "
-                f"with data.skip_samples covering step {event['step']}'s samples, or a lower optimizer.lr"
+                f"with data.skip_samples covering step {seen.step}'s samples, or a lower optimizer.lr"
             )
+            return Decision("stop", event | {"stability/action": "stop"}, error=error)
         if action == "rollback":
-            reason = self.rollback(event, what)
-            if reason is None:
-                return False
-            what += reason
-        t.metrics.log(event | {"stability/action": "skip_step"}, f"warning: {what}; update skipped")
-        return False
+            if seen.checkpoints is None:
+                return Decision("checkpoints")
+            older = [path for path in seen.checkpoints if step_of(path) < seen.step]
+            if not older:
+                what += f"; no committed checkpoint before step {seen.step} to roll back to (checkpoint.interval)"
+            elif self.rollbacks >= self.cfg.max_rollbacks:
+                error = SpikeError(
+                    f"{what}; stopped: stability.max_rollbacks={self.cfg.max_rollbacks} rollbacks already "
+                    f"(windows skipped: {self.skips.to_list()}); inspect the data around these samples, "
+                    "lower optimizer.lr or raise stability.max_rollbacks, and resume"
+                )
+                return Decision("stop", event | {"stability/action": "stop"}, error=error)
+            else:
+                return Decision("rollback", event, what, target=older[-1])
+        return Decision("skip", event | {"stability/action": "skip_step"}, f"warning: {what}; update skipped")
 
-    def rollback(self, event: dict, what: str) -> str | None:
-        """Reloads the newest committed checkpoint before the spike, skips the window of samples that led to it
-        and goes on from there, in this process. Why not, when no checkpoint precedes the spike."""
-        t = self.trainer
-        cfg, step = t.cfg, event["step"]
-        t.checkpoints.wait()  # an async save in flight commits first: it may be the one to go back to
-        older = [path for path in committed_steps(cfg.checkpoint_dir) if step_of(path) < step]
-        if not older:
-            return f"; no committed checkpoint before step {step} to roll back to (checkpoint.interval)"
-        if t.stability.rollbacks >= cfg.stability.max_rollbacks:
-            t.metrics.log(event | {"stability/action": "stop"})
-            raise SpikeError(
-                f"{what}; stopped: stability.max_rollbacks={cfg.stability.max_rollbacks} rollbacks already "
-                f"(windows skipped: {t.stability.skips.to_list()}); inspect the data around these samples, "
-                "lower optimizer.lr or raise stability.max_rollbacks, and resume"
-            )
-        first = t.state.consumed_samples
-        t.heartbeat.beat("checkpoint", step)
-        t.checkpoints.load(older[-1])
-        t.stability.rollbacks += 1
-        window = t.stability.window(first, cfg.training.global_batch_size, t.state.consumed_samples)
-        t.stability.skips.add(*window)
-        if t.ctx.rank == 0:
-            write_run_skips(cfg.run_dir, t.stability.skips)
-        event |= {
+    def rolled_back(self, decision: Decision, first_sample: int, step: int, floor_sample: int) -> tuple[dict, str]:
+        """The trainer loaded `decision.target` (now at `step`, trained sample `floor_sample`) for the spike at
+        trained sample `first_sample`: the rollback counts, its window of samples is skipped from now on. Returns
+        the event to log and its line."""
+        self.rollbacks += 1
+        window = self.window(first_sample, self.global_batch_size, floor_sample)
+        self.skips.add(*window)
+        event = decision.event | {
             "stability/action": "rollback",
             "stability/window": list(window),
-            "stability/rollback_to": t.state.step,
+            "stability/rollback_to": step,
         }
-        t.metrics.log(
-            event,
-            f"{what}; rolled back to step {t.state.step} ({older[-1]}) and skipping samples "
-            f"[{window[0]}, {window[1]}) (rollback {t.stability.rollbacks} of {cfg.stability.max_rollbacks})",
+        line = (
+            f"{decision.line}; rolled back to step {step} ({decision.target}) and skipping samples "
+            f"[{window[0]}, {window[1]}) (rollback {self.rollbacks} of {self.cfg.max_rollbacks})"
         )
-        t.experts.reset()
-        t.loader_iter = t.data_iterator()
-        t.rolled_back = True
-        return None
+        return event, line
+
+
+def rank_values(
+    loss: torch.Tensor | None, grad_norm: torch.Tensor, params: list[torch.nn.Parameter], clip: float
+) -> list[float]:
+    """This rank's own loss and the squared norm of its gradient shards before clipping: what a replay compares
+    rank by rank."""
+    squares = sum(
+        (g.to_local() if isinstance(g, DTensor) else g).double().square().sum()
+        for g in (p.grad for p in params)
+        if g is not None
+    )
+    coefficient = min(1.0, clip / (grad_norm.item() + 1e-6)) if clip > 0 else 1.0
+    return [0.0 if loss is None else loss.item(), float(squares) / coefficient**2]
 
 
 def differs(a: float, b: float, tolerance: float) -> bool:

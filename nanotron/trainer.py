@@ -1,26 +1,29 @@
 """The Trainer: one rank's model pieces, optimizer, data and checkpoints, and the training loop.
 
-Started by `nanotron.train` (the command line); everything a step does is here.
+Started by `nanotron.train` (the command line); everything a step does is here. Nothing else holds the trainer:
+the stability policy decides from agreed values and the step-end services (`nanotron.step_end`) report; the
+trainer carries out their decisions with its own parts.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
+from nanotron.checkpoint.layout import committed_steps
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
-from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
-from nanotron.distributed import ParallelContext, init_distributed, loss_mesh
-from nanotron.errors import DivergenceError, NodeFaultError
-from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
+from nanotron.data import build_train_loader, loader_batches, prepare_data
+from nanotron.data.skips import write_run_skips
+from nanotron.errors import DivergenceError, NodeFaultError, UserError
+from nanotron.evaluation.evaluator import Evaluator
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.metrics.activations import ActivationStats
@@ -31,14 +34,19 @@ from nanotron.metrics.wandb_run import WandbRun
 from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel.expert import ExpertBalance
+from nanotron.parallel.layout import layout_sizes
+from nanotron.parallel.mesh import ParallelContext, init_distributed
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.signals import StopRequest
-from nanotron.stability import SpikeGuard, Stability
-from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
+from nanotron.stability import Decision, Observation, Replay, Stability, rank_values
+from nanotron.step_end import StepEnd, StepInfo, StepReport
+from nanotron.tokenize.tokenizer import copy_tokenizer
 from nanotron.watch.doctor import preflight
+from nanotron.watch.faults import Drill
 from nanotron.watch.heartbeat import Heartbeat
 from nanotron.watch.straggler import StragglerScores
+from nanotron.watch.suspects import write_suspects
 
 
 @dataclass
@@ -83,12 +91,15 @@ class Trainer:
         self.stop = StopRequest()
         info = {"run_dir": str(cfg.run_dir.absolute()), "checkpoint_dir": str(cfg.checkpoint_dir.absolute())}
         info["watch"] = asdict(cfg.watch)
-        self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), info, cfg.watch.enabled)
+        rank = int(os.environ.get("RANK", "0"))
+        self.heartbeat = Heartbeat.from_env(rank, info, cfg.watch.enabled)
+        # A fault drill (NANOTRON_FAULT: tests, game days) wraps the step's pieces from outside; else they are as is.
+        drill = Drill.from_env(rank)
+        self.beat = drill.phases(self.heartbeat.beat)
         self.ctx: ParallelContext = init_distributed(cfg)
         set_matmul_precision(cfg, self.ctx.device)
         if cfg.training.preflight:  # bad nodes stop the job before anything is built
             preflight(cfg, self.ctx)
-        p = cfg.parallelism
         self.corpus = prepare_data(cfg)
         # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
         self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
@@ -101,43 +112,39 @@ class Trainer:
         self.build_seconds = time.perf_counter() - started
         self.modules = [module for _, module in self.stages]
         self.params = [param for module in self.modules for param in module.parameters()]
-        self.runner = MicrobatchRunner(
-            self.stages, cfg, self.ctx, on_phase=self.heartbeat.beat, eos_id=self.corpus.eos_id
-        )
+        self.runner = MicrobatchRunner(self.stages, cfg, self.ctx, on_phase=self.beat, eos_id=self.corpus.eos_id)
+        self.run_microbatches = drill.losses(self.runner.forward_backward)
         self.stragglers = StragglerScores(cfg.watch, self.ctx.rank, self.ctx.world_size, self.ctx.device)
+        # The step's collective (`ParallelContext.agree`), timed for the straggler scores.
+        self.agree = drill.collective(self.stragglers.timed(self.ctx.agree))
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [
             build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
         ]
         self.state = TrainState()
         self.stability = Stability(cfg)
-        self.spikes = SpikeGuard(self)
-        # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
-        first = self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 and self.ctx.tp_rank == 0
-        self.is_logging_rank = self.runner.has_last and first
+        self.is_logging_rank = self.runner.is_logging_rank
         wandb = WandbRun.start(cfg) if self.is_logging_rank and cfg.logging.wandb else None
         self.metrics = MetricsLogger(cfg.run_dir, self.is_logging_rank, cfg.logging.tensorboard, wandb)
-        self.activation_stats = ActivationStats(cfg, self.modules, self.ctx.tp_rank, self.ctx.device)
-        dp_cp = loss_mesh(self.ctx.mesh).get_group() if p.dp * p.cp > 1 else None
-        self.experts = ExpertBalance(cfg, self.modules, dp_cp, self.ctx.device)
-        self.downstream = None
-        if cfg.evaluation.tasks:  # tokenized once, each rank its own share of the rows
-            tasks = load_tasks(cfg)
-            tokenizer = load_tokenizer(cfg.data.tokenizer)
-            self.downstream = DownstreamEval(tasks, cfg, self.ctx, self.runner, tokenizer)
+        self.activation_stats = ActivationStats(
+            cfg, self.modules, self.ctx.tp_rank, self.ctx.device, self.runner.sequence_sharded
+        )
+        self.experts = ExpertBalance(cfg, self.modules, self.ctx)
+        self.evaluator = Evaluator(cfg, self.corpus, self.ctx, self.runner, on_phase=self.beat)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir,
             cfg.checkpoint,
             states={"model": ModelState(self.modules), "optimizer": OptimizerState(self.modules, self.optimizers)},
             progress=Progress(self.state, self.stability, cfg.checkpoint_dir),
-            write_extras=self.write_checkpoint_extras,
+            write_extras=partial(write_checkpoint_extras, cfg),  # a function of the config, not of the trainer
             meta={
                 "global_batch_size": cfg.training.global_batch_size,
                 "world_size": self.ctx.world_size,
-                "layout": {"dp": p.dp, "cp": p.cp, "ep": p.ep, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
+                "layout": layout_sizes(cfg),
             },
             log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
             device=self.ctx.device,
+            on_phase=self.beat,
         )
 
     # ---- one step -------------------------------------------------------------------------------
@@ -146,70 +153,96 @@ class Trainer:
         """grad_accum_steps microbatches stacked: [grad_accum_steps * micro_batch_size, seq_len + 1]."""
         return torch.cat([next(self.loader_iter) for _ in range(self.cfg.training.grad_accum_steps)])
 
-    def dp_mean(self, value: torch.Tensor | None) -> float | None:
-        """The dp x cp average of a per-rank loss, on the host (a collective and a sync: logging steps only)."""
-        if value is None:
-            return None
-        if self.cfg.parallelism.dp * self.cfg.parallelism.cp > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=loss_mesh(self.ctx.mesh).get_group())
-        return value.item()
-
-    def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
-        """One optimizer step; returns (loss, grad norm) as device tensors and whether a stop was agreed.
+    def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor, bool, str]:
+        """One optimizer step; returns (loss, grad norm) as device tensors, whether a stop was agreed and what
+        became of the update: "apply", "skip" or "rollback".
 
         The step's one host sync: a tiny all-reduce telling every rank whether any rank was asked to stop and
         whether the loss or the gradient norm is non-finite anywhere, and summing the global loss and gradient norm
-        the spike detector scores. A non-finite step is not applied; a spike is handled by `[stability]`.
+        the spike detector scores. A non-finite step is not applied; a finite one is the stability policy's.
         """
         t = self.cfg.training
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
             set_lr(optimizer, lr_at(self.state.step, self.cfg.optimizer, t.steps))
-        self.heartbeat.beat("data", self.state.step + 1)
+        self.beat("data", self.state.step + 1)
         self.batch = self.next_batch()
-        loss, grad_norm = self.forward_backward(injected=True)
+        loss, grad_norm = self.forward_backward()
         bad_loss = False if loss is None else ~torch.isfinite(loss)
         flags, values = self.agree(
-            [self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)], self.shares(loss, grad_norm)
+            [self.stop.requested, bad_loss | ~torch.isfinite(grad_norm)], self.runner.step_shares(loss, grad_norm)
         )
         stop, non_finite = flags
-        self.applied, self.rolled_back = not non_finite, False
         if non_finite:
             self.skip_step(loss, grad_norm)
+            outcome = "skip"
         else:
-            self.applied = self.spikes.check(*values, loss, grad_norm)
-        if self.applied:
+            outcome = self.settle(Observation(self.state.step + 1, *values), loss, grad_norm)
+        if outcome == "apply":
             self.checkpoints.wait_for_staging()  # an async save's copy of the weights is complete
             for optimizer in self.optimizers:
                 optimizer.step()
-        return loss, grad_norm, stop
+        return loss, grad_norm, stop, outcome
 
-    def forward_backward(self, injected: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def forward_backward(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's gradients from `self.batch`, clipped; (this rank's loss, the global gradient norm)."""
-        loss = self.runner.forward_backward(self.batch)
-        fault = self.heartbeat.fault
-        if injected and fault is not None and loss is not None:  # a drill's transient fault on this rank's loss
-            loss = loss * fault.loss_factor(self.ctx.rank, self.state.step + 1)
-        self.heartbeat.beat("optimizer")
-        pp_group = self.ctx.mesh["pp"].get_group() if self.cfg.parallelism.pp > 1 else None
-        return loss, clip_grad_norm(self.params, self.cfg.training.clip_grad, pp_group)
+        loss = self.run_microbatches(self.batch)
+        self.beat("optimizer")
+        return loss, clip_grad_norm(self.params, self.cfg.training.clip_grad, self.runner.pp_group)
 
-    def shares(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> list[torch.Tensor | float]:
-        """This rank's terms of the global loss (the dp x cp mean of the last stage's losses, once per tp group)
-        and of the gradient norm (already global: rank 0's), summed by the step's all-reduce."""
-        p = self.cfg.parallelism
-        loss_share = loss.double() / (p.dp * p.cp) if loss is not None and self.ctx.tp_rank == 0 else 0.0
-        return [loss_share, grad_norm if self.ctx.rank == 0 else 0.0]
+    def settle(self, seen: Observation, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> str:
+        """The stability policy's decision on a finite step (`Stability.decide`), carried out with the trainer's
+        parts: the replay and the checkpoint list it asks for, then a rollback, or the log and a stop. Returns what
+        became of the update."""
+        decision = self.stability.decide(seen)
+        if decision.action == "replay":
+            seen = replace(seen, replay=self.replay(loss, grad_norm))
+            decision = self.stability.decide(seen)
+        if decision.action == "checkpoints":
+            self.checkpoints.wait()  # an async save in flight commits first: it may be the one to go back to
+            decision = self.stability.decide(replace(seen, checkpoints=committed_steps(self.cfg.checkpoint_dir)))
+        if decision.action == "rollback":
+            return self.roll_back(decision)
+        if decision.event is not None:
+            self.metrics.log(decision.event, decision.line)
+        if decision.error is not None:
+            self.halt(decision.error)
+        return decision.action
 
-    def agree(self, flags: list, values: list) -> tuple[list[bool], list[float]]:
-        """The step's collective (`ParallelContext.agree`), timed for the straggler scores; an injected fault
-        may delay it or skip it on its rank."""
-        fault, step = self.heartbeat.fault, self.state.step + 1
-        if fault is not None:
-            fault.at(self.ctx.rank, "step_collective", step)
-            if fault.skips_collective(self.ctx.rank, step):
-                return [False] * len(flags), [0.0] * len(values)
-        return self.stragglers.timed(lambda: self.ctx.agree(flags, values))
+    def replay(self, first_loss: torch.Tensor | None, first_norm: torch.Tensor) -> Replay:
+        """The step recomputed from the same state and batch, and every rank's own values of both passes: a step
+        and an all-gather of 4 numbers per rank, on spiking steps only."""
+        clip = self.cfg.training.clip_grad
+        first = rank_values(first_loss, first_norm, self.params, clip)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.experts.reset()
+        self.activation_stats.restart()
+        self.beat("data", self.state.step + 1)
+        loss, grad_norm = self.forward_backward()
+        _, (global_loss, global_norm) = self.ctx.agree([], self.runner.step_shares(loss, grad_norm))
+        rows = self.ctx.gather(first + rank_values(loss, grad_norm, self.params, clip))
+        return Replay(global_loss, global_norm, rows, self.stragglers.nodes)
+
+    def roll_back(self, decision: Decision) -> str:
+        """Loads the checkpoint the stability policy chose and goes on from there in this process, past the window
+        of samples that led to the spike."""
+        first_sample = self.state.consumed_samples
+        self.beat("checkpoint", self.state.step + 1)
+        self.checkpoints.load(decision.target)
+        event, line = self.stability.rolled_back(decision, first_sample, self.state.step, self.state.consumed_samples)
+        if self.ctx.rank == 0:
+            write_run_skips(self.cfg.run_dir, self.stability.skips)
+        self.metrics.log(event, line)
+        self.experts.reset()
+        self.loader_iter = self.data_iterator()
+        return "rollback"
+
+    def halt(self, error: UserError) -> NoReturn:
+        """Stops the run as a service decided (every rank alike): a node fault names its nodes for the requeue."""
+        if isinstance(error, NodeFaultError) and error.nodes and self.ctx.rank == 0:
+            write_suspects(self.cfg.run_dir, error.nodes)
+        raise error
 
     def skip_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
         """A non-finite loss or gradient: the step is not applied, and after training.max_skipped_steps such
@@ -225,60 +258,7 @@ class Trainer:
             )
         self.metrics.info(f"warning: non-finite loss or gradients at {where}; step skipped")
 
-    def evaluate(self) -> float | None:
-        """The validation loss, averaged over dp (None on ranks without the last pipeline stage)."""
-        t, p = self.cfg.training, self.cfg.parallelism
-        microbatches = list(eval_batches(self.corpus, t, dp=p.dp, dp_rank=self.ctx.dp_rank))
-        steps = range(0, len(microbatches), t.grad_accum_steps)
-        return self.dp_mean(self.runner.evaluate([torch.cat(microbatches[i : i + t.grad_accum_steps]) for i in steps]))
-
     # ---- the loop -------------------------------------------------------------------------------
-
-    def log_eval(self) -> None:
-        self.heartbeat.beat("eval", self.state.step)
-        eval_loss = self.evaluate()
-        if eval_loss is not None:
-            self.metrics.log(
-                {"step": self.state.step, "eval_loss": eval_loss},
-                f"eval step {self.state.step} | eval_loss {eval_loss:.4f} | eval_ppl "
-                f"{math.exp(min(eval_loss, 50)):.1f}",
-            )
-
-    def log_downstream(self) -> None:
-        """The downstream tasks' scores at this step (and each item's, with evaluation.write_items)."""
-        self.heartbeat.beat("eval", self.state.step)
-        started = time.perf_counter()
-        result = self.downstream.run()
-        if result is None or not self.is_logging_rank:
-            return
-        scores, items = result
-        seconds = time.perf_counter() - started
-        self.metrics.log(
-            {"step": self.state.step} | scores | {"eval/seconds": seconds},
-            scores_line(self.state.step, self.downstream.tasks, scores) + f" | {seconds:.1f}s",
-        )
-        if self.cfg.evaluation.write_items:
-            write_items(self.cfg.run_dir / "evaluation" / f"step-{self.state.step}.jsonl", items)
-
-    def evaluating(self, interval: int) -> bool:
-        step = self.state.step
-        return bool(interval) and (step % interval == 0 or step == self.cfg.training.steps)
-
-    def save_checkpoint(self, final: bool = False) -> None:
-        self.heartbeat.beat("checkpoint", self.state.step)
-        self.checkpoints.save(self.state.step, final=final)
-
-    def log_stragglers(self, scores: dict[str, float]) -> None:
-        """The scores to the metrics; a rank late for straggler_patience intervals in a row is named (every rank
-        holds the same scores, so every rank takes the same decision)."""
-        self.metrics.log({"step": self.state.step} | scores)
-        for rank in self.stragglers.persistent():
-            line = self.stragglers.describe(rank, scores)
-            if self.cfg.watch.straggler_action == "exclude":
-                if self.ctx.rank == 0:
-                    write_atomic(self.cfg.run_dir / "suspect_nodes.txt", self.stragglers.nodes[rank] + "\n")
-                raise NodeFaultError(f"{line}; stopped to requeue without its node (watch.straggler_action)")
-            self.metrics.info(f"warning: {line}")
 
     def resume(self) -> None:
         if self.source is None:
@@ -299,7 +279,7 @@ class Trainer:
             self.corpus,
             self.cfg.training,
             seed=self.cfg.job.seed,
-            dp=self.cfg.parallelism.dp,
+            dp=self.ctx.dp,
             dp_rank=self.ctx.dp_rank,
             start_sample=self.state.consumed_samples,
             skips=self.stability.skips,
@@ -314,60 +294,32 @@ class Trainer:
         self.loader_iter = self.data_iterator()
         self.metrics.info(run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step))
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
-            self.save_checkpoint()
-        downstream_interval = cfg.evaluation.interval or t.eval_interval
-        if t.eval_interval and self.state.step == 0:
-            self.log_eval()
-        if self.downstream is not None and downstream_interval and self.state.step == 0:
-            self.log_downstream()
-        tokens_per_step = t.global_batch_size * t.seq_len
-        flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+            self.checkpoints.save(0)
+        self.carry_out(self.evaluator.start(self.state.step))
         peak = cfg.logging.peak_tflops or (
             detect_peak_tflops(self.ctx.device, t.dtype, t.tf32) if self.is_logging_rank else 0.0
         )
-        timer, stop = StepTimer(self.state.step, t.steps), False
+        self.timer, stop = StepTimer(self.state.step, t.steps), False
         profiler = Profiler.start(
             cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
         )
         while self.state.step < t.steps and not stop:
             with self.activation_stats.step(self.state.step + 1):
-                loss, grad_norm, stop = self.train_step()
+                loss, grad_norm, stop, outcome = self.train_step()
             self.ctx.end_startup()  # the first step is done: collectives get distributed.timeout_minutes
             profiler.step()
-            if self.rolled_back:  # the state is the older checkpoint's: the loop goes on from there
+            if outcome == "rollback":  # the state is the older checkpoint's: the loop goes on from there
                 self.activation_stats.discard()
-                timer = StepTimer(self.state.step, t.steps)
+                self.timer = StepTimer(self.state.step, t.steps)
                 continue
-            self.state.step += 1
-            if (activations := self.activation_stats.result()) is not None:  # a collective on stats steps
-                self.metrics.log({"step": self.state.step} | activations)
-            logging_step = self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps
-            if (moe := self.experts.step_end(self.applied, logging_step)) is not None and logging_step:
-                self.metrics.log({"step": self.state.step} | moe)
-            if (scores := self.stragglers.step_end()) is not None:  # a collective every straggler_interval steps
-                self.log_stragglers(scores)
-            self.state.consumed_samples += t.global_batch_size
-            self.state.consumed_tokens += tokens_per_step
-            if self.state.step % cfg.logging.log_interval == 0 or self.state.step == t.steps:
-                step_time, eta = timer.lap(self.state.step)
-                loss_value = self.dp_mean(loss)
-                memory = memory_record(self.ctx.device)  # a collective: every rank
-                if self.is_logging_rank:
-                    group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
-                    lr = group["lr"] / group.get("lr_scale", 1.0)
-                    record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
-                    record |= {f"stability/{name}_z": z for name, z in self.stability.last_z.items()}
-                    record |= throughput(tokens_per_step, flops_per_step, step_time, self.ctx.world_size, peak)
-                    self.metrics.log_step(record | memory, t.steps)
-            if self.evaluating(t.eval_interval):
-                self.log_eval()
-            if self.downstream is not None and self.evaluating(downstream_interval):
-                self.log_downstream()
-            if not stop and cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
-                self.save_checkpoint()
+            info = self.keep(applied=outcome == "apply", stopping=stop)
+            self.end_step(info, self.activation_stats, self.experts, self.stragglers)
+            if info.logging:
+                self.log_step(loss, grad_norm, peak)
+            self.end_step(info, self.evaluator, self.checkpoints)
         profiler.stop()
         if stop or cfg.checkpoint.save_final:
-            self.save_checkpoint(final=True)
+            self.checkpoints.save(self.state.step, final=True)
         self.checkpoints.wait()
         if stop:
             self.metrics.info(
@@ -375,16 +327,60 @@ class Trainer:
                 f"in {cfg.checkpoint_dir}; rerun the same command to resume"
             )
 
-    def write_checkpoint_extras(self, step_dir: Path) -> None:
-        """What makes a step dir usable on its own: the resolved config and the tokenizer."""
-        (step_dir / "config.toml").write_text(to_toml(self.cfg))
-        copy_tokenizer(Path(self.cfg.data.tokenizer), step_dir / "tokenizer")
+    def keep(self, applied: bool, stopping: bool) -> StepInfo:
+        """The step counts: the progress that checkpoints carry moves on."""
+        t = self.cfg.training
+        self.state.step += 1
+        self.state.consumed_samples += t.global_batch_size
+        self.state.consumed_tokens += t.global_batch_size * t.seq_len
+        last = self.state.step == t.steps
+        logging = self.state.step % self.cfg.logging.log_interval == 0 or last
+        return StepInfo(self.state.step, applied, logging, last, stopping)
+
+    def end_step(self, info: StepInfo, *services: StepEnd) -> None:
+        """The services' ends of a kept step, in the order given: the same on every rank, so collectives line up."""
+        for service in services:
+            self.carry_out(service.step_end(info))
+
+    def carry_out(self, report: StepReport | None) -> None:
+        """A service's report: its records and lines logged, then its stop."""
+        if report is None:
+            return
+        for record, line in report.entries:
+            if record is None:
+                self.metrics.info(line)
+            else:
+                self.metrics.log(record, line)
+        if report.stop is not None:
+            self.halt(report.stop)
+
+    def log_step(self, loss: torch.Tensor | None, grad_norm: torch.Tensor, peak: float) -> None:
+        """The step's record and line: loss (dp x cp mean), rate, gradient norm, spike scores, throughput, memory."""
+        t = self.cfg.training
+        step_time, eta = self.timer.lap(self.state.step)
+        loss_value = self.runner.mean_loss(loss)
+        memory = memory_record(self.ctx.device)  # a collective: every rank
+        if self.is_logging_rank:
+            group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
+            lr = group["lr"] / group.get("lr_scale", 1.0)
+            record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
+            record |= {f"stability/{name}_z": z for name, z in self.stability.last_z.items()}
+            tokens = t.global_batch_size * t.seq_len
+            flops = flops_per_token(self.cfg.model, t.seq_len) * tokens
+            record |= throughput(tokens, flops, step_time, self.ctx.world_size, peak)
+            self.metrics.log_step(record | memory, t.steps)
 
     def close(self) -> None:
         self.heartbeat.close()
         self.checkpoints.close()
         self.metrics.close()
         self.stop.close()
+
+
+def write_checkpoint_extras(cfg: Config, step_dir: Path) -> None:
+    """What makes a step dir usable on its own: the resolved config and the tokenizer."""
+    (step_dir / "config.toml").write_text(to_toml(cfg))
+    copy_tokenizer(Path(cfg.data.tokenizer), step_dir / "tokenizer")
 
 
 def _host(value: torch.Tensor | None) -> float | None:

@@ -64,7 +64,7 @@ def hook_count(model: torch.nn.Module) -> int:
 def test_stats_step_logs_mean_abs_of_every_tracked_output_and_leaves_no_hook():
     cfg, model, microbatches = tiny()
     assert model.logit_multiplier == 0.5 and model.model.layers["0"].residual_multiplier == 0.5
-    stats = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"))
+    stats = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"), sequence_sharded=False)
     before = hook_count(model)
     with stats.step(1):  # not a stats step: nothing registered, nothing to report
         assert hook_count(model) == before
@@ -86,11 +86,11 @@ def test_a_recomputed_layer_is_counted_once():
     """Recompute runs each layer's forward again in backward; the step's element counts (checked against the
     global batch inside `result`) and values are those of the run without recompute."""
     cfg, model, microbatches = tiny()
-    plain = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"))
+    plain = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"), sequence_sharded=False)
     with plain.step(2):
         train_microbatches(model, microbatches)
     apply_recompute(model)
-    recomputed = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"))
+    recomputed = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"), sequence_sharded=False)
     with recomputed.step(2):
         train_microbatches(model, microbatches)
     assert recomputed.result() == pytest.approx(plain.result(), rel=1e-6, abs=0)
@@ -98,7 +98,7 @@ def test_a_recomputed_layer_is_counted_once():
 
 def test_a_step_that_missed_a_microbatch_is_an_error_not_a_biased_mean():
     cfg, model, microbatches = tiny()
-    stats = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"))
+    stats = ActivationStats(cfg, [model], tp_rank=0, device=torch.device("cpu"), sequence_sharded=False)
     with stats.step(4):
         train_microbatches(model, microbatches[:-1])
     with pytest.raises(RuntimeError, match=r"act/embed: counted 3072 elements, the step has 4096"):

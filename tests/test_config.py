@@ -245,7 +245,7 @@ def _timeouts_of_every_group(rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from nanotron.distributed import init_distributed
+    from nanotron.parallel.mesh import init_distributed
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     seen = {}

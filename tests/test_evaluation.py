@@ -173,12 +173,12 @@ def test_batches_score_like_length_rows_with_the_head_on_their_continuations_onl
 
     from nanotron.config import load_config, parse_overrides
     from nanotron.evaluation.scoring import DownstreamEval, load_tasks
-    from nanotron.parallel.context import IGNORE_INDEX
+    from nanotron.parallel.runner import IGNORE_INDEX
 
     args = [*tiny_data.overrides(), *TINY_MODEL, f"--evaluation.tasks={tiny_data.task}", "--training.seq_len=16"]
     cfg = load_config(None, parse_overrides(args)[1], world_size=1)
-    ctx = SimpleNamespace(dp_rank=0)
-    scoring = DownstreamEval(load_tasks(cfg), cfg, ctx, runner=None, tokenizer=load_tokenizer(tiny_data.tokenizer))
+    runner = SimpleNamespace(row_share=lambda total: (0, total), width_multiple=1, windowed=True)  # one process's
+    scoring = DownstreamEval(load_tasks(cfg), cfg, runner, tokenizer=load_tokenizer(tiny_data.tokenizer))
     batches = list(scoring.batches())
     assert sum(int((targets != IGNORE_INDEX).sum()) for _, targets, _ in batches) == sum(
         row.scored for row in scoring.rows

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from conftest import REPO, TINY_MODEL, train_env, train_losses
 
 from nanotron.config import load_config, parse_overrides
-from nanotron.distributed import ParallelContext, build_mesh
+from nanotron.parallel.mesh import ParallelContext, build_mesh
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.parallel.torch_private import fake_process_group

@@ -12,11 +12,11 @@ from conftest import TINY_MODEL, activation_stats, item_log_likelihoods, read_me
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nanotron.config import load_config, parse_overrides
-from nanotron.distributed import destroy_distributed, init_distributed
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.parametrization import param_init_std
 from nanotron.parallel.fsdp import GradientSync
 from nanotron.parallel.init import init_weights
+from nanotron.parallel.mesh import destroy_distributed, init_distributed
 from nanotron.parallel.pipeline import build_schedule, split_layers, split_model
 from nanotron.parallel.runner import microbatch_loss
 

@@ -8,7 +8,7 @@ from conftest import TINY_MODEL, run_train, synthetic_documents
 
 import nanotron.train
 from nanotron.config import load_config, parse_overrides
-from nanotron.distributed import destroy_distributed
+from nanotron.parallel.mesh import destroy_distributed
 from nanotron.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # every test resumes a real training run

@@ -7,8 +7,8 @@ import json
 import random
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from conftest import TINY_MODEL, read_metrics, run_train, synthetic_documents, train_losses
@@ -16,8 +16,8 @@ from conftest import TINY_MODEL, read_metrics, run_train, synthetic_documents, t
 from nanotron.config import StabilityConfig, TrainingConfig, load_config
 from nanotron.data import StepSampler
 from nanotron.data.skips import SKIPPED_SAMPLES, SampleSkips
-from nanotron.errors import ConfigError, SpikeError
-from nanotron.stability import SpikeDetector, SpikeGuard, Stability, differing_ranks
+from nanotron.errors import ConfigError, NodeFaultError, SpikeError
+from nanotron.stability import Observation, Replay, SpikeDetector, Stability, differing_ranks
 
 # ---- the detector and the skip windows ------------------------------------------------------------
 
@@ -84,21 +84,57 @@ def test_a_rollback_window_ends_with_the_spiking_step_and_never_reaches_before_t
     assert stability.window(40, 8, floor_sample=32) == (34, 50)  # the checkpoint rolled back to is at sample 32
 
 
+def warm_stability(overrides: list[tuple[str, str]], steps: int = 8) -> Stability:
+    """A policy that has seen `steps` steps of a flat loss 4.0 and gradient norm 1.0 (warm-up 3): 40.0 is a spike."""
+    stability = Stability(load_config(None, [("stability.warmup_steps", "3"), *overrides]))
+    for step in range(1, steps + 1):
+        assert stability.decide(Observation(step, 4.0, 1.0)).action == "apply"
+    return stability
+
+
+def test_a_spike_is_replayed_and_a_reproduced_one_rolled_back_to_the_newest_checkpoint_before_it(tmp_path):
+    """The policy asks the trainer questions (a replay, the committed checkpoints) and decides from the answers;
+    its statistics move only with a final decision."""
+    stability = warm_stability([])
+    spike = Observation(12, 40.0, 1.0)
+    assert stability.decide(spike).action == "replay"
+    same = Replay(40.0, 1.0, [[40.0, 1.0, 40.0, 1.0]], ["node0"])
+    assert stability.decide(replace(spike, replay=same)).action == "checkpoints"
+    checkpoints = [tmp_path / f"step-{step}" for step in (4, 8, 12, 16)]
+    decision = stability.decide(replace(spike, replay=same, checkpoints=checkpoints))
+    assert decision.action == "rollback" and decision.target == tmp_path / "step-8"
+    assert "the replay reproduced it" in decision.line and "stability/action" not in decision.event
+    assert stability.detector.observed == 8  # a spike never joins the statistics
+    event, line = stability.rolled_back(decision, first_sample=88, step=8, floor_sample=64)
+    assert stability.rollbacks == 1 and stability.skips.windows == [(88, 96)]
+    assert event["stability/action"] == "rollback" and event["stability/window"] == [88, 96]
+    rolled = f"rolled back to step 8 ({tmp_path / 'step-8'}) and skipping samples [88, 96) (rollback 1 of 3)"
+    assert line.endswith(rolled)
+    decision = stability.decide(replace(spike, replay=same, checkpoints=checkpoints[-1:]))
+    assert decision.action == "skip" and "no committed checkpoint before step 12" in decision.line
+
+
+@pytest.mark.parametrize("on_transient", ["continue", "stop"])
+def test_a_replay_that_differs_on_a_rank_is_a_transient_fault_of_its_node(on_transient):
+    stability = warm_stability([("stability.on_transient", on_transient)])
+    rows = [[4.0, 1.0, 4.0, 1.0], [76.0, 1.0, 4.0, 1.0]]  # rank 1's loss was 19x in the first pass only
+    decision = stability.decide(Observation(9, 40.0, 1.0, replay=Replay(4.0, 1.0, rows, ["node0", "node1"])))
+    assert decision.event["stability/ranks"] == [1] and "loss differed on rank 1 (node node1)" in decision.line
+    if on_transient == "stop":
+        assert decision.action == "stop" and decision.event["stability/action"] == "exclude"
+        assert isinstance(decision.error, NodeFaultError) and decision.error.nodes == ["node1"]
+    else:
+        assert decision.action == "apply" and decision.event["stability/action"] == "transient"
+        assert stability.detector.observed == 9  # the replayed step's values joined the statistics
+
+
 def test_a_rollback_past_stability_max_rollbacks_stops_the_run(tmp_path):
-    cfg = load_config(None, [("stability.max_rollbacks", "2"), ("job.out_dir", str(tmp_path))])
-    (cfg.checkpoint_dir / "step-8").mkdir(parents=True)
-    (cfg.checkpoint_dir / "step-8" / "trainer_state.json").write_text("{}")
-    logged = []
-    trainer = SimpleNamespace(
-        cfg=cfg,
-        stability=Stability(cfg),
-        checkpoints=SimpleNamespace(wait=lambda: None),
-        metrics=SimpleNamespace(log=lambda record, line=None: logged.append(record)),
-    )
-    trainer.stability.rollbacks = 2
-    with pytest.raises(SpikeError, match=r"stopped: stability.max_rollbacks=2 rollbacks already"):
-        SpikeGuard(trainer).rollback({"step": 12}, "stability: step 12 spiked")
-    assert logged == [{"step": 12, "stability/action": "stop"}]
+    stability = warm_stability([("stability.max_rollbacks", "2"), ("stability.replay", "false")])
+    stability.rollbacks = 2
+    decision = stability.decide(Observation(12, 40.0, 1.0, checkpoints=[tmp_path / "step-8"]))
+    assert decision.action == "stop" and decision.event["stability/action"] == "stop"
+    assert isinstance(decision.error, SpikeError)
+    assert "stopped: stability.max_rollbacks=2 rollbacks already" in str(decision.error)
 
 
 def test_differing_ranks_are_named_by_the_earliest_value_that_changed():

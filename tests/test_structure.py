@@ -99,6 +99,74 @@ def test_checkpointing_knows_nothing_of_the_trainer():
         assert not [n for n in imported_names(path) if n.startswith("nanotron.train")], path
 
 
+# trainer.py is the one module that holds the trainer; the command that builds and runs it may import it.
+TRAINER = PACKAGE / "trainer.py"
+TRAINER_COMMAND = PACKAGE / "commands" / "train.py"
+
+
+def _names_the_trainer(annotation: ast.AST | None) -> bool:
+    """An annotation that mentions `Trainer` (as a name, an attribute or inside a string)."""
+    return annotation is not None and any(
+        (isinstance(n, ast.Name) and n.id == "Trainer")
+        or (isinstance(n, ast.Attribute) and n.attr == "Trainer")
+        or (isinstance(n, ast.Constant) and isinstance(n.value, str) and re.search(r"\bTrainer\b", n.value))
+        for n in ast.walk(annotation)
+    )
+
+
+def trainer_references(path: Path) -> list[str]:
+    """Where `path` holds or receives the trainer: a parameter named `trainer` (whatever its type), an attribute
+    `.trainer`, an annotation naming `Trainer`, an import of nanotron.trainer (the training command's aside)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        where = f"{path.parent.name}/{path.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.arg) and (node.arg == "trainer" or _names_the_trainer(node.annotation)):
+            found.append(f"{where}: parameter {node.arg}")
+        elif isinstance(node, ast.Attribute) and node.attr == "trainer":
+            found.append(f"{where}: attribute .trainer")
+        elif isinstance(node, ast.AnnAssign) and _names_the_trainer(node.annotation):
+            found.append(f"{where}: annotation {ast.unparse(node.annotation)}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _names_the_trainer(node.returns):
+            found.append(f"{where}: {node.name} returns {ast.unparse(node.returns)}")
+        elif path != TRAINER_COMMAND and isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [f"{module}.{a.name}" if module else a.name for a in node.names] + [module or ""]
+            if any(name == "nanotron.trainer" or name.startswith("nanotron.trainer.") for name in names):
+                found.append(f"{where}: imports nanotron.trainer")
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "class Guard:\n    def __init__(self, trainer):\n        self.trainer = trainer\n",
+        "from typing import Any\ndef check(trainer: Any) -> None: ...\n",
+        "def check(owner: Trainer) -> None: ...\n",
+        "def check(owner: 'nanotron.trainer.Trainer') -> None: ...\n",
+        "def check(state) -> int:\n    return state.trainer.step\n",
+        "owner: Trainer | None = None\n",
+        "from nanotron.trainer import Trainer\n",
+        "import nanotron.trainer\n",
+        "from nanotron import trainer\n",
+    ],
+)
+def test_trainer_reference_check_finds_each_spelling(tmp_path, source):
+    (tmp_path / "m.py").write_text(source)
+    assert trainer_references(tmp_path / "m.py")
+
+
+def test_trainer_reference_check_leaves_other_names_alone(tmp_path):
+    (tmp_path / "m.py").write_text("def train_tokenizer(texts):\n    trainer = BpeTrainer()\n    return trainer\n")
+    assert not trainer_references(tmp_path / "m.py")
+
+
+def test_no_module_holds_or_receives_the_trainer():
+    """Services get what they need passed in and hand back decisions the trainer carries out (a class that takes
+    the trainer and reaches into its attributes hides an import cycle from the layer check)."""
+    found = [ref for path in PACKAGE.rglob("*.py") if path != TRAINER for ref in trainer_references(path)]
+    assert not found, "\n".join(found)
+
+
 def test_no_file_over_400_lines():
     long = {
         str(p.relative_to(PACKAGE.parent)): n
@@ -111,9 +179,17 @@ def test_no_file_over_400_lines():
 # Lowest first; a module may import from its own layer and the layers below, never from a layer above. A module
 # belongs to the layer of the longest prefix that names it.
 LAYERS = [
-    ["nanotron", "nanotron.io", "nanotron.errors", "nanotron.signals", "nanotron.hashing", "nanotron.config"],
+    [
+        "nanotron",
+        "nanotron.io",
+        "nanotron.errors",
+        "nanotron.signals",
+        "nanotron.hashing",
+        "nanotron.config",
+        "nanotron.step_end",  # what a step's end looks like to the services, whatever their layer
+    ],
     ["nanotron.gpu", "nanotron.tokenize", "nanotron.models"],
-    ["nanotron.parallel", "nanotron.distributed", "nanotron.optim"],
+    ["nanotron.parallel", "nanotron.optim"],
     ["nanotron.data"],
     [  # services, and the libraries that read what training wrote
         "nanotron.checkpoint",

@@ -15,13 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, TINY_MODEL, read_metrics, train_env, train_losses
 
+from nanotron.config import WatchConfig
 from nanotron.errors import ConfigError, NodeFaultError
+from nanotron.step_end import StepInfo
 from nanotron.watch.attribution import RankEvidence, attribute
 from nanotron.watch.faults import Fault
 from nanotron.watch.heartbeat import Heartbeat, flight_path, read_slot, request_dump
-from nanotron.watch.straggler import lateness
+from nanotron.watch.straggler import StragglerScores, lateness
 from nanotron.watch.watcher import Limits
 
 SETTINGS = {"factor": 4.0, "floor_seconds": 8.0, "unseen_phase_seconds": 600.0, "startup_seconds": 1800.0}
@@ -135,6 +138,25 @@ def test_lateness_is_how_much_later_than_the_first_a_rank_arrives_per_step():
     # 10 steps of 1 s; ranks 0, 1, 3 waited 0.6 s a step for rank 2, which waited nothing
     scores, step_time = lateness([6.0, 6.0, 0.0, 6.0], [10.0, 10.0, 10.0, 10.0], steps=10)
     assert step_time == 1.0 and scores == pytest.approx([0.0, 0.0, 0.6, 0.0])
+
+
+@pytest.mark.parametrize("action", ["warn", "exclude"])
+def test_a_persistent_straggler_is_warned_of_or_its_node_handed_back_for_exclusion(monkeypatch, action):
+    """The scores' report: logged as metrics; a rank late for straggler_patience intervals is named in a warning, or
+    the report stops the run naming its node (the trainer writes suspect_nodes.txt and exits 75)."""
+    cfg = WatchConfig(straggler_interval=5, straggler_patience=2, straggler_action=action)
+    stragglers = StragglerScores(cfg, rank=0, world_size=1, device=torch.device("cpu"))
+    stragglers.nodes, stragglers.late_intervals = ["node0", "node1"], [0, 2]
+    scores = {"straggler/rank_0": 0.0, "straggler/rank_1": 0.7, "straggler/max": 0.7, "straggler/step_time": 1.0}
+    monkeypatch.setattr(stragglers, "count_step", lambda: scores)
+    report = stragglers.step_end(StepInfo(step=40, applied=True, logging=True, last=False, stopping=False))
+    named = "straggler: rank 1 (node node1) arrives 0.70 of a step (0.700s) after the first rank"
+    assert report.entries[0] == ({"step": 40} | scores, None)
+    if action == "warn":
+        assert report.stop is None and report.entries[1][1].startswith(f"warning: {named}")
+    else:
+        assert isinstance(report.stop, NodeFaultError) and report.stop.nodes == ["node1"]
+        assert str(report.stop).startswith(named) and "watch.straggler_action" in str(report.stop)
 
 
 # ---- 4-rank runs with an injected fault ------------------------------------------------------------------

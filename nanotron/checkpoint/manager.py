@@ -28,6 +28,7 @@ import nanotron.checkpoint.layout as layout
 from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, short
 from nanotron.config import CheckpointConfig
 from nanotron.errors import CheckpointError, storage_errors
+from nanotron.step_end import StepInfo
 
 
 class Stateful(Protocol):
@@ -84,9 +85,11 @@ class CheckpointManager:
         meta: dict[str, Any] | None = None,
         log: Callable[[str], None] = print,
         device: torch.device | str = "cpu",
+        on_phase: Callable[[str, int], None] = lambda phase, step: None,
     ):
         self.folder, self.options, self.states, self.progress = folder, options, states, progress
         self.write_extras, self.meta, self.log = write_extras, meta or {}, log
+        self.on_phase = on_phase  # told ("checkpoint", step) as a save starts
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: tuple[Future, Path, Path, dict] | None = None
         self.staging: Future | None = None
@@ -100,8 +103,14 @@ class CheckpointManager:
 
     # ---- save ---------------------------------------------------------------------------------------
 
+    def step_end(self, info: StepInfo) -> None:
+        """Saves every checkpoint.interval steps, unless the run is stopping (its final save follows)."""
+        if not info.stopping and self.options.interval and info.step % self.options.interval == 0:
+            self.save(info.step)
+
     def save(self, step: int, final: bool = False) -> None:
         """Writes step-N.tmp on every rank; the commit follows at once, or when an async save has finished."""
+        self.on_phase("checkpoint", step)
         self.wait()
         if step == self.last_saved_step:  # e.g. the final save right after an interval save of the same step
             return

@@ -41,6 +41,7 @@ from nanotron.config import load_config, parse_overrides
 from nanotron.coord_check.report import LABEL, PARAMETRIZATIONS, markdown, plot, read_rows, verdicts, write_csv
 from nanotron.coord_check.runs import family, measure, parametrization_overrides, probe_batch, run_overrides, train
 from nanotron.errors import ConfigError, UserError
+from nanotron.parallel.layout import layout_line
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -159,10 +160,9 @@ def check(args: argparse.Namespace, overrides: list[str]) -> int:
     write_csv(rows, args.out / "coord_check.csv")
     results = {p: all(r[f"{LABEL[p]} flat"] for r in table if f"{LABEL[p]} flat" in r) for p in chosen}
     summary = ", ".join(f"{LABEL[p]} {'passes' if ok else 'fails'}" for p, ok in results.items())
-    layout = f"dp{cfg.parallelism.dp} tp{cfg.parallelism.tp} pp{cfg.parallelism.pp} cp{cfg.parallelism.cp}"
     caption = (
         f"widths {widths} (depth {depths[0]}), depths {depths} (width {widths[0]}); base {widths[0]}x{depths[0]}; "
-        f"lr {cfg.optimizer.lr:g} constant, {args.steps} steps, {args.seeds} seed(s), {layout}"
+        f"lr {cfg.optimizer.lr:g} constant, {args.steps} steps, {args.seeds} seed(s), {layout_line(cfg)}"
     )
     (args.out / "coord_check.md").write_text(
         f"Coordinate check of {args.config or 'the defaults'}: {caption}. Slope of log(mean |x|) against "

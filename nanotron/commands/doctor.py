@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 
 from nanotron.config import load_config, parse_overrides
-from nanotron.distributed import destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import run_as_main, run_command
 from nanotron.launch.torchrun import pop_nproc, spawn_local
+from nanotron.parallel.mesh import destroy_distributed, init_distributed, launched_world_size
 from nanotron.watch.doctor import preflight
 
 

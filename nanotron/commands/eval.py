@@ -21,12 +21,13 @@ from pathlib import Path
 from nanotron.checkpoint import ModelState, find_checkpoint, load_states
 from nanotron.commands.args import Parser
 from nanotron.config import load_config, parse_overrides
-from nanotron.distributed import destroy_distributed, init_distributed, launched_world_size
 from nanotron.errors import ConfigError, run_as_main, run_command
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.gpu import set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.launch.torchrun import pop_nproc, spawn_local
+from nanotron.parallel.layout import layout_sizes
+from nanotron.parallel.mesh import destroy_distributed, init_distributed, launched_world_size
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.tokenize.tokenizer import load_tokenizer
@@ -79,15 +80,14 @@ def _main(argv: list[str]) -> int:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     runner = MicrobatchRunner(stages, cfg, ctx, eos_id=tokenizer.eos_id)
     load_states(step_dir, {"model": ModelState([module for _, module in stages])}, args.allow_unverified)
-    result = DownstreamEval(tasks, cfg, ctx, runner, tokenizer).run()
-    if result is not None and ctx.dp_rank == ctx.cp_rank == ctx.tp_rank == 0:
+    result = DownstreamEval(tasks, cfg, runner, tokenizer).run()
+    if result is not None and runner.is_logging_rank:
         scores, items = result
         print(scores_line(None, tasks, scores), flush=True)
         out = args.out or Path(f"eval-{step_dir.name}.json")
-        p = cfg.parallelism
         report = {
             "checkpoint": str(step_dir.absolute()),
-            "layout": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage},
+            "layout": layout_sizes(cfg),
             "tasks": {
                 t.name: {"acc": scores[f"eval/{t.name}/acc"], "acc_norm": scores[f"eval/{t.name}/acc_norm"]}
                 | {"items": len(t.items), "path": str(t.path)}

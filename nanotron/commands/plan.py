@@ -17,6 +17,7 @@ import sys
 from nanotron.commands.args import Parser
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
+from nanotron.parallel.layout import layout_product
 from nanotron.plan.report import check_table, describe, search_table
 from nanotron.plan.timing import GPUS, UNCALIBRATED_EFFICIENCY, Efficiency, parse_gpu
 
@@ -60,8 +61,7 @@ def _plan(argv: list[str]) -> int:
     args.efficiency = gpu.efficiency.default
     cfg = load_config(args.config, overrides)
     capacity = args.nodes * args.gpus_per_node
-    p = cfg.parallelism
-    layout = f"dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} GPUs"
+    layout = f"{layout_product(cfg)} GPUs"
     if cfg.world_size <= capacity:
         out = describe(cfg, gpu, args.nodes, args.gpus_per_node, args.efficiency)
     elif args.search and not args.check:  # the search only needs the model, batch and options from the config

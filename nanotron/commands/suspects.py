@@ -15,7 +15,7 @@ import argparse
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import run_command
-from nanotron.watch.suspects import record_fault
+from nanotron.watch.suspects import read_suspects, record_fault
 
 
 def _main(argv: list[str]) -> int:
@@ -23,8 +23,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--job", default="", help="the scheduler's job id, for the record")
     args, rest = parser.parse_known_args(argv)
     cfg = load_config(*parse_overrides(rest))
-    suspects_file = cfg.run_dir / "suspect_nodes.txt"
-    nodes = suspects_file.read_text().split() if suspects_file.is_file() else []
+    nodes = read_suspects(cfg.run_dir)
     limit = cfg.watch.max_restarts_without_progress
     record_fault(cfg.run_dir, cfg.checkpoint_dir, limit, job=args.job, nodes=nodes, action="requeue")
     print(",".join(nodes))

@@ -12,11 +12,11 @@ import os
 from nanotron.checkpoint import check_writable
 from nanotron.config import help_text, load_config, parse_overrides
 from nanotron.data import prepare_data
-from nanotron.distributed import destroy_distributed, launched_world_size
 from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
 from nanotron.gpu import apply_env_defaults
 from nanotron.launch.torchrun import pop_nproc, spawn_local
 from nanotron.lock import lock_run
+from nanotron.parallel.mesh import destroy_distributed, launched_world_size
 from nanotron.signals import stop_with_launcher
 from nanotron.trainer import Trainer
 

@@ -1,13 +1,13 @@
-"""Downstream tasks scored on the training layout: `Trainer.log_downstream` and `nanotron eval` call this.
+"""Downstream tasks scored on the training layout: the `Evaluator` (in training) and `nanotron eval` call this.
 
 Every (item, choice) becomes one token row of seq_len + 1 tokens (see `tasks`), right-padded with EOS and
 with targets only on the continuation's tokens. The rows of all tasks are dealt out to the dp ranks in equal
-contiguous shares (the last share padded with rows that score nothing), each share run in batches of the
-training step's shape (grad_accum_steps x micro_batch_size rows) through `MicrobatchRunner.score`, so the
-model is used as it is sharded: FSDP/ZeRO gathers, TP, every pipeline engine and cp work as in training, and
-nothing is gathered or converted. The per-row log-likelihoods of a share come back on each last-stage rank
-(summed over cp there); one all-gather over dp (R float64, R = rows of all tasks: 320 KB for HellaSwag's
-40k rows, per evaluation) gives them to the logging rank, which computes the scores.
+contiguous shares (the last share padded with rows that score nothing: `MicrobatchRunner.row_share`), each
+share run in batches of the training step's shape (grad_accum_steps x micro_batch_size rows) through
+`MicrobatchRunner.score`, so the model is used as it is sharded: FSDP/ZeRO gathers, TP, every pipeline engine
+and cp work as in training, and nothing is gathered or converted. The per-row log-likelihoods of a share come
+back on each last-stage rank (summed over cp there); one all-gather over dp (R float64, R = rows of all tasks:
+320 KB for HellaSwag's 40k rows, per evaluation) gives them to the logging rank, which computes the scores.
 
 Cost per evaluation: R / dp rows forward on each dp rank (padding to whole batches wastes at most one batch
 per rank), rows sorted by length so that a batch's continuations share a narrow window of positions, the only
@@ -22,14 +22,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from nanotron.config import Config
-from nanotron.distributed import ParallelContext
 from nanotron.evaluation.tasks import Task, encode_item, load_task, predictions, rates
 from nanotron.io import write_atomic
-from nanotron.parallel.context import IGNORE_INDEX
-from nanotron.parallel.runner import MicrobatchRunner
+from nanotron.parallel.runner import IGNORE_INDEX, MicrobatchRunner
 from nanotron.tokenize.tokenizer import Tokenizer
 
 
@@ -47,28 +44,16 @@ def load_tasks(cfg: Config) -> list[Task]:
 class DownstreamEval:
     """The configured tasks, encoded once; `run()` scores them at this rank's place in the layout."""
 
-    def __init__(
-        self, tasks: list[Task], cfg: Config, ctx: ParallelContext, runner: MicrobatchRunner, tokenizer: Tokenizer
-    ):
-        self.tasks, self.runner, self.ctx = tasks, runner, ctx
-        t, p = cfg.training, cfg.parallelism
+    def __init__(self, tasks: list[Task], cfg: Config, runner: MicrobatchRunner, tokenizer: Tokenizer):
+        self.tasks, self.runner = tasks, runner
+        t = cfg.training
         self.seq_len, self.eos_id = t.seq_len, tokenizer.eos_id
         self.batch_rows = t.grad_accum_steps * t.micro_batch_size
         self.total = sum(task.rows for task in tasks)
-        self.dp = p.dp
-        # Without a pipeline (whose stages are built for seq_len) or cp (whose RoPE positions are set once, for
-        # seq_len's zigzag chunks: cut rows got wrong positions, 6e-5 off one process in the layout matrix) a batch
-        # is cut to its longest row, rounded up to what tp's sequence sharding divides: short items cost less.
-        self.multiple = None if p.pp > 1 or p.cp > 1 else p.tp
-        # The head runs on the positions that hold the batch's continuations only, except under cp (where a
-        # rank holds chunks of the sequence).
-        self.windowed = p.cp == 1
-        self.share = math.ceil(self.total / p.dp)
-        first, end = ctx.dp_rank * self.share, min((ctx.dp_rank + 1) * self.share, self.total)
-        self.rows = self._encode(tokenizer, cfg.evaluation.delimiter, first, end)
+        first, self.share = runner.row_share(self.total)
+        self.rows = self._encode(tokenizer, cfg.evaluation.delimiter, first, min(first + self.share, self.total))
         # Batches hold rows of like length (less padding, narrower windows); the scores go back to row order.
         self.order = sorted(range(len(self.rows)), key=lambda i: len(self.rows[i].tokens))
-        self.dp_group = ctx.mesh["dp"].get_group() if p.dp > 1 else None
 
     def _encode(self, tokenizer: Tokenizer, delimiter: str, first: int, end: int) -> list[Row]:
         """This rank's rows [first, end) of all tasks' rows (items whose rows all fall outside are not encoded)."""
@@ -92,9 +77,9 @@ class DownstreamEval:
         for b in range(count):
             rows = [self.rows[i] for i in self.order[b * self.batch_rows : (b + 1) * self.batch_rows]]
             width = self.seq_len
-            if self.multiple is not None:
+            if (multiple := self.runner.width_multiple) is not None:
                 longest = max((len(row.tokens) - 1 for row in rows), default=1)
-                width = min(self.seq_len, math.ceil(longest / self.multiple) * self.multiple)
+                width = min(self.seq_len, math.ceil(longest / multiple) * multiple)
             tokens = torch.full((self.batch_rows, width + 1), self.eos_id, dtype=torch.long)
             targets = torch.full((self.batch_rows, width), IGNORE_INDEX, dtype=torch.long)
             lo, hi = width, 0
@@ -104,7 +89,7 @@ class DownstreamEval:
                 targets[r, n - 1 - row.scored : n - 1] = tokens[r, n - row.scored : n]
                 lo, hi = min(lo, n - 1 - row.scored), max(hi, n - 1)
             window = (lo, hi) if hi > lo else (0, 1)  # (0, 1): a batch of padding rows only
-            yield tokens, targets, window if self.windowed else None
+            yield tokens, targets, window if self.runner.windowed else None
 
     def log_likelihoods(self) -> list[float] | None:
         """Every row's log-likelihood, in task order, on the last-stage ranks (None elsewhere)."""
@@ -113,12 +98,7 @@ class DownstreamEval:
             return None
         mine = torch.zeros(self.share, dtype=scores.dtype, device=scores.device)  # padding rows score 0
         mine[torch.tensor(self.order, dtype=torch.long, device=scores.device)] = scores[: len(self.order)]
-        scores = mine
-        if self.dp_group is not None:
-            gathered = scores.new_empty(self.dp * self.share)
-            dist.all_gather(list(gathered.chunk(self.dp)), scores.contiguous(), group=self.dp_group)
-            scores = gathered
-        return scores[: self.total].tolist()
+        return self.runner.gather_rows(mine)[: self.total].tolist()
 
     def run(self) -> tuple[dict[str, float], dict[str, list[dict]]] | None:
         """Scores ({"eval/<task>/acc": ..., "eval/<task>/acc_norm": ...}) and per-item results on the

@@ -34,6 +34,7 @@ from nanotron.config import Config
 from nanotron.models.moe import MoE
 from nanotron.models.shapes import is_moe_layer
 from nanotron.parallel.torch_private import in_backward_pass
+from nanotron.step_end import StepInfo, StepReport
 
 
 def activation_names(num_layers: int, moe_layers: frozenset[int] = frozenset()) -> list[str]:
@@ -49,12 +50,14 @@ def activation_names(num_layers: int, moe_layers: frozenset[int] = frozenset()) 
 class ActivationStats:
     """Collects the statistics of chosen steps on every rank; `result()` combines them (a collective)."""
 
-    def __init__(self, cfg: Config, modules: list[nn.Module], tp_rank: int, device: torch.device):
+    def __init__(
+        self, cfg: Config, modules: list[nn.Module], tp_rank: int, device: torch.device, sequence_sharded: bool
+    ):
+        """`sequence_sharded`: plain (non-DTensor) activations are this tp rank's sequence shard, not the whole
+        (`MicrobatchRunner.sequence_sharded`)."""
         self.interval = cfg.logging.activation_stats_interval
         self.modules, self.tp_rank, self.device = modules, tp_rank, device
-        p = cfg.parallelism
-        # Plain (non-DTensor) activations are sequence shards under sequence parallelism, else whole on each tp rank.
-        self.plain_sharded = p.tp > 1 and p.tp_mode == "reduce_scatter"
+        self.plain_sharded = sequence_sharded
         m, t = cfg.model, cfg.training
         moe_layers = frozenset(i for i in range(m.num_layers) if is_moe_layer(m, i))
         self.names = activation_names(m.num_layers, moe_layers)
@@ -90,6 +93,12 @@ class ActivationStats:
     def discard(self) -> None:
         """The step was not kept (a rollback): nothing to report, on every rank alike."""
         self.pending = False
+
+    def step_end(self, info: StepInfo) -> StepReport | None:
+        """The kept step's `act/*` means, after a stats step (a collective: every rank calls it)."""
+        if (activations := self.result()) is None:
+            return None
+        return StepReport([({"step": info.step} | activations, None)])
 
     def result(self) -> dict[str, float] | None:
         """The step's `act/*` means on every rank (None after a step without stats). Every rank calls it."""

@@ -116,14 +116,15 @@ def summary(run_dir: Path, data: dict[str, dict[int, float]], found: list[dict],
     config = run_dir / "config.toml"
     if config.is_file():
         from nanotron.config import load_config
+        from nanotron.parallel.layout import layout_line
 
         try:
             cfg = load_config(str(config), [])
-            p, m, t = cfg.parallelism, cfg.model, cfg.training
+            m, t = cfg.model, cfg.training
             lines += [
                 f"- model: {m.size or 'custom'} (hidden {m.hidden_size}, {m.num_layers} layers), seq_len {t.seq_len}, "
                 f"global batch {t.global_batch_size}",
-                f"- layout: dp {p.dp} x cp {p.cp} x tp {p.tp} x pp {p.pp} ({p.pp_engine}), zero {p.zero_stage}",
+                f"- layout: {layout_line(cfg)}",
             ]
         except Exception as error:  # noqa: BLE001 - a config of another version: the report goes on without it
             lines.append(f"- config: unreadable here ({str(error).splitlines()[0]})")

@@ -34,8 +34,6 @@ from torch import nn
 from nanotron.models.attention import document_mask
 from nanotron.parallel.torch_private import attention_with_lse, attention_with_lse_backward
 
-IGNORE_INDEX = -100  # targets that carry no loss (the token after an EOS under document masking)
-
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Global positions of cp rank `rank`'s tokens: chunks rank and 2·cp-1-rank of 2·cp."""

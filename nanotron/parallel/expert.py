@@ -30,7 +30,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanotron.config import Config
 from nanotron.models.moe import MoE, loop_matmul
+from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.torch_private import grouped_mm
+from nanotron.step_end import StepInfo, StepReport
 
 
 class _AllToAll(torch.autograd.Function):
@@ -137,7 +139,7 @@ class ExpertBalance:
     """Per step: the routers' bias update from the global load (auxiliary-loss-free balancing) and, on logging
     steps, the MoE metrics; both read and then clear the layers' per-step counters."""
 
-    def __init__(self, cfg: Config, modules: list[nn.Module], group: dist.ProcessGroup | None, device):
+    def __init__(self, cfg: Config, modules: list[nn.Module], ctx: ParallelContext):
         self.layers = sorted(
             (
                 (int(name.split(".")[2]), m)
@@ -148,27 +150,28 @@ class ExpertBalance:
             key=lambda item: item[0],
         )
         moe, p = cfg.model.moe, cfg.parallelism
-        self.rate, self.group, self.device = moe.bias_update_rate, group, device
+        self.rate, self.device = moe.bias_update_rate, ctx.device
+        self.group = ctx.loss_group()  # the ranks that route distinct tokens
         self.num_layers, self.num_experts = cfg.model.num_layers, moe.num_experts
         self.tp, self.dp_cp = p.tp, p.dp * p.cp
         self.microbatches = cfg.training.grad_accum_steps
 
     @torch.no_grad()
-    def step_end(self, applied: bool, log: bool) -> dict[str, float] | None:
-        """After the optimizer step: moves the biases (if the step was applied) and returns the metrics on
-        logging steps (a collective over the world: every rank calls it with the same `log`)."""
+    def step_end(self, info: StepInfo) -> StepReport | None:
+        """After the optimizer step: moves the biases (if the step was applied) and reports the metrics on
+        logging steps (a collective over the world: every rank calls it with the same `info`)."""
         if not self.num_experts:
             return None
         loads = torch.stack([m.tokens_per_expert for _, m in self.layers]) if self.layers else None
-        if self.rate and applied and loads is not None:
+        if self.rate and info.applied and loads is not None:
             total = loads.clone()
             if self.group is not None:
                 dist.all_reduce(total, group=self.group)
             for (_, m), load in zip(self.layers, total):
                 m.gate.expert_bias += self.rate * torch.sign(load.mean() - load)
-        metrics = self._metrics(loads) if log else None
+        metrics = self._metrics(loads) if info.logging else None
         self.reset()
-        return metrics
+        return StepReport([({"step": info.step} | metrics, None)]) if metrics is not None else None
 
     def reset(self) -> None:
         """Forgets the step's counts: after it ends, or before it is recomputed or rolled back."""

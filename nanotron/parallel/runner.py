@@ -2,7 +2,9 @@
 
 Everything a layout changes about running a microbatch is here: the pipeline schedule or the plain loop, the
 ZeRO stage's gradient-sync rule (one `GradientSync`, shared with the pipeline stages), `loss_parallel` for
-vocab-sharded logits, this cp rank's part of each sequence, and plain losses out of DTensors. A new parallel
+vocab-sharded logits, this cp rank's part of each sequence, and plain losses out of DTensors; and what the
+trainer and the evaluation ask of the layout: which rank holds and logs the loss, its mean over dp x cp, the
+step's shares of the global loss and gradient norm, the evaluation's row split and batch shapes. A new parallel
 dimension changes this file and `parallelize.py`, not the training loop.
 
 The loss is the mean over every token of the global batch that carries a loss, at every layout. Under causal
@@ -17,6 +19,7 @@ host sync.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -27,13 +30,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from nanotron.config import Config
-from nanotron.distributed import ParallelContext
 from nanotron.models.attention import document_ids
-from nanotron.parallel.context import IGNORE_INDEX, shard_sequence
+from nanotron.parallel.context import shard_sequence
 from nanotron.parallel.expert import expert_layers
 from nanotron.parallel.fsdp import GradientSync
+from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.pipeline import build_schedule, forward_only
 
+IGNORE_INDEX = -100  # targets that carry no loss (the token after an EOS under document masking, evaluation padding)
 Window = tuple[int, int] | None  # (lo, hi): the positions a scoring batch's targets lie in
 
 
@@ -76,6 +80,20 @@ class MicrobatchRunner:
         self.cp_group = ctx.mesh["cp"].get_group() if p.cp > 1 else None
         indices = [index for index, _ in stages]
         self.has_first, self.has_last = 0 in indices, cfg.num_stages - 1 in indices
+        # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
+        self.rank, self.dp_rank, self.tp_rank = ctx.rank, ctx.dp_rank, ctx.tp_rank
+        self.is_logging_rank = self.has_last and ctx.dp_rank == 0 and ctx.cp_rank == 0 and ctx.tp_rank == 0
+        self.loss_group = ctx.loss_group()
+        self.pp_group = ctx.mesh["pp"].get_group() if p.pp > 1 else None  # gradient norms add up over the stages
+        # Plain (non-DTensor) activations are sequence shards under sequence parallelism, else whole on each tp rank.
+        self.sequence_sharded = p.tp > 1 and p.tp_mode == "reduce_scatter"
+        # Without a pipeline (whose stages are built for seq_len) or cp (whose RoPE positions are set once, for
+        # seq_len's zigzag chunks: cut rows got wrong positions, 6e-5 off one process in the layout matrix) a scoring
+        # batch may be cut to its longest row, rounded up to what tp's sequence sharding divides: short items cost less.
+        self.width_multiple = None if p.pp > 1 or p.cp > 1 else p.tp
+        # The head may run on the positions that hold a scoring batch's continuations only, except under cp (where a
+        # rank holds chunks of the sequence).
+        self.windowed = p.cp == 1
         # A MoE balance loss's gradient follows the model loss's normalisation: the plain loop divides each
         # microbatch's loss by their number, the pipeline scales the summed gradients once at the end.
         for module in self.modules:
@@ -156,6 +174,35 @@ class MicrobatchRunner:
         if self.cp_group is not None:
             dist.all_reduce(scores, group=self.cp_group)
         return scores
+
+    def mean_loss(self, loss: torch.Tensor | None) -> float | None:
+        """The dp x cp mean of a per-rank loss, on the host (a collective and a sync: logging and evaluation steps
+        only); None on ranks without the last stage."""
+        if loss is None:
+            return None
+        if self.loss_group is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_group)
+        return loss.item()
+
+    def step_shares(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> list[torch.Tensor | float]:
+        """This rank's terms of the step's global loss (the dp x cp mean of the last stage's losses, once per tp
+        group) and gradient norm (already global: rank 0's), for the step's all-reduce to sum."""
+        loss_share = loss.double() / (self.dp * self.cp) if loss is not None and self.tp_rank == 0 else 0.0
+        return [loss_share, grad_norm if self.rank == 0 else 0.0]
+
+    def row_share(self, total: int) -> tuple[int, int]:
+        """(first row, rows per dp rank) of `total` scoring rows dealt out to the dp ranks in equal contiguous shares:
+        the last share is padded (rows that score nothing), so every rank runs as many batches."""
+        share = math.ceil(total / self.dp)
+        return self.dp_rank * share, share
+
+    def gather_rows(self, share: torch.Tensor) -> torch.Tensor:
+        """Every dp rank's equal share of row scores, in dp order: one all-gather over dp."""
+        if self.dp_group is None:
+            return share
+        gathered = share.new_empty(self.dp * len(share))
+        dist.all_gather(list(gathered.chunk(self.dp)), share.contiguous(), group=self.dp_group)
+        return gathered
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.scoring:

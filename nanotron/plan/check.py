@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from nanotron.config import Config
-from nanotron.distributed import build_mesh, expert_mesh
+from nanotron.parallel.mesh import build_mesh, expert_mesh
 from nanotron.plan.memory import param_bytes
 
 

@@ -3,5 +3,6 @@ rank stops moving (`watcher`), names the culprit from every rank's phase, stacks
 numbers (`attribution`), and ends the job with an exit code that says what to do next. `straggler` scores how
 late each rank arrives at the step's collective; `faults` injects faults for tests and drills.
 
-The trainer loads `heartbeat`, `faults` and `straggler` only; the watcher is started by `nanotron.launch.torchrun`.
+The trainer loads `heartbeat`, `faults`, `straggler` and `suspects` only; the watcher is started by
+`nanotron.launch.torchrun`. `suspects` alone reads and writes the run dir's `suspect_nodes.txt`.
 """

@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import Config
-from nanotron.distributed import ParallelContext
 from nanotron.errors import ConfigError, NodeFaultError
-from nanotron.io import write_atomic
 from nanotron.models.shapes import num_params
+from nanotron.parallel.mesh import ParallelContext
 from nanotron.watch.faults import Fault
 from nanotron.watch.nodes import node_name
+from nanotron.watch.suspects import write_suspects
 
 MATMUL_SIZE, MATMUL_REPEATS = 512, 4
 ROUNDS = 3  # every timing is the best of this many
@@ -250,7 +250,7 @@ def preflight(cfg: Config, ctx: ParallelContext) -> None:
         for line in lines[1:]:
             print(line, file=sys.stderr, flush=True)
         if bad_nodes:
-            write_atomic(cfg.run_dir / "suspect_nodes.txt", "".join(f"{node}\n" for node in sorted(bad_nodes)))
+            write_suspects(cfg.run_dir, bad_nodes)
     if lines:
         more = f" ({len(lines) - 1} more findings above)" if len(lines) > 1 else ""
         if bad_nodes:

@@ -17,6 +17,9 @@ from S on):
   loss_spike:F     this rank's loss of step S is multiplied by F, in the step's first pass only (a transient fault
                    that the stability replay recomputes cleanly)
 `nanotron doctor` (and training.preflight) also honour `slow:F` (every timed check F x slower) and `slow_disk:T`.
+
+In training, a `Drill` applies the fault from outside the step: it wraps the step's pieces (the phase beats, the
+microbatch run, the step's collective), so the step itself has no fault branches.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanotron.errors import LAUNCH_ATTEMPT_VARIABLE, ConfigError
@@ -122,3 +126,52 @@ class Fault:
     @property
     def here(self) -> str:
         return node_name()
+
+
+class Drill:
+    """The configured fault (NANOTRON_FAULT) around the training step's pieces on rank `rank`; without one, each
+    piece is handed back as it is. It follows the step from the beats, as the heartbeat does."""
+
+    def __init__(self, fault: Fault | None, rank: int) -> None:
+        self.fault, self.rank, self.step = fault, rank, 0
+
+    @classmethod
+    def from_env(cls, rank: int) -> Drill:
+        return cls(Fault.from_env(), rank)
+
+    def phases(self, beat: Callable[..., None]) -> Callable[..., None]:
+        """`beat(phase, step=None)`, then the fault acts as this rank enters `phase` of the step."""
+        if self.fault is None:
+            return beat
+
+        def drilled(phase: str, step: int | None = None) -> None:
+            beat(phase, step)
+            if step is not None:
+                self.step = step
+            self.fault.at(self.rank, phase, self.step)
+
+        return drilled
+
+    def losses(self, forward_backward: Callable) -> Callable:
+        """The microbatch run, its loss multiplied by a loss_spike's factor (in step S's first pass only)."""
+        if self.fault is None:
+            return forward_backward
+
+        def drilled(batch):
+            loss = forward_backward(batch)
+            return loss if loss is None else loss * self.fault.loss_factor(self.rank, self.step)
+
+        return drilled
+
+    def collective(self, agree: Callable) -> Callable:
+        """The step's collective (`ParallelContext.agree`), after a `slow` fault's wait, or skipped on this rank."""
+        if self.fault is None:
+            return agree
+
+        def drilled(flags: list, values: list = ()) -> tuple[list[bool], list[float]]:
+            self.fault.at(self.rank, "step_collective", self.step)
+            if self.fault.skips_collective(self.rank, self.step):
+                return [False] * len(flags), [0.0] * len(values)
+            return agree(flags, values)
+
+        return drilled

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from nanotron.io import write_atomic
-from nanotron.watch.faults import Fault
 from nanotron.watch.nodes import node_name
 
 WATCH_DIR_VARIABLE = "NANOTRON_WATCH_DIR"  # set by nanotron.launch.torchrun for its workers: a node-local folder
@@ -54,10 +53,10 @@ def flight_path(folder: Path, rank: int) -> Path:
 
 
 class Heartbeat:
-    """This rank's slot (None when no watcher runs: the phase calls then only drive an injected fault)."""
+    """This rank's slot (None when no watcher runs: the phase calls then do nothing)."""
 
-    def __init__(self, folder: Path | None, rank: int, info: dict, fault: Fault | None = None):
-        self.rank, self.fault, self.step = rank, fault, 0
+    def __init__(self, folder: Path | None, rank: int, info: dict):
+        self.rank, self.step = rank, 0
         self.folder, self.slot, self._stacks = folder, None, None
         self.phase, self.since, self.longest = 0, time.time(), [0.0] * len(PHASES)
         if folder is None:
@@ -77,7 +76,7 @@ class Heartbeat:
     @classmethod
     def from_env(cls, rank: int, info: dict, enabled: bool = True) -> Heartbeat:
         folder = os.environ.get(WATCH_DIR_VARIABLE)
-        return cls(Path(folder) if folder and enabled else None, rank, info, Fault.from_env())
+        return cls(Path(folder) if folder and enabled else None, rank, info)
 
     def beat(self, phase: str, step: int | None = None) -> None:
         """Enters `phase` (of step `step`, or the current one)."""
@@ -94,8 +93,6 @@ class Heartbeat:
             struct.pack_into("<iiqd", self.slot, 0, _VERSION, self.phase, self.step, now)
             self._counter += 1
             struct.pack_into("<q", self.slot, _COUNTER_OFFSET, self._counter)
-        if self.fault is not None:
-            self.fault.at(self.rank, phase, self.step)
 
     def close(self) -> None:
         if self.slot is not None:

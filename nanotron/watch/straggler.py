@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from nanotron.config import WatchConfig
+from nanotron.errors import NodeFaultError
+from nanotron.step_end import StepInfo, StepReport
 from nanotron.watch.nodes import node_name
 
 
@@ -30,15 +33,35 @@ class StragglerScores:
         if world_size > 1 and cfg.straggler_interval:
             dist.all_gather_object(self.nodes, node_name())  # once, at start-up
 
-    def timed(self, collective):
-        """Runs the step's collective, adding the time this rank waited in it."""
-        started = time.perf_counter()
-        result = collective()
-        self.waited += time.perf_counter() - started
-        return result
+    def timed(self, collective: Callable) -> Callable:
+        """The step's collective, adding the time this rank waits in each call."""
 
-    def step_end(self) -> dict[str, float] | None:
-        """Called on every rank after each step; every straggler_interval steps, the scores (a collective)."""
+        def timed_collective(*args):
+            started = time.perf_counter()
+            result = collective(*args)
+            self.waited += time.perf_counter() - started
+            return result
+
+        return timed_collective
+
+    def step_end(self, info: StepInfo) -> StepReport | None:
+        """Every straggler_interval steps: the scores, and a rank late for straggler_patience intervals in a row
+        named (warned of, or its node excluded: watch.straggler_action). Every rank calls it (a collective) and
+        holds the same scores, so every rank takes the same decision."""
+        if (scores := self.count_step()) is None:
+            return None
+        report = StepReport([({"step": info.step} | scores, None)])
+        for rank in self.persistent():
+            line = self.describe(rank, scores)
+            if self.cfg.straggler_action == "exclude":
+                message = f"{line}; stopped to requeue without its node (watch.straggler_action)"
+                report.stop = NodeFaultError(message, [self.nodes[rank]])
+                return report
+            report.entries.append((None, f"warning: {line}"))
+        return report
+
+    def count_step(self) -> dict[str, float] | None:
+        """Counts a step; every straggler_interval steps, the scores (a collective)."""
         now = time.perf_counter()
         self.step_seconds += now - self.step_started
         self.step_started, self.steps = now, self.steps + 1

@@ -39,6 +39,7 @@ from nanotron.watch.heartbeat import (
     stacks_path,
 )
 from nanotron.watch.nodes import Coordinator, node_name
+from nanotron.watch.suspects import write_suspects
 
 POLL_SECONDS = 0.5
 DUMP_WAIT_SECONDS = 5.0
@@ -203,7 +204,7 @@ def handle(
             verdict, nodes = Verdict(decided["line"], decided["culprits"]), decided["nodes"]
     directory = write_incident(run_dir / "incidents" / incident, verdict, everyone, stacks, limits, summary=lead)
     if lead:
-        write_atomic(run_dir / "suspect_nodes.txt", "".join(f"{node}\n" for node in nodes))
+        write_suspects(run_dir, nodes)
         print(verdict.line, file=sys.stderr, flush=True)
         print(f"incident: {directory} (stacks and flight recorders of every rank)", file=sys.stderr, flush=True)
     act(folder, ranks, verdict)

@@ -50,6 +50,7 @@ class ParallelContext:
     tp_rank: int
     pp_rank: int
     cp_rank: int = 0
+    dp: int = 1  # data-parallel ranks: each reads its own samples
     # ("edp", "ep"): dp x cp split for expert parallelism (ep innermost); None when ep = 1
     expert_mesh: DeviceMesh | None = None
     timeout: timedelta = timedelta(minutes=30)  # distributed.timeout_minutes, applied by end_startup()
@@ -65,6 +66,11 @@ class ParallelContext:
             *([self.expert_mesh.get_group(n) for n in ("edp", "ep")] if self.expert_mesh is not None else []),
         ]
         return list({id(group): group for group in groups}.values())
+
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose losses together cover the global batch (dp x cp: `loss_mesh`); None when it is one."""
+        mesh = loss_mesh(self.mesh)
+        return mesh.get_group() if mesh.size() > 1 else None
 
     def end_startup(self) -> None:
         """From now on collectives fail after distributed.timeout_minutes (called after each step; once it acts)."""
@@ -84,6 +90,15 @@ class ParallelContext:
             dist.all_reduce(out)
         host = out.tolist()
         return [v > 0 for v in host[: len(flags)]], host[len(flags) :]
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (float64), in rank order: one all-gather, for rare steps (a stability replay)."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        every = [mine]
+        if self.world_size > 1:
+            every = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+        return [row.tolist() for row in every]
 
 
 def init_distributed(cfg: Config) -> ParallelContext:
@@ -109,6 +124,7 @@ def init_distributed(cfg: Config) -> ParallelContext:
         mesh["tp"].get_local_rank(),
         mesh["pp"].get_local_rank(),
         mesh["cp"].get_local_rank() if cfg.parallelism.cp > 1 else 0,
+        dp=cfg.parallelism.dp,
         expert_mesh=expert_mesh(mesh, cfg.parallelism.ep),
         timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
     )
