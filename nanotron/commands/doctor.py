@@ -24,7 +24,7 @@ def _main(argv: list[str]) -> int:
     if nproc:
         return spawn_local(nproc, ["-m", "nanotron", "doctor", *argv])
     ctx = init_distributed(cfg)
-    preflight(cfg, ctx)
+    preflight(cfg, ctx, standalone=True)
     if ctx.rank == 0:
         print(f"doctor: {ctx.world_size} ranks healthy", flush=True)
     destroy_distributed()

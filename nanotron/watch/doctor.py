@@ -5,24 +5,31 @@
 or `training.preflight = true` to run the same checks inside the job, after the process group is up and before the
 model is built. Every rank (at the config's layout, so the mesh dimensions are the job's):
   compute   a seeded matmul, timed, and its checksum: a device whose result differs from the others' is named;
-            one slower than half the median is named
+            one slower than half the median is named (on CPU its process time is timed: ranks share a machine's
+            cores, with other jobs too, and a rank the scheduler starves is not a slow device)
   links     all-reduce bus bandwidth over each mesh dimension's groups, then a pairwise pass (each rank with its
             ring neighbours): a rank or link slower than half the median is named
+A rank that looks slow is measured again (MEASURE_AGAIN rounds, keeping its best) before it is named: a node shared
+with another job, or a moment's contention, is not a bad node.
   disk      each node's first rank writes (fsync) and reads back a file in checkpoint.dir: the speed, the time one
             checkpoint would take, and the free space against the planned checkpoint size
   clocks    host clock skew against rank 0, from the time each rank leaves one barrier
-One line per finding, naming rank and node, and a table of the figures. Exit code 75 (the node-fault code,
-suspect nodes in <run dir>/suspect_nodes.txt) when a node is bad; 2 when only the disk or clocks need a fix.
+One line per finding, naming rank and node, and a table of the figures. Exit code 75 (the node-fault code; inside a
+job the suspect nodes go to <run dir>/suspect_nodes.txt, for the requeue) when a node is bad; 2 when the disk or
+clocks need a fix, or when every node of the job would be excluded (a requeue without them all could go nowhere
+useful: a person looks). Run standalone (`nanotron doctor`), it writes nothing into the run dir.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,6 +48,7 @@ MATMUL_TOLERANCE = 1e-2  # largest error relative to the largest element: TF32's
 COMM_BYTES = 1 << 22
 DISK_BYTES = 32 << 20
 SLOW = 0.5  # a rank or link below half the median is named
+MEASURE_AGAIN = 2  # rounds an apparent outlier is measured again in (best kept) before it is named
 CLOCK_SKEW_SECONDS = 1.0
 MIN_DISK_MBPS = 50.0
 
@@ -66,7 +74,7 @@ def compute(ctx: ParallelContext, fault: Fault | None) -> dict:
         dist.barrier()
     for turn in range(turns):
         if turn == local_rank % turns:
-            c, elapsed = best_of(matmuls, fault, ctx.rank)
+            c, elapsed = best_of(matmuls, fault, ctx.rank, time.process_time if ctx.device.type == "cpu" else None)
         if turns > 1:
             dist.barrier()
     if fault is not None and fault.kind == "bad_matmul" and fault.applies_to(ctx.rank, node_name()):
@@ -77,15 +85,16 @@ def compute(ctx: ParallelContext, fault: Fault | None) -> dict:
     return {"tflops": 2 * MATMUL_SIZE**3 * MATMUL_REPEATS / elapsed / 1e12, "checksum": checksum, "error": error}
 
 
-def best_of(action, fault: Fault | None, rank: int):
-    """(the last result, the shortest of ROUNDS timings) of `action`: ranks that share cores, or a busy link,
-    time-slice, and the best round is the one that shows the device. An injected `slow:F` fault makes this rank
-    F x slower at everything timed here."""
+def best_of(action, fault: Fault | None, rank: int, clock: Callable[[], float] | None = None):
+    """(the last result, the shortest of ROUNDS timings on `clock`, wall time by default) of `action`: ranks that
+    share cores, or a busy link, time-slice, and the best round is the one that shows the device. An injected
+    `slow:F` fault makes this rank F x slower at everything timed here."""
+    clock = clock or time.perf_counter
     best = float("inf")
     for _ in range(ROUNDS):
-        started = time.perf_counter()
+        started = clock()
         result = action()
-        elapsed = time.perf_counter() - started
+        elapsed = clock() - started
         if fault is not None and fault.kind == "slow" and fault.applies_to(rank, node_name()):
             time.sleep((fault.factor - 1) * elapsed)
             elapsed *= fault.factor
@@ -141,6 +150,18 @@ def disk(cfg: Config, local_rank: int, fault: Fault | None, rank: int) -> dict:
     if local_rank != 0:
         return {}
     folder = cfg.checkpoint_dir
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # removed again: the probe leaves nothing
+    try:
+        return _probe_disk(cfg, folder, fault, rank)
+    except OSError as error:  # a file in the way, read-only, full: a finding, not a crash of the checks
+        return {"error": f"{error.strerror or error} ({type(error).__name__})", "dir": str(folder)}
+    finally:
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+def _probe_disk(cfg: Config, folder, fault: Fault | None, rank: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     probe = folder / f".doctor-{node_name()}-{os.getpid()}"
     data = os.urandom(DISK_BYTES)
@@ -169,16 +190,47 @@ def disk(cfg: Config, local_rank: int, fault: Fault | None, rank: int) -> dict:
 
 
 def examine(cfg: Config, ctx: ParallelContext) -> list[dict]:
-    """Every rank's figures, gathered on every rank."""
+    """Every rank's figures, gathered on every rank; speeds measured again while a rank looks slow (every rank
+    sees the same gathered figures, so all take part in the same rounds)."""
     fault, local_rank = Fault.from_env(), int(os.environ.get("LOCAL_RANK", "0"))
     dist.barrier()
     left_barrier = time.time()
-    mine = {"rank": ctx.rank, "node": node_name(), "clock": left_barrier, **compute(ctx, fault)}
-    mine |= {"bus_gbps": bus_bandwidth(ctx, fault), "pair_gbps": pairwise(ctx, fault)}
+    mine = {"rank": ctx.rank, "node": node_name(), "clock": left_barrier}
+    mine |= compute(ctx, fault) | {"bus_gbps": bus_bandwidth(ctx, fault), "pair_gbps": pairwise(ctx, fault)}
     mine |= {"disk": disk(cfg, local_rank, fault, ctx.rank)}
+    speeds = lambda: {"tflops": compute(ctx, fault)["tflops"], "pair_gbps": pairwise(ctx, fault)}  # noqa: E731
+    return measured_again(_gather(ctx, mine), lambda: _gather(ctx, speeds()))
+
+
+def measured_again(everyone: list[dict], measure: Callable[[], list[dict]]) -> list[dict]:
+    """While a rank looks slow, up to MEASURE_AGAIN more rounds of every rank's speeds, each keeping its best."""
+    for _ in range(MEASURE_AGAIN):
+        if not any(slow_ranks(everyone)):
+            break
+        for r, again in zip(everyone, measure()):
+            r["tflops"] = max(r["tflops"], again["tflops"])
+            r["pair_gbps"] = {peer: max(gbps, again["pair_gbps"][peer]) for peer, gbps in r["pair_gbps"].items()}
+    return everyone
+
+
+def _gather(ctx: ParallelContext, mine: dict) -> list[dict]:
     everyone: list[dict] = [{} for _ in range(ctx.world_size)]
     dist.all_gather_object(everyone, mine)
     return everyone
+
+
+def slow_ranks(everyone: list[dict]) -> tuple[dict[int, float], dict[int, float]]:
+    """({rank: TFLOP/s} of ranks computing below the slow share of the median, {rank: best GB/s} of ranks whose
+    every link is below it): the outliers to measure again, or to name."""
+    median = statistics.median(r["tflops"] for r in everyone)
+    compute = {r["rank"]: r["tflops"] for r in everyone if r["tflops"] < SLOW * median}
+    pairs = [gbps for r in everyone for gbps in r["pair_gbps"].values()]
+    links = {}
+    if pairs:
+        median = statistics.median(pairs)
+        best = {r["rank"]: max(r["pair_gbps"].values()) for r in everyone if r["pair_gbps"]}
+        links = {rank: gbps for rank, gbps in best.items() if gbps < SLOW * median}
+    return compute, links
 
 
 def findings(everyone: list[dict]) -> tuple[list[str], set[str], bool]:
@@ -196,23 +248,24 @@ def findings(everyone: list[dict]) -> tuple[list[str], set[str], bool]:
             bad(r, f"matmul result differs from the other ranks' ({r['checksum']} vs {usual}): a faulty device")
         elif r["error"] > MATMUL_TOLERANCE:
             bad(r, f"matmul result is {r['error']:.1e} off an fp64 reference (TF32 stays below 1e-2): a faulty device")
+    compute, links = slow_ranks(everyone)
     median = statistics.median(r["tflops"] for r in everyone)
-    for r in everyone:
-        if r["tflops"] < SLOW * median:
-            bad(r, f"matmul at {r['tflops']:.4f} TFLOP/s, the median is {median:.4f}: a slow device")
-    pairs = {(r["rank"], peer): gbps for r in everyone for peer, gbps in r["pair_gbps"].items()}
-    if pairs:
-        median = statistics.median(pairs.values())
-        for rank, r in by_rank.items():
-            mine = [pairs[(rank, peer)] for peer in r["pair_gbps"]]
-            if mine and max(mine) < SLOW * median:  # slow with every neighbour: the rank (or its node's link)
-                bad(r, f"exchanges at {max(mine):.3f} GB/s at best, the median link does {median:.3f}: a slow link")
+    for rank, tflops in compute.items():
+        bad(by_rank[rank], f"matmul at {tflops:.4f} TFLOP/s, the median is {median:.4f}: a slow device")
+    if links:
+        median = statistics.median(gbps for r in everyone for gbps in r["pair_gbps"].values())
+        for rank, gbps in links.items():  # slow with every neighbour: the rank (or its node's link)
+            bad(by_rank[rank], f"exchanges at {gbps:.3f} GB/s at best, the median link does {median:.3f}: a slow link")
     for r in everyone:
         if abs(offset := r["clock"] - everyone[0]["clock"]) > CLOCK_SKEW_SECONDS:
             lines.append(f"doctor: rank {r['rank']} (node {r['node']}): clock {offset:+.2f}s off rank 0's: sync it")
             other = True
     for r in (r for r in everyone if r["disk"]):
         d, where = r["disk"], f"doctor: rank {r['rank']} (node {r['node']}): checkpoint.dir"
+        if "error" in d:
+            lines.append(f"{where} '{d['dir']}' cannot be written: {d['error']}: fix it (or set checkpoint.dir)")
+            other = True
+            continue
         if d["write_mbps"] < MIN_DISK_MBPS:
             lines.append(
                 f"{where} writes at {d['write_mbps']:.1f} MB/s: one checkpoint ({d['checkpoint_gb']:.2f} GB) takes "
@@ -232,7 +285,7 @@ def table(everyone: list[dict]) -> str:
     for r in everyone:
         bus = " ".join(f"{k}:{v:.3f}" for k, v in r["bus_gbps"].items()) or "-"
         pair = " ".join(f"{k}:{v:.3f}" for k, v in r["pair_gbps"].items()) or "-"
-        written = f"{r['disk']['write_mbps']:.0f}" if r["disk"] else "-"
+        written = f"{r['disk']['write_mbps']:.0f}" if "write_mbps" in r["disk"] else "-"
         rows.append(
             f"{r['rank']}  {r['node']}  {r['tflops']:.3f}  {r['checksum']}  {bus}  {pair}  {written}  "
             f"{r['clock'] - start:+.3f}"
@@ -240,19 +293,28 @@ def table(everyone: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def preflight(cfg: Config, ctx: ParallelContext) -> None:
-    """The checks, inside a job: findings stop it before step 1 (exit code 75 with the suspect nodes, or 2).
-    Every rank holds every rank's figures, so every rank reaches the same findings and stops alike."""
+def preflight(cfg: Config, ctx: ParallelContext, standalone: bool = False) -> None:
+    """The checks: findings stop the job before step 1 (exit code 75 with the suspect nodes, or 2). Every rank holds
+    every rank's figures, so every rank reaches the same findings and stops alike. Inside a job the suspects go to
+    the run dir, for the requeue; standalone (`nanotron doctor`) nothing is written there."""
     everyone = examine(cfg, ctx)
     lines, bad_nodes, other = findings(everyone)
+    nodes = {r["node"] for r in everyone}
+    every_node = bool(bad_nodes) and bad_nodes == nodes
     if ctx.rank == 0:
         print(table(everyone), flush=True)
         for line in lines[1:]:
             print(line, file=sys.stderr, flush=True)
-        if bad_nodes:
+        if bad_nodes and not every_node and not standalone:
             write_suspects(cfg.run_dir, bad_nodes)
     if lines:
         more = f" ({len(lines) - 1} more findings above)" if len(lines) > 1 else ""
+        suspects = ", ".join(sorted(bad_nodes))
+        if every_node:
+            raise ConfigError(
+                f"{lines[0]}{more}; not requeueing without {suspects}: that is every node of the job (a requeue "
+                "could land on no better ones); check the device by hand"
+            )
         if bad_nodes:
-            raise NodeFaultError(f"{lines[0]}{more}; requeue without node(s) {', '.join(sorted(bad_nodes))}")
+            raise NodeFaultError(f"{lines[0]}{more}; requeue without node(s) {suspects}", nodes=sorted(bad_nodes))
         raise ConfigError(f"{lines[0]}{more}")
