@@ -18,8 +18,9 @@ import torch
 
 from nanotron.config import TrainingConfig, load_config
 from nanotron.data import TrainSamples, build_train_loader, eval_batches, loader_batches, prepare_data
-from nanotron.data.order import Blend, Permutation
+from nanotron.data.order import Blend, Permutation, key_of
 from nanotron.errors import DataError
+from nanotron.parallel.init import name_seed
 from nanotron.tokenize.bpe import EOS_TOKEN, train_tokenizer
 from nanotron.tokenize.encode import Encoder
 from nanotron.tokenize.sources import resolve_sources
@@ -171,6 +172,15 @@ def test_the_keyed_shuffle_is_a_permutation_and_depends_on_the_key(n):
         assert orders[0] != orders[1] != orders[2] and list(range(n)) not in orders
     with pytest.raises(IndexError):
         Permutation(n, 0)(n)
+
+
+def test_init_seeds_and_data_order_keys_are_the_same_integers_as_ever():
+    """One stable hash seeds each parameter's init and keys the sample order: these values fix every run's weights
+    and data, so they must never change (recorded before the two copies of the hash were merged)."""
+    assert name_seed(42, "model.embed_tokens.weight") == 8760530646438631872
+    assert name_seed(0, "lm_head.weight") == 3528297259338047458
+    assert (key_of(42, 0, 0), key_of(7, 3, 1)) == (4966074703835417981, 1713689448289929515)
+    assert [Permutation(10, key_of(42, 0, 0))(i) for i in range(10)] == [3, 2, 4, 7, 0, 1, 5, 6, 9, 8]
 
 
 def test_microbatches_are_packed_samples_and_an_epoch_visits_each_once(corpus):
