@@ -10,12 +10,12 @@ from torch import nn
 
 from nanotron.config import Config
 from nanotron.distributed import ParallelContext, data_parallel_mesh, expert_data_mesh
-from nanotron.gpu import async_tp_unavailable
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
 from nanotron.parallel.expert import apply_expert_parallel, use_grouped_gemm
 from nanotron.parallel.fsdp import apply_fsdp
 from nanotron.parallel.init import init_weights
+from nanotron.parallel.overlap import async_tp_unavailable
 from nanotron.parallel.pipeline import split_model
 from nanotron.parallel.recompute import apply_recompute
 from nanotron.parallel.regather import apply_regather

@@ -102,8 +102,8 @@ def shown_seconds(seconds: float) -> float:
 
 def reserve_bytes(gpu: Gpu) -> float:
     """Kept free for the CUDA context, NCCL and allocator fragmentation: 5% of the device, at least 2 GiB."""
-    return max(2.0, 0.05 * gpu.memory_gib) * 2**30
+    return max(2.0, 0.05 * gpu.device.memory_gib) * 2**30
 
 
 def usable_bytes(gpu: Gpu) -> float:
-    return gpu.memory_gib * 2**30 - reserve_bytes(gpu)
+    return gpu.device.memory_gib * 2**30 - reserve_bytes(gpu)
