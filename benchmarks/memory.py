@@ -16,6 +16,7 @@ before it built anything (the Python runtime and libraries are ~0.4 GiB per proc
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -123,12 +124,13 @@ def worker(args: list[str], out: Path) -> None:
     from nanotron.config import load_config, parse_overrides
     from nanotron.distributed import destroy_distributed, launched_world_size
     from nanotron.metrics.step import memory_record
+    from nanotron.parallel.recompute import recompute_mode
     from nanotron.trainer import Trainer
 
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0
     cfg = load_config(*parse_overrides(args), world_size=launched_world_size())
     trainer = Trainer(cfg)
-    with StepProbe(trainer.modules, cfg.recompute_of).active() as probe:
+    with StepProbe(trainer.modules, functools.partial(recompute_mode, cfg)).active() as probe:
         trainer.train()
     optimizer_state = [
         value

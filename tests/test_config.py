@@ -192,6 +192,21 @@ def test_nanotrons_config_file_spelling_is_accepted_and_yaml_gets_a_hint(tmp_pat
     assert err.startswith(f"error: --config: '{yaml}' is YAML; nanotron configs are TOML") and err.count("\n") == 1
 
 
+def test_a_moe_layer_under_selective_recompute_is_recomputed_in_full():
+    """torch 2.13's selective checkpoint fails on an MoE layer (its experts' FSDP hooks run more often in the
+    rerun): those layers are recomputed in full, the dense ones as configured; recompute_every picks the layers."""
+    from nanotron.parallel.recompute import recompute_mode
+
+    moe = [("model.moe.num_experts", "4"), ("model.moe.first_dense_layers", "1")]
+    selective = [("parallelism.recompute", "selective"), *moe]
+    cfg = load_config(f"{REPO}/configs/tiny.toml", selective)
+    assert [recompute_mode(cfg, i) for i in range(4)] == ["selective", "full", "full", "full"]
+    cfg = load_config(f"{REPO}/configs/tiny.toml", [*selective, ("parallelism.recompute_every", "3")])
+    assert [recompute_mode(cfg, i) for i in range(4)] == ["selective", "none", "none", "full"]
+    dense = load_config(f"{REPO}/configs/tiny.toml", [("parallelism.recompute", "selective")])
+    assert [recompute_mode(dense, i) for i in range(4)] == ["selective"] * 4
+
+
 def test_datasets_tables_parse_round_trip_and_have_a_command_line_form(tmp_path):
     file = tmp_path / "blend.toml"
     file.write_text(

@@ -370,13 +370,6 @@ class Config:
         parameters and shard them together); 1 under zero_stage 0 (replicas)."""
         return 1 if self.parallelism.zero_stage == 0 else self.dp_shard_size * self.parallelism.cp
 
-    def recompute_of(self, layer: int) -> str:
-        """How decoder layer `layer` (global index) is checkpointed: `parallelism.recompute_of`, except that a
-        mixture-of-experts layer under 'selective' is recomputed in full: torch 2.13's selective checkpoint sees
-        its experts' FSDP hooks run more often in the rerun than in the forward, and fails."""
-        mode = self.parallelism.recompute_of(layer)
-        return "full" if mode == "selective" and self.model.is_moe_layer(layer) else mode
-
     @property
     def num_stages(self) -> int:
         """Pipeline stages in all: pp, times pp_stages_per_rank for multi-stage engines."""

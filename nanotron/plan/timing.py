@@ -16,6 +16,7 @@ from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
 from nanotron.gpu import GPUS, Device, math_mode
 from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
+from nanotron.parallel.recompute import recompute_mode
 from nanotron.plan.memory import FP32, coordinate_zero_split, rank_stages
 
 UNCALIBRATED_EFFICIENCY = 0.55  # a GPU without published runs in the calibration set
@@ -145,7 +146,7 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     peak = peak_tflops(cfg, gpu)[1] * 1e12
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
-    modes = [cfg.recompute_of(i) for i in range(m.num_layers)]
+    modes = [recompute_mode(cfg, i) for i in range(m.num_layers)]
     full, selective = modes.count("full"), modes.count("selective")
     recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
     if p.selective_matmuls == "every_other":  # selective reruns the k, o and up projections too
