@@ -81,6 +81,20 @@ def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path, ma
     assert tokenizer.eos_token == "<|endoftext|>" and hf.config.eos_token_id == tokenizer.eos_token_id
 
 
+def test_an_import_is_committed_as_a_checkpoint_is(tmp_path, monkeypatch):
+    """from-hf writes a temporary dir and publishes it with the checkpoint layout's commit: renamed whole into the
+    (here empty) out folder, the rename made durable by syncing the parent, nothing temporary left behind."""
+    from nanotron.checkpoint import layout
+
+    synced, fsync_dir = [], layout.fsync_dir
+    monkeypatch.setattr(layout, "fsync_dir", lambda path: (synced.append(path), fsync_dir(path)))
+    hf_model().save_pretrained(tmp_path / "source")
+    (tmp_path / "ckpt").mkdir()
+    assert convert_main(["from-hf", str(tmp_path / "source"), str(tmp_path / "ckpt")]) == 0
+    assert synced == [tmp_path] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "source"]
+    assert (tmp_path / "ckpt" / "checksums.json").is_file() and (tmp_path / "ckpt" / ".metadata").is_file()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
     source = tmp_path / "source"
