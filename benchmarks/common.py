@@ -107,7 +107,8 @@ def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
 
 
 def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> list[str]:
-    """Writes the synthetic corpus and tokenizer once; returns the `--data.*` overrides that use them."""
+    """Writes the synthetic corpus, its tokenizer and its tokens once; returns the `--data.*` overrides that use
+    them."""
     from nanotron.tokenize.bpe import train_tokenizer
 
     root = work_dir / "data"
@@ -117,7 +118,16 @@ def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> l
         corpus.parent.mkdir(parents=True, exist_ok=True)
         corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
         train_tokenizer(docs, tokenizer, vocab_size=vocab_size)
-    return [f"--data.path={corpus.parent}", f"--data.tokenizer={tokenizer}", f"--data.cache_dir={root / 'cache'}"]
+    return data_overrides(corpus.parent, tokenizer, root / "tokens")
+
+
+def data_overrides(corpus: Path, tokenizer: Path, tokens: Path) -> list[str]:
+    """`--data.*` overrides for `corpus`, tokenized into `tokens` first (`nanotron tokenize`'s defaults; a finished
+    dir of the same corpus and tokenizer is reused)."""
+    from nanotron.tokenize.writer import tokenize_paths
+
+    tokenize_paths([str(corpus)], tokenizer, tokens, progress=False)
+    return [f"--data.path={tokens}", f"--data.tokenizer={tokenizer}"]
 
 
 def train_command(nproc: int, args: Sequence[str]) -> list[str]:

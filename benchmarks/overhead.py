@@ -71,7 +71,7 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     import torch.nn.functional as F
 
     from nanotron.config import load_config, parse_overrides
-    from nanotron.data import build_train_loader, prepare_data
+    from nanotron.data import build_train_loader, open_corpus
     from nanotron.distributed import pick_device
     from nanotron.models.llama import LlamaForCausalLM
     from nanotron.optim import build_optimizer
@@ -80,7 +80,7 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     cfg = load_config(*parse_overrides(args))
     t, device = cfg.training, pick_device(cfg)
     torch.manual_seed(cfg.job.seed)
-    corpus = prepare_data(cfg)
+    corpus = open_corpus(cfg)
     loader = iter(build_train_loader(corpus, t, seed=cfg.job.seed, dp=1, dp_rank=0))
     batches = [torch.cat([next(loader) for _ in range(t.grad_accum_steps)]) for _ in range(t.steps)]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
-from nanotron.data import build_train_loader, eval_batches, loader_batches, prepare_data
+from nanotron.data import build_train_loader, eval_batches, loader_batches, open_corpus
 from nanotron.distributed import ParallelContext, init_distributed, loss_mesh
 from nanotron.errors import DivergenceError, NodeFaultError
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
@@ -89,7 +89,7 @@ class Trainer:
         if cfg.training.preflight:  # bad nodes stop the job before anything is built
             preflight(cfg, self.ctx)
         p = cfg.parallelism
-        self.corpus = prepare_data(cfg)
+        self.corpus = open_corpus(cfg)
         # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
         self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
         if self.source is not None and not self.source[1]:  # a resume: refuse what it cannot honour, list the rest

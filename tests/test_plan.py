@@ -214,7 +214,7 @@ def test_step_estimate_puts_each_dimensions_traffic_on_its_link_and_zero_3_moves
     hsdp = step(dp=16, dp_shard=2, tp=4, pp=1, zero_stage=3)  # 2 shards x 4 tp = one node
     assert hsdp.comm["dp"].link == "NVLink" and hsdp.comm["dp_replicate"].link == "InfiniBand"
     assert hsdp.step_s < fsdp[3].step_s
-    recompute = step(dp=16, tp=4, pp=1, zero_stage=1, recompute_layer="true")
+    recompute = step(dp=16, tp=4, pp=1, zero_stage=1, recompute="full")
     assert recompute.compute_s > fsdp[1].compute_s and recompute.mfu < fsdp[1].mfu  # MFU counts model FLOPs
     assert step(dp=8, tp=4, pp=2, zero_stage=1).compute_s > step(dp=16, tp=4, pp=1, zero_stage=1).compute_s  # bubble
 
@@ -248,7 +248,7 @@ def test_step_parts_sum_to_the_step_and_name_what_limits_each_layout():
         "bubble": step(dp=2, tp=1, pp=32, zero_stage=1),  # 32 stages, 32 microbatches: about half idle
         "tp": step(dp=8, tp=8, pp=1, zero_stage=1),  # 8-way TP: exposed transfers, the largest cost beyond compute
         "dp": step(dp=64, tp=1, pp=1, zero_stage=3),  # ZeRO-3 over InfiniBand, re-gathered per microbatch
-        "recompute": step(dp=8, tp=1, pp=1, zero_stage=1, recompute_layer="true"),
+        "recompute": step(dp=8, tp=1, pp=1, zero_stage=1, recompute="full"),
     }
     for limit, estimate in cases.items():
         assert sum(estimate.parts.values()) == pytest.approx(estimate.step_s, rel=1e-9)

@@ -11,7 +11,7 @@ import os
 
 from nanotron.checkpoint import check_writable
 from nanotron.config import help_text, load_config, parse_overrides
-from nanotron.data import prepare_data
+from nanotron.data import open_corpus
 from nanotron.distributed import destroy_distributed, launched_world_size
 from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
 from nanotron.gpu import apply_env_defaults
@@ -34,7 +34,7 @@ def _main(argv: list[str]) -> int:
     check_writable("checkpoint.dir", cfg.checkpoint_dir)
     apply_env_defaults(cfg.run_dir, max_connections(cfg))  # before CUDA or NCCL start; local ranks inherit them
     if nproc:
-        prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
+        open_corpus(cfg)  # data errors surface here as one line, before the processes start
         return spawn_local(nproc, ["-m", "nanotron.train", *argv])
     # One run per run dir: global rank 0 holds the lock for the run's lifetime (peers follow its fate).
     owns_run_dir = int(os.environ.get("RANK", "0")) == 0

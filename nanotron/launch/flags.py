@@ -61,7 +61,7 @@ ORIGINAL_FLAGS = {
     "zero": "--parallelism.zero_stage=VALUE",
     "seed": "--job.seed=VALUE",
     "tokenizer": "--data.tokenizer=PATH",
-    "text-column": "--data.text_column=NAME",
+    "text-column": "`nanotron tokenize --text_column NAME` (the run trains from its output dir, --dataset)",
     "checkpoints-path": "--checkpoint.dir=PATH",
 }
 

@@ -54,7 +54,7 @@ def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp
                         cfg = replace(base, parallelism=copy.copy(base.parallelism), training=copy.copy(base.training))
                         p, t = cfg.parallelism, cfg.training
                         p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
-                        p.recompute, p.recompute_every, p.recompute_layer = recompute, 1, False
+                        p.recompute, p.recompute_every = recompute, 1
                         p.selective_matmuls = matmuls
                         t.micro_batch_size, t.grad_accum_steps, p.ep = micro, 0, ep
                         try:
