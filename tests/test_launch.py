@@ -374,11 +374,31 @@ def test_control_characters_from_a_config_file_are_refused_too(in_tmp, checked_d
 # ---- first contact: spellings of the original nanotron --------------------------------------------------------------
 
 
-def test_nanotrons_hyphenated_spellings_are_accepted(in_tmp, checked_data, capsys):
-    argv = f"--run_name spelled --config-file {REPO}/configs/tiny.toml --train-steps 7 --gpus-per-node 0 --dry-run"
+def test_the_original_launchers_hyphenated_flags_work(in_tmp, checked_data, capsys):
+    """huggingface/nanotron's slurm_launcher.py spells these flags with hyphens; each sets what ours does."""
+    argv = (
+        "--run_name spelled --gpus_per_node 0 --hidden-size 64 --intermediate-size 128 --num-layers 2 --num-heads 4 "
+        "--num-kv-heads 2 --vocab-size 1024 --learning-rate 0.002 --warmup-steps 5 --save-interval 10 "
+        "--save-initial-state --dry-run"
+    )
     assert launch.main(argv.split()) == 0
-    assert load_config("runs/spelled/config.toml").training.steps == 7
+    cfg = load_config("runs/spelled/config.toml")
+    m = cfg.model
+    assert (m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads, m.num_kv_heads) == (64, 128, 2, 4, 2)
+    assert (m.vocab_size, cfg.optimizer.lr, cfg.optimizer.warmup_steps) == (1024, 0.002, 5)
+    assert (cfg.checkpoint.interval, cfg.checkpoint.save_initial_state) == (10, True)
     assert "dry run: nothing submitted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "ours"),
+    [("--run-name", "--run_name"), ("--train-steps", "--train_steps"), ("--gpus-per-node", "--gpus_per_node")],
+)
+def test_other_hyphenated_forms_of_our_flags_are_one_line_naming_ours(in_tmp, checked_data, capsys, flag, ours):
+    assert launch.main([*(["--run_name", "x"] if flag != "--run-name" else []), flag, "4", "--dry_run"]) == 2
+    assert capsys.readouterr().err == f"error: unrecognized argument {flag}: use {ours}\n"
+    assert launch.main(["--run_name", "x", "--config-file", "a.toml", "--dry_run"]) == 2
+    assert capsys.readouterr().err.startswith("error: --config-file is the original nanotron's spelling: use --config")
 
 
 @pytest.mark.parametrize(
