@@ -6,6 +6,7 @@ Every benchmark runs from a fresh clone: the corpus is made-up text with its own
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -14,7 +15,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,6 +129,31 @@ def data_overrides(corpus: Path, tokenizer: Path, tokens: Path) -> list[str]:
 
     tokenize_paths([str(corpus)], tokenizer, tokens, progress=False)
     return [f"--data.path={tokens}", f"--data.tokenizer={tokenizer}"]
+
+
+def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """`python -m benchmarks.<name>`'s flags: its docstring, as written, for --help; no abbreviated flags."""
+    return argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+
+
+def parse_or_work(
+    parser: argparse.ArgumentParser, argv: list[str] | None, worker: Callable[[list[str], Path], None]
+) -> argparse.Namespace:
+    """The benchmark's flags; in a `--worker` process (one measured run the benchmark started) it runs
+    `worker(training args, --out)` instead and ends as nanotron.train does: no interpreter teardown after gloo."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args(argv)
+    if args.worker:
+        from nanotron.errors import exit_process
+
+        worker(rest, args.out)
+        exit_process(0)
+    return args
 
 
 def train_command(nproc: int, args: Sequence[str]) -> list[str]:

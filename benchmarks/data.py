@@ -18,7 +18,6 @@ data time, blend proportions.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_env, ensure_data, write_table
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_env, bench_parser, ensure_data, write_table
 
 COLUMNS = ("measurement", "value", "ratio", "target", "met", "detail")
 DEMO_CORPUS, DEMO_TOKENIZER = REPO / "data/corpus/shakespeare.jsonl", REPO / "data/tokenizer"
@@ -293,7 +292,7 @@ def blend_rows(work_dir: Path, tokenizer: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.data", description=__doc__)
+    parser = bench_parser("data", __doc__)
     parser.add_argument("--rounds", type=int, default=3, help="tokenize rounds; the best is kept (default 3)")
     parser.add_argument("--quick", action="store_true", help="smoke test: synthetic corpus, one round, short run")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for data.csv/.md")

@@ -37,6 +37,7 @@ from pathlib import Path
 from benchmarks.common import (
     REPO,
     bench_env,
+    bench_parser,
     ensure_data,
     launch_nanotron,
     median_after_warmup,
@@ -213,12 +214,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_check",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = bench_parser("gpu_check", __doc__)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the speed medians")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per microbatch (lower it on <80 GB)")

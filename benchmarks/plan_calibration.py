@@ -35,13 +35,12 @@ setup share a plan; their ratio is the compile speed-up); the published peaks ar
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import statistics
 import time
 
-from benchmarks.common import REPO, RESULTS_DIR, write_table
+from benchmarks.common import REPO, RESULTS_DIR, bench_parser, write_table
 from nanotron.config import load_config
 from nanotron.models.shapes import flops_per_token
 from nanotron.plan.memory import GIB, worst_stage
@@ -212,7 +211,7 @@ def layout_degrees(cfg) -> tuple[int, int, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("plan_calibration", __doc__)
     parser.add_argument("--efficiency", type=float, default=None, help="default: each GPU's, as nanotron plan")
     parser.add_argument(
         "--search",

@@ -12,24 +12,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-WORDS = (
-    "the a one two red blue small large cat dog bird tree house river stone light dark quick slow runs "
-    "sees makes finds under over near far before after and but so then we they it is was will"
-).split()
-
-
-def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
-    """Made-up sentences from a tiny grammar-free word list: learnable, and no third-party text."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n_docs):
-        sentences = [
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
-            for _ in range(rng.randint(20, 40))
-        ]
-        docs.append(" ".join(sentences))
-    return docs
+# Made-up sentences (learnable, no third-party text) and the documented training launch, as the benchmarks use them.
+from benchmarks.common import REPO, WORDS, synthetic_documents, train_command
 
 
 @dataclass
@@ -148,20 +132,9 @@ def run_train(
     args: list[str], nproc: int = 1, cwd: Path = REPO, timeout: float = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
     """Runs `python -m nanotron.train` in one process, or under torchrun with `nproc` processes."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "nanotron.train", *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "nanotron.train",
-            *args,
-        ]
-    proc = subprocess.run(cmd, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        train_command(nproc, args), cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
