@@ -107,9 +107,8 @@ def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
     ]
 
 
-def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> list[str]:
-    """Writes the synthetic corpus, its tokenizer and its tokens once; returns the `--data.*` overrides that use
-    them."""
+def synthetic_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> tuple[Path, Path]:
+    """(JSONL corpus, tokenizer dir) of the synthetic text, written once under `work_dir`."""
     from nanotron.tokenize.bpe import train_tokenizer
 
     root = work_dir / "data"
@@ -119,7 +118,13 @@ def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> l
         corpus.parent.mkdir(parents=True, exist_ok=True)
         corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
         train_tokenizer(docs, tokenizer, vocab_size=vocab_size)
-    return data_overrides(corpus.parent, tokenizer, root / "tokens")
+    return corpus, tokenizer
+
+
+def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> list[str]:
+    """The `--data.*` overrides of the synthetic text (`synthetic_data`), tokenized once."""
+    corpus, tokenizer = synthetic_data(work_dir, n_docs, vocab_size)
+    return data_overrides(corpus.parent, tokenizer, work_dir / "data" / "tokens")
 
 
 def data_overrides(corpus: Path, tokenizer: Path, tokens: Path) -> list[str]:

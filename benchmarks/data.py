@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_env, bench_parser, ensure_data, write_table
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_env, bench_parser, synthetic_data, write_table
 
 COLUMNS = ("measurement", "value", "ratio", "target", "met", "detail")
 DEMO_CORPUS, DEMO_TOKENIZER = REPO / "data/corpus/shakespeare.jsonl", REPO / "data/tokenizer"
@@ -42,8 +42,7 @@ def corpus_for(work_dir: Path, quick: bool) -> tuple[Path, Path, str]:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(DEMO_CORPUS.read_text() * 8)
         return out, DEMO_TOKENIZER, "Shakespeare x8"
-    overrides = dict(o.removeprefix("--data.").split("=", 1) for o in ensure_data(work_dir))
-    return Path(overrides["path"]) / "docs.jsonl", Path(overrides["tokenizer"]), "synthetic"
+    return *synthetic_data(work_dir), "synthetic"
 
 
 def tokenize_rows(corpus: Path, tokenizer_path: Path, work_dir: Path, rounds: int, what: str) -> list[dict]:
