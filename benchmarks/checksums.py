@@ -10,7 +10,6 @@ alone over the same files (hot in the page cache, as right after a save). Best o
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import RESULTS_DIR, write_table
+from benchmarks.common import RESULTS_DIR, bench_parser, write_table
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, integrity
 from nanotron.config import CheckpointConfig, load_config
 from nanotron.models.llama import LlamaForCausalLM
@@ -81,7 +80,7 @@ def measure(size: str, rounds: int, overrides: list[tuple[str, str]]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("checksums", __doc__)
     parser.add_argument("--size", default="small")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the tiny model, one round (a smoke test)")

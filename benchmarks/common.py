@@ -6,6 +6,7 @@ Every benchmark runs from a fresh clone: the corpus is made-up text with its own
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -14,7 +15,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,8 +107,8 @@ def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
     ]
 
 
-def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> list[str]:
-    """Writes the synthetic corpus and tokenizer once; returns the `--data.*` overrides that use them."""
+def synthetic_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> tuple[Path, Path]:
+    """(JSONL corpus, tokenizer dir) of the synthetic text, written once under `work_dir`."""
     from nanotron.tokenize.bpe import train_tokenizer
 
     root = work_dir / "data"
@@ -117,7 +118,47 @@ def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> l
         corpus.parent.mkdir(parents=True, exist_ok=True)
         corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
         train_tokenizer(docs, tokenizer, vocab_size=vocab_size)
-    return [f"--data.path={corpus.parent}", f"--data.tokenizer={tokenizer}", f"--data.cache_dir={root / 'cache'}"]
+    return corpus, tokenizer
+
+
+def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> list[str]:
+    """The `--data.*` overrides of the synthetic text (`synthetic_data`), tokenized once."""
+    corpus, tokenizer = synthetic_data(work_dir, n_docs, vocab_size)
+    return data_overrides(corpus.parent, tokenizer, work_dir / "data" / "tokens")
+
+
+def data_overrides(corpus: Path, tokenizer: Path, tokens: Path) -> list[str]:
+    """`--data.*` overrides for `corpus`, tokenized into `tokens` first (`nanotron tokenize`'s defaults; a finished
+    dir of the same corpus and tokenizer is reused)."""
+    from nanotron.tokenize.writer import tokenize_paths
+
+    tokenize_paths([str(corpus)], tokenizer, tokens, progress=False)
+    return [f"--data.path={tokens}", f"--data.tokenizer={tokenizer}"]
+
+
+def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """`python -m benchmarks.<name>`'s flags: its docstring, as written, for --help; no abbreviated flags."""
+    return argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+
+
+def parse_or_work(
+    parser: argparse.ArgumentParser, argv: list[str] | None, worker: Callable[[list[str], Path], None]
+) -> argparse.Namespace:
+    """The benchmark's flags; in a `--worker` process (one measured run the benchmark started) it runs
+    `worker(training args, --out)` instead and ends as nanotron.train does: no interpreter teardown after gloo."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args(argv)
+    if args.worker:
+        from nanotron.errors import exit_process
+
+        worker(rest, args.out)
+        exit_process(0)
+    return args
 
 
 def train_command(nproc: int, args: Sequence[str]) -> list[str]:

@@ -16,7 +16,6 @@ backward), the same formula as `nanotron plan`'s cp traffic.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ from benchmarks.common import (
     REPO,
     RESULTS_DIR,
     bench_env,
+    bench_parser,
     ensure_data,
     model_overrides,
     train_command,
@@ -114,12 +114,7 @@ def speed_rows(seq_len: int, rounds: int, steps: int, work_dir: Path, data: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.context",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = bench_parser("context", __doc__)
     parser.add_argument("--seq-len", type=int, default=16384, help="tokens per sample for the memory runs")
     parser.add_argument("--speed-seq-len", type=int, default=4096, help="tokens per sample for the speed runs")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved speed rounds")

@@ -11,16 +11,15 @@ coord_check.csv, coord_check.md and coord-check-{width,depth}-{size,change,updat
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, RESULTS_DIR
+from benchmarks.common import DEFAULT_WORK_DIR, RESULTS_DIR, bench_parser
 from benchmarks.inprocess import corpus_overrides
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("coord_check", __doc__)
     parser.add_argument("--widths", default="64,128,256,512", help="width sweep (4 layers); the first is µP's base")
     parser.add_argument("--depths", default="4,8,16,32", help="depth sweep (width 64); the first is µP's base")
     parser.add_argument("--steps", type=int, default=10, help="training steps per run (statistics every step)")

@@ -9,7 +9,7 @@ data time, blend proportions.
   written. The rayon-threaded encode_batch (all cores) is shown too, and the fixed cost of starting the 2 worker
   processes (spawn, imports, tokenizer), included in the --workers 2 time. Best of --rounds; every round is listed.
 - loader at 1e9 samples: a tokenized dir of sparse shards (seq_len 128: 1.3e11 tokens, 256 GB apparent, nothing on
-  disk) and its meta.json; a fresh process times prepare_data + build_train_loader + the first microbatch, and
+  disk) and its meta.json; a fresh process times open_corpus + build_train_loader + the first microbatch, and
   its RSS growth; then the same at a resume point near the end.
 - per-step data time: one step of configs/tiny.toml (global batch 16 x 128, 4 microbatches) drawn from the loader,
   next to the tiny model's step time (median of a 1-process `nanotron.train` run of configs/tiny.toml).
@@ -18,7 +18,6 @@ data time, blend proportions.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_env, ensure_data, write_table
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_env, bench_parser, synthetic_data, write_table
 
 COLUMNS = ("measurement", "value", "ratio", "target", "met", "detail")
 DEMO_CORPUS, DEMO_TOKENIZER = REPO / "data/corpus/shakespeare.jsonl", REPO / "data/tokenizer"
@@ -43,8 +42,7 @@ def corpus_for(work_dir: Path, quick: bool) -> tuple[Path, Path, str]:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(DEMO_CORPUS.read_text() * 8)
         return out, DEMO_TOKENIZER, "Shakespeare x8"
-    overrides = dict(o.removeprefix("--data.").split("=", 1) for o in ensure_data(work_dir))
-    return Path(overrides["path"]) / "docs.jsonl", Path(overrides["tokenizer"]), "synthetic"
+    return *synthetic_data(work_dir), "synthetic"
 
 
 def tokenize_rows(corpus: Path, tokenizer_path: Path, work_dir: Path, rounds: int, what: str) -> list[dict]:
@@ -169,12 +167,12 @@ import json, sys, time
 def rss_mb():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
 from nanotron.config import load_config
-from nanotron.data import build_train_loader, prepare_data
+from nanotron.data import build_train_loader, open_corpus
 path, tokenizer, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cfg = load_config("configs/tiny.toml", [("data.path", path), ("data.tokenizer", tokenizer)])
 before = rss_mb()
 started = time.perf_counter()
-corpus = prepare_data(cfg)
+corpus = open_corpus(cfg)
 loader = iter(build_train_loader(corpus, cfg.training, seed=0, dp=1, dp_rank=0, start_sample=start))
 first = next(loader)
 startup = time.perf_counter() - started
@@ -235,7 +233,7 @@ def loader_rows(work_dir: Path, tokenizer: Path, quick: bool) -> list[dict]:
             "",
             "<= 100 MB",
             fresh["extra_rss_mb"] <= 100,
-            "prepare_data + build_train_loader + first microbatch",
+            "open_corpus + build_train_loader + first microbatch",
         ),
         row(
             "resume at sample 999,990,000",
@@ -266,14 +264,14 @@ def loader_rows(work_dir: Path, tokenizer: Path, quick: bool) -> list[dict]:
 
 def blend_rows(work_dir: Path, tokenizer: Path) -> list[dict]:
     from nanotron.config import load_config
-    from nanotron.data import TrainSamples, prepare_data
+    from nanotron.data import TrainSamples, open_corpus
 
     parts = [sparse_dir(work_dir / "tokenized" / f"blend{i}", 10**6, tokenizer, shards=1) for i in range(3)]
     rows = []
     for weights in ([0.5, 0.3, 0.2], [0.7, 0.2, 0.1], [0.98, 0.01, 0.01]):
         entries = ",".join(f"{p}:{w}" for p, w in zip(parts, weights))
         cfg = load_config("configs/tiny.toml", [("data.datasets", entries), ("data.tokenizer", str(tokenizer))])
-        samples = TrainSamples(prepare_data(cfg), seed=0)
+        samples = TrainSamples(open_corpus(cfg), seed=0)
         counts = [0] * len(weights)
         for g in range(10_000):
             counts[samples.locate(g)[0]] += 1
@@ -293,7 +291,7 @@ def blend_rows(work_dir: Path, tokenizer: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.data", description=__doc__)
+    parser = bench_parser("data", __doc__)
     parser.add_argument("--rounds", type=int, default=3, help="tokenize rounds; the best is kept (default 3)")
     parser.add_argument("--quick", action="store_true", help="smoke test: synthetic corpus, one round, short run")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for data.csv/.md")

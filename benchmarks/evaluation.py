@@ -10,18 +10,17 @@ seconds over the time of the 100 steps between two (median step time x 100, from
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 
-from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, run_nanotron, write_table
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_parser, run_nanotron, write_table
 
 COLUMNS = ("step", "acc", "acc_norm", "seconds", "detail")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("evaluation", __doc__)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--items", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=1)

@@ -11,19 +11,27 @@ Prints one row per layout: runs, exit codes seen, and the first failing output i
 
 from __future__ import annotations
 
-import argparse
 import collections
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, QUIET_RUN, REPO, bench_env, ensure_data, model_overrides, train_command
+from benchmarks.common import (
+    DEFAULT_WORK_DIR,
+    QUIET_RUN,
+    REPO,
+    bench_env,
+    bench_parser,
+    ensure_data,
+    model_overrides,
+    train_command,
+)
 
 LAYOUTS = {"dp2": ["--parallelism.dp=2"], "pp2": ["--parallelism.pp=2"], "tp2": ["--parallelism.tp=2"]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.exit_stress", description=__doc__)
+    parser = bench_parser("exit_stress", __doc__)
     parser.add_argument("--runs", type=int, default=30, help="runs per layout")
     parser.add_argument("--layouts", default="dp2,pp2", help=f"comma-separated, among {', '.join(LAYOUTS)}")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)

@@ -37,6 +37,7 @@ from pathlib import Path
 from benchmarks.common import (
     REPO,
     bench_env,
+    bench_parser,
     ensure_data,
     launch_nanotron,
     median_after_warmup,
@@ -166,7 +167,7 @@ def watch_checks(common: list[str], n_devices: int, settings: argparse.Namespace
     """`nanotron doctor` on the visible devices: a healthy run passes (exit 0, its table printed) and an injected
     wrong matmul on rank 0 is caught (exit 75): the checksum and fp64-reference checks on the device's own math.
     With two devices or more, also a hang on NCCL (rank 1 sleeps in data at step 3): the watcher must name it."""
-    base = [sys.executable, "-m", "nanotron", "{}", "--nproc_per_node", str(n_devices), "--config", "configs/tiny.toml"]
+    base = ["--nproc_per_node", str(n_devices), "--config", "configs/tiny.toml"]  # after `python -m nanotron CMD`
     base += [arg for arg in common if arg.startswith(("--training.device", "--data."))]
     base += [f"--job.out_dir={settings.work_dir / 'runs'}", f"--parallelism.dp={n_devices}"]
     runs = [("doctor", "", 0, "doctor: "), ("doctor", "rank:0,step:0,kind:bad_matmul", 75, "doctor: rank 0 ")]
@@ -174,7 +175,7 @@ def watch_checks(common: list[str], n_devices: int, settings: argparse.Namespace
         runs.append(("train", "rank:1,step:3,kind:sleep", 75, "hang: rank 1 "))
     ok = True
     for command, fault, expected, line in runs:
-        argv = [*base[:3], base[3].format(command), *base[4:], f"--job.name=watch-{command}"]
+        argv = [sys.executable, "-m", "nanotron", command, *base, f"--job.name=watch-{command}"]
         argv += ["--training.steps=10", "--watch.floor_seconds=20"] if command == "train" else []
         env = bench_env() | ({"NANOTRON_FAULT": fault} if fault else {})
         proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=settings.timeout)
@@ -192,7 +193,7 @@ def nccl_dump_on_timeout(base: list[str], settings: argparse.Namespace) -> bool:
     """NCCL's own flight recorder (TORCH_NCCL_DUMP_ON_TIMEOUT, set by default): with the watcher off, a hang must
     end in NCCL's watchdog timeout and leave <run dir>/nccl_trace_rank_<r> files."""
     name = "watch-nccl-timeout"
-    argv = [*base[:3], base[3].format("train"), *base[4:], f"--job.name={name}", "--training.steps=10"]
+    argv = [sys.executable, "-m", "nanotron", "train", *base, f"--job.name={name}", "--training.steps=10"]
     argv += ["--watch.enabled=false", "--distributed.timeout_minutes=0.2", "--distributed.startup_timeout_minutes=0.5"]
     env = bench_env() | {"NANOTRON_FAULT": "rank:1,step:3,kind:sleep"}
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=settings.timeout)
@@ -213,12 +214,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_check",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = bench_parser("gpu_check", __doc__)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the speed medians")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per microbatch (lower it on <80 GB)")

@@ -13,7 +13,7 @@ import math
 import shutil
 from pathlib import Path
 
-from benchmarks.common import NO_OUTPUTS, REPO, ensure_data
+from benchmarks.common import NO_OUTPUTS, REPO, data_overrides, ensure_data
 
 SHAKESPEARE = REPO / "data" / "corpus" / "shakespeare.jsonl"
 
@@ -39,8 +39,7 @@ def corpus_overrides(work_dir: Path, quick: bool, vocab_size: int = 1024) -> lis
     tokenizer = work_dir / "shakespeare" / f"tokenizer-{vocab_size}"
     if not (tokenizer / "tokenizer.json").is_file():
         train_tokenizer(read_jsonl_texts(SHAKESPEARE), tokenizer, vocab_size=vocab_size)
-    cache = work_dir / "shakespeare" / "cache"
-    return [f"--data.path={SHAKESPEARE}", f"--data.tokenizer={tokenizer}", f"--data.cache_dir={cache}"]
+    return data_overrides(SHAKESPEARE, tokenizer, work_dir / "shakespeare" / f"tokens-{vocab_size}")
 
 
 def train_run(name: str, args: list[str], work_dir: Path) -> tuple[list[dict], bool]:

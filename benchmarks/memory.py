@@ -15,7 +15,7 @@ before it built anything (the Python runtime and libraries are ~0.4 GiB per proc
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import os
 import subprocess
@@ -28,8 +28,10 @@ from benchmarks.common import (
     REPO,
     RESULTS_DIR,
     bench_env,
+    bench_parser,
     ensure_data,
     model_overrides,
+    parse_or_work,
     write_table,
 )
 
@@ -123,12 +125,13 @@ def worker(args: list[str], out: Path) -> None:
     from nanotron.config import load_config, parse_overrides
     from nanotron.metrics.step import memory_record
     from nanotron.parallel.mesh import destroy_distributed, launched_world_size
+    from nanotron.parallel.recompute import recompute_mode
     from nanotron.trainer import Trainer
 
     baseline = resident_gib() if not torch.cuda.is_available() else 0.0
     cfg = load_config(*parse_overrides(args), world_size=launched_world_size())
     trainer = Trainer(cfg)
-    with StepProbe(trainer.modules, cfg.recompute_of).active() as probe:
+    with StepProbe(trainer.modules, functools.partial(recompute_mode, cfg)).active() as probe:
         trainer.train()
     optimizer_state = [
         value
@@ -227,24 +230,13 @@ def summarize(name: str, target: float | None, ranks: list[dict], reference_byte
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.memory",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = bench_parser("memory", __doc__)
     parser.add_argument("--size", default="small", help="a benchmarks.common.MODELS key")
     parser.add_argument("--quick", action="store_true", help="smoke-test settings: nano model, four layouts")
     parser.add_argument("--layouts", nargs="+", metavar="NAME", help="only these layouts (names as in the table)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for memory.csv/.md (a worker's JSON)")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="synthetic data and run dirs")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args(argv)
-    if args.worker:
-        from nanotron.errors import exit_process
-
-        worker(rest, args.out)
-        exit_process(0)  # as nanotron.train does: no interpreter teardown after gloo (see errors.exit_process)
+    args = parse_or_work(parser, argv, worker)
     size = "nano" if args.quick else args.size
     layouts = [layout for layout in LAYOUTS if not args.quick or layout[0] in QUICK_LAYOUTS]
     if args.layouts:  # the one-process run stays first: it is the reference

@@ -20,7 +20,6 @@ Memory: MoE layouts through `benchmarks.memory`'s probe (the real Trainer, what 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -28,7 +27,17 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, QUIET_RUN, REPO, RESULTS_DIR, bench_env, ensure_data, write_table
+from benchmarks.common import (
+    DEFAULT_WORK_DIR,
+    QUIET_RUN,
+    REPO,
+    RESULTS_DIR,
+    bench_env,
+    bench_parser,
+    ensure_data,
+    parse_or_work,
+    write_table,
+)
 from benchmarks.memory import ESTIMATED, estimate_errors, measure
 
 MIB = 2**20
@@ -245,25 +254,14 @@ def kernel_check(device: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.moe",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = bench_parser("moe", __doc__)
     parser.add_argument("--steps", type=int, default=200, help="steps of configs/moe.toml for the balance runs")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved speed rounds")
     parser.add_argument("--only", choices=("balance", "speed", "memory"), help="run one part")
     parser.add_argument("--quick", action="store_true", help="smoke-test settings: few steps, one round")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for moe_*.csv/.md")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="synthetic data and run dirs")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args(argv)
-    if args.worker:
-        from nanotron.errors import exit_process
-
-        worker(rest, args.out)
-        exit_process(0)
+    args = parse_or_work(parser, argv, worker)
     steps, rounds, speed_steps = (args.steps, args.rounds, 8) if not args.quick else (6, 1, 3)
     data = ensure_data(args.work_dir)
     if args.only in (None, "balance"):

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, markdown_table, write_csv
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_parser, markdown_table, write_csv
 from benchmarks.inprocess import corpus_overrides, family_overrides, late_train_loss, train_run
 
 PARAMETRIZATIONS = ("standard", "mup")
@@ -581,7 +581,7 @@ def write_sweep(rows: list[dict], table: list[dict], lines: list[str], args, wid
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("mup_transfer", __doc__)
     parser.add_argument("--widths", default="32,64,128,256", help="width sweep; the first is µP's base width")
     parser.add_argument("--depths", default="4,16", help="depth sweep at the first width; the first is µP's base")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the loss-vs-width curve at the base's best LR")

@@ -30,6 +30,7 @@ from benchmarks.common import (
     REPO,
     RESULTS_DIR,
     bench_env,
+    bench_parser,
     ensure_data,
     median_after_warmup,
     model_overrides,
@@ -71,7 +72,8 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     import torch.nn.functional as F
 
     from nanotron.config import load_config, parse_overrides
-    from nanotron.data import build_train_loader, prepare_data
+    from nanotron.data import build_train_loader, open_corpus
+    from nanotron.metrics.profiler import Profiler
     from nanotron.models.llama import LlamaForCausalLM
     from nanotron.optim import build_optimizer
     from nanotron.parallel.init import init_weights
@@ -80,7 +82,7 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     cfg = load_config(*parse_overrides(args))
     t, device = cfg.training, pick_device(cfg)
     torch.manual_seed(cfg.job.seed)
-    corpus = prepare_data(cfg)
+    corpus = open_corpus(cfg)
     loader = iter(build_train_loader(corpus, t, seed=cfg.job.seed, dp=1, dp_rank=0))
     batches = [torch.cat([next(loader) for _ in range(t.grad_accum_steps)]) for _ in range(t.steps)]
 
@@ -96,7 +98,7 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
         out = model(inputs)
         return out.logits if implementation == "transformers" else out
 
-    profiler = loop_profiler(cfg.profiler, implementation, device)
+    profiler = Profiler.start(cfg.profiler, device, implementation, enabled=True)  # nanotron's: traces compare 1:1
     times, losses = [], []
     for batch in batches:
         start = time.perf_counter()
@@ -111,31 +113,9 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
         optimizer.step()
         times.append(time.perf_counter() - start)
         losses.append(total)
-        if profiler is not None:
-            profiler.step()
-    if profiler is not None:
-        profiler.stop()
+        profiler.step()
+    profiler.stop()
     out.write_text(json.dumps({"step_time_sec": times, "loss": losses}))
-
-
-def loop_profiler(settings, name: str, device):
-    """The loop's torch.profiler, configured like nanotron's `profiler.*` keys so traces compare 1:1."""
-    import torch
-
-    if not settings.export_path:
-        return None
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=settings.wait_steps, warmup=1, active=settings.active_steps, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(settings.export_path, worker_name=name),
-        record_shapes=True,
-        profile_memory=True,
-    )
-    profiler.start()
-    return profiler
 
 
 def hf_model(model_cfg, state_dict: dict, device):
@@ -232,12 +212,7 @@ def ratio_lines(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = bench_parser("overhead", __doc__)
     parser.add_argument("--sizes", default="tiny,small", help="comma-separated benchmarks.common.MODELS keys")
     parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS), help="comma-separated subset")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")

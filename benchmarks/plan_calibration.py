@@ -35,13 +35,12 @@ setup share a plan; their ratio is the compile speed-up); the published peaks ar
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import statistics
 import time
 
-from benchmarks.common import REPO, RESULTS_DIR, write_table
+from benchmarks.common import REPO, RESULTS_DIR, bench_parser, write_table
 from nanotron.config import load_config
 from nanotron.models.shapes import flops_per_token
 from nanotron.plan.memory import GIB, worst_stage
@@ -137,7 +136,7 @@ def published_mfu(case: dict) -> float:
     them (Megatron's convention: 6 per parameter a token meets and the full seq_len^2 attention)."""
     cfg = config(case)
     flops = float(case["tokens_per_s_per_gpu"]) * flops_per_token(cfg.model, cfg.training.seq_len)
-    return flops / (parse_gpu(case["gpu"]).peak_tflops * 1e12)
+    return flops / (parse_gpu(case["gpu"]).device.bf16 * 1e12)
 
 
 def planned_per_gpu(case: dict, efficiency: float | None = None) -> float:
@@ -176,7 +175,8 @@ def search_cells(cases: list[dict], only: list[str]) -> list[dict]:
         if only and not {c["case"] for c in members} & set(only):
             continue
         best = max(members, key=lambda c: float(c["tokens_per_s_per_gpu"] or 0))
-        gpu = dataclasses.replace(parse_gpu(gpu_name), memory_gib=float(best["gpu_memory_gib"]))
+        gpu = parse_gpu(gpu_name)
+        gpu = dataclasses.replace(gpu, device=dataclasses.replace(gpu.device, memory_gib=float(best["gpu_memory_gib"])))
         started = time.perf_counter()
         found, considered = search(config(best), int(world), 8, gpu, gpu.efficiency.default)
         ranks = [i for i, c in enumerate(found, 1) if layout_degrees(c.cfg) == degrees(best)]
@@ -211,7 +211,7 @@ def layout_degrees(cfg) -> tuple[int, int, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("plan_calibration", __doc__)
     parser.add_argument("--efficiency", type=float, default=None, help="default: each GPU's, as nanotron plan")
     parser.add_argument(
         "--search",

@@ -15,7 +15,6 @@ the two are compared (they must agree to 1e-5).
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import statistics
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import RESULTS_DIR, write_table
+from benchmarks.common import RESULTS_DIR, bench_parser, write_table
 from nanotron.parallel.context import RingAttention, shard_sequence, zigzag_positions
 from nanotron.parallel.torch_private import attention_with_lse
 
@@ -135,7 +134,7 @@ def measure(cp: int, seq_len: int, rounds: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.ring_vs_allgather", description=__doc__)
+    parser = bench_parser("ring_vs_allgather", __doc__)
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--cp", default="2,4", help="comma-separated cp sizes")
     parser.add_argument("--rounds", type=int, default=5)

@@ -16,7 +16,6 @@ all-reduce a step already does carries its two numbers, so nothing else is added
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -27,6 +26,7 @@ from benchmarks.common import (
     QUIET_RUN,
     REPO,
     RESULTS_DIR,
+    bench_parser,
     ensure_data,
     median_after_warmup,
     model_overrides,
@@ -95,7 +95,7 @@ def cost(steps: int, rounds: int, work_dir: Path, size: str) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("stability", __doc__)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")

@@ -14,7 +14,6 @@ model would cost.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_env, ensure_data, write_table
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_env, bench_parser, ensure_data, write_table
 
 COLUMNS = ("size", "params_m", "start", "first_step_s", "build_s", "every_round_s")
 BUILD = re.compile(r"built (?:and randomly initialised )?in ([\d.]+)s")
@@ -62,7 +61,7 @@ def normal_samples_per_second() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__)
+    parser = bench_parser("startup", __doc__)
     parser.add_argument("--sizes", default="tiny,small", help="configs/<size>.toml models, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of fresh + resume per size (default 3)")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny only, one round")

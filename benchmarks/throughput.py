@@ -26,6 +26,7 @@ from benchmarks.common import (
     DEFAULT_WORK_DIR,
     QUIET_RUN,
     RESULTS_DIR,
+    bench_parser,
     collect_metrics,
     ensure_data,
     launch_nanotron,
@@ -289,12 +290,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = bench_parser("throughput", __doc__)
     parser.add_argument("--sizes", default="tiny,small", help="comma-separated benchmarks.common.MODELS keys")
     parser.add_argument(
         "--layouts", default="", help="comma-separated layout names (default: all; '1 process' is always added)"

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -28,7 +27,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import QUIET_RUN, REPO, RESULTS_DIR, bench_env, ensure_data, model_overrides, write_table
+from benchmarks.common import (
+    QUIET_RUN,
+    REPO,
+    RESULTS_DIR,
+    bench_env,
+    bench_parser,
+    ensure_data,
+    model_overrides,
+    write_table,
+)
 
 
 def watch_cost_ratio(rounds: int = 7) -> dict:
@@ -159,7 +167,7 @@ def detection_runs(work_dir: Path, nproc: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.watch", description=__doc__)
+    parser = bench_parser("watch", __doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--save-seconds", type=float, default=20.0, help="slow_disk on rank 0 in the clean run")

@@ -20,7 +20,7 @@ from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, r
 from nanotron.checkpoint.layout import committed_steps
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
-from nanotron.data import build_train_loader, loader_batches, prepare_data
+from nanotron.data import build_train_loader, loader_batches, open_corpus
 from nanotron.data.skips import write_run_skips
 from nanotron.errors import DivergenceError, NodeFaultError, UserError
 from nanotron.evaluation.evaluator import Evaluator
@@ -100,7 +100,7 @@ class Trainer:
         set_matmul_precision(cfg, self.ctx.device)
         if cfg.training.preflight:  # bad nodes stop the job before anything is built
             preflight(cfg, self.ctx)
-        self.corpus = prepare_data(cfg)
+        self.corpus = open_corpus(cfg)
         # Known before the model exists: a start that loads weights skips the random init (the load overwrites it).
         self.source = resolve_source(cfg.checkpoint_dir, cfg.checkpoint)
         if self.source is not None and not self.source[1]:  # a resume: refuse what it cannot honour, list the rest

@@ -12,48 +12,42 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-WORDS = (
-    "the a one two red blue small large cat dog bird tree house river stone light dark quick slow runs "
-    "sees makes finds under over near far before after and but so then we they it is was will"
-).split()
-
-
-def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
-    """Made-up sentences from a tiny grammar-free word list: learnable, and no third-party text."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n_docs):
-        sentences = [
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
-            for _ in range(rng.randint(20, 40))
-        ]
-        docs.append(" ".join(sentences))
-    return docs
+# Made-up sentences (learnable, no third-party text) and the documented training launch, as the benchmarks use them.
+from benchmarks.common import REPO, WORDS, synthetic_documents, train_command
 
 
 @dataclass
 class TinyData:
-    corpus: Path
+    corpus: Path  # the raw documents (docs.jsonl)
     tokenizer: Path
-    cache: Path
+    tokenized: Path  # the corpus as `nanotron tokenize` writes it, with its defaults
     task: Path | None = None  # a multiple-choice evaluation task (tiny_task)
 
     def overrides(self) -> list[str]:
-        return [f"--data.path={self.corpus}", f"--data.tokenizer={self.tokenizer}", f"--data.cache_dir={self.cache}"]
+        return [f"--data.path={self.tokenized}", f"--data.tokenizer={self.tokenizer}"]
+
+
+def tiny_data_of(root: Path, docs: list[str], tokenizer_docs: list[str]) -> TinyData:
+    """`docs` as a JSONL corpus, a 512-token BPE trained on `tokenizer_docs`, and the corpus tokenized by
+    `nanotron tokenize`'s own function with its defaults (validation split 0.05, seed 0, one shard)."""
+    from nanotron.tokenize.bpe import train_tokenizer
+    from nanotron.tokenize.writer import tokenize_paths
+
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    train_tokenizer(tokenizer_docs, root / "tokenizer", vocab_size=512)
+    tokenize_paths([str(corpus)], root / "tokenizer", root / "tokens", progress=False)
+    return TinyData(corpus, root / "tokenizer", root / "tokens")
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> TinyData:
-    from nanotron.tokenize.bpe import train_tokenizer
-
     root = tmp_path_factory.mktemp("tiny_data")
     docs = synthetic_documents(60)
-    corpus = root / "corpus"
-    corpus.mkdir()
-    (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    train_tokenizer(docs, root / "tokenizer", vocab_size=512)
-    return TinyData(corpus, root / "tokenizer", root / "cache", tiny_task(root / "task.jsonl"))
+    data = tiny_data_of(root, docs, docs)
+    data.task = tiny_task(root / "task.jsonl")
+    return data
 
 
 def tiny_task(path: Path, n_items: int = 7, seed: int = 5) -> Path:
@@ -82,9 +76,6 @@ def item_log_likelihoods(run_dir: Path, step: int) -> list[float]:
 def short_docs_data(tmp_path_factory) -> TinyData:
     """Documents of 1-3 short sentences (5-40 tokens): several EOS tokens in most 16-token samples, so
     document masking has documents that cross sequence chunks and tokens without a loss."""
-    from nanotron.tokenize.bpe import train_tokenizer
-
-    root = tmp_path_factory.mktemp("short_docs")
     rng = random.Random(1)
     docs = [
         " ".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))).capitalize() + "." for _ in range(3))
@@ -92,11 +83,7 @@ def short_docs_data(tmp_path_factory) -> TinyData:
         else " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))).capitalize() + "."
         for i in range(3000)
     ]
-    corpus = root / "corpus"
-    corpus.mkdir()
-    (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    train_tokenizer(synthetic_documents(60), root / "tokenizer", vocab_size=512)
-    return TinyData(corpus, root / "tokenizer", root / "cache")
+    return tiny_data_of(tmp_path_factory.mktemp("short_docs"), docs, synthetic_documents(60))
 
 
 # A model small enough for 8 ranks on 2 cores, with GQA, 4 layers and a vocab divisible by tp.
@@ -119,6 +106,15 @@ TINY_MODEL = [
     "--optimizer.warmup_steps=2",
 ]
 
+# TINY_MODEL under µP at 2x the width and 2x the depth of its base (4 heads of 4, MLP 32, 2 layers).
+TINY_MUP = [
+    "--model.parametrization=mup",
+    "--model.mup_base.hidden=16",
+    "--model.mup_base.heads=4",
+    "--model.mup_base.intermediate=32",
+    "--model.mup_base.layers=2",
+]
+
 
 def train_env() -> dict[str, str]:
     env = {
@@ -136,20 +132,9 @@ def run_train(
     args: list[str], nproc: int = 1, cwd: Path = REPO, timeout: float = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
     """Runs `python -m nanotron.train` in one process, or under torchrun with `nproc` processes."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "nanotron.train", *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "nanotron.train",
-            *args,
-        ]
-    proc = subprocess.run(cmd, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        train_command(nproc, args), cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

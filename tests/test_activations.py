@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, TINY_MUP
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.metrics.activations import ActivationStats, activation_names
@@ -15,7 +15,7 @@ from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.recompute import apply_recompute
 
-MUP = ["--model.parametrization=mup", "--model.mup_base_width=16", "--model.mup_base_depth=2"]
+MUP = TINY_MUP
 
 
 def tiny(*extra: str):

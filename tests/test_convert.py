@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from conftest import TINY_MODEL, run_train, train_losses
+from conftest import TINY_MODEL, TINY_MUP, run_train, train_losses
 from safetensors.torch import load_file
 
 from nanotron.checkpoint import integrity, read_metadata
@@ -22,7 +22,7 @@ from nanotron.checkpoint.manager import check_model_shapes
 from nanotron.commands.convert import main as convert_main
 from nanotron.commands.generate import main as generate_main
 from nanotron.config import load_config, parse_overrides, toml_text
-from nanotron.data import build_train_loader, prepare_data
+from nanotron.data import build_train_loader, open_corpus
 from nanotron.errors import CheckpointError
 from nanotron.hf.export import to_hf
 from nanotron.models.generate import generate, sample_next
@@ -81,6 +81,20 @@ def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path, ma
     assert tokenizer.eos_token == "<|endoftext|>" and hf.config.eos_token_id == tokenizer.eos_token_id
 
 
+def test_an_import_is_committed_as_a_checkpoint_is(tmp_path, monkeypatch):
+    """from-hf writes a temporary dir and publishes it with the checkpoint layout's commit: renamed whole into the
+    (here empty) out folder, the rename made durable by syncing the parent, nothing temporary left behind."""
+    from nanotron.checkpoint import layout
+
+    synced, fsync_dir = [], layout.fsync_dir
+    monkeypatch.setattr(layout, "fsync_dir", lambda path: (synced.append(path), fsync_dir(path)))
+    hf_model().save_pretrained(tmp_path / "source")
+    (tmp_path / "ckpt").mkdir()
+    assert convert_main(["from-hf", str(tmp_path / "source"), str(tmp_path / "ckpt")]) == 0
+    assert synced == [tmp_path] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "source"]
+    assert (tmp_path / "ckpt" / "checksums.json").is_file() and (tmp_path / "ckpt" / ".metadata").is_file()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
     source = tmp_path / "source"
@@ -99,10 +113,13 @@ def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
 
 # µP shapes of TINY_MODEL (hidden 32, 4 layers, head dim 8): every multiplier differs from 1 but where noted.
 MUP_EXPORTS = {
-    "untied": (False, ["--model.mup_base_width=16", "--model.mup_base_depth=2"]),
-    "tied-logit-multiplier": (True, ["--model.mup_base_width=16", "--model.mup_base_depth=2"]),
+    "untied": (False, TINY_MUP),
+    "tied-logit-multiplier": (True, TINY_MUP),
     # The base width is the model's (logit multiplier 1): the head stays tied; attention and branches still fold.
-    "tied-base-width": (True, ["--model.mup_base_depth=1", "--model.mup_base_head_dim=2"]),
+    "tied-base-width": (
+        True,
+        ["--model.mup_base.head_dim=2", "--model.mup_base.kv_heads=8", "--model.mup_base.layers=1"],
+    ),
 }
 
 
@@ -151,7 +168,7 @@ def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(
 def first_global_batch(tiny_data, args: list[str]) -> torch.Tensor:
     """The samples of step 1 as the trainer sees them (same config, same sample order)."""
     cfg = load_config(*parse_overrides(args))
-    corpus = prepare_data(cfg)
+    corpus = open_corpus(cfg)
     loader = iter(build_train_loader(corpus, cfg.training, seed=cfg.job.seed, dp=1, dp_rank=0))
     return torch.cat([next(loader) for _ in range(cfg.training.grad_accum_steps)])
 

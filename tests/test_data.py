@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from nanotron.config import TrainingConfig, load_config
-from nanotron.data import TrainSamples, build_train_loader, eval_batches, loader_batches, prepare_data
-from nanotron.data.order import Blend, Permutation
+from nanotron.data import TrainSamples, build_train_loader, check_corpus_size, eval_batches, loader_batches, open_corpus
+from nanotron.data.order import Blend, Permutation, key_of
 from nanotron.errors import DataError
+from nanotron.parallel.init import name_seed
 from nanotron.tokenize.bpe import EOS_TOKEN, train_tokenizer
 from nanotron.tokenize.encode import Encoder
 from nanotron.tokenize.sources import resolve_sources
@@ -105,8 +106,7 @@ def tokenized(workspace: Path, tok, name: str = "corpus.jsonl", **options) -> Pa
 
 
 def config(workspace: Path, path: Path | str, *overrides: str, **data):
-    pairs = [("data.path", str(path)), ("data.tokenizer", str(workspace / "tokenizer"))]
-    pairs += [("data.cache_dir", str(workspace / "cache")), ("model.vocab_size", "300")]
+    pairs = [("data.path", str(path)), ("data.tokenizer", str(workspace / "tokenizer")), ("model.vocab_size", "300")]
     pairs += [("training.seq_len", str(SEQ_LEN)), ("training.micro_batch_size", "2"), ("training.eval_steps", "2")]
     pairs += [("training.global_batch_size", "8"), ("training.grad_accum_steps", "0")]
     pairs += [(f"data.{k}", str(v)) for k, v in data.items()]
@@ -115,7 +115,7 @@ def config(workspace: Path, path: Path | str, *overrides: str, **data):
 
 @pytest.fixture(scope="module")
 def corpus(workspace, tok):
-    return prepare_data(config(workspace, tokenized(workspace, tok)))
+    return open_corpus(config(workspace, tokenized(workspace, tok)))
 
 
 def test_tokenizer_round_trips_and_knows_its_eos(tok, workspace):
@@ -132,7 +132,7 @@ def test_tokenizer_round_trips_and_knows_its_eos(tok, workspace):
 
 def test_every_document_is_encoded_whole_then_eos_across_shards(workspace, tok):
     directory = tokenized(workspace, tok, validation_split=0.0)
-    corpus = prepare_data(config(workspace, directory, "training.eval_interval=0"))
+    corpus = open_corpus(config(workspace, directory, "training.eval_interval=0"))
     train = corpus.datasets[0].train
     assert len(train.files) > 3 and train.dtype == np.uint16
     tokens = whole(train)
@@ -150,7 +150,7 @@ def test_validation_documents_never_appear_in_train(workspace, tok, corpus):
     assert len(val_docs) == round(0.1 * NUM_DOCS)  # exactly the fraction: one per stratum of 10 documents
     assert set(train_docs).isdisjoint(val_docs)
     assert sorted(train_docs + val_docs) == sorted(make_documents(NUM_DOCS))
-    other_seed = prepare_data(config(workspace, tokenized(workspace, tok, seed=1))).datasets[0]
+    other_seed = open_corpus(config(workspace, tokenized(workspace, tok, seed=1))).datasets[0]
     assert set(documents_of(whole(other_seed.val), tok)) != set(val_docs)
 
 
@@ -159,7 +159,7 @@ def test_text_folder_is_one_document_per_file(tmp_path, tok, workspace):
     for i, doc in enumerate(docs):
         (tmp_path / f"play{i}.txt").write_text(doc)
     tokenize(resolve_sources([str(tmp_path)]), tok, tmp_path / "out", validation_split=0.0, progress=False)
-    corpus = prepare_data(config(workspace, tmp_path / "out", "training.eval_interval=0", "training.seq_len=4"))
+    corpus = open_corpus(config(workspace, tmp_path / "out", "training.eval_interval=0", "training.seq_len=4"))
     assert documents_of(whole(corpus.datasets[0].train), tok) == docs
 
 
@@ -171,6 +171,15 @@ def test_the_keyed_shuffle_is_a_permutation_and_depends_on_the_key(n):
         assert orders[0] != orders[1] != orders[2] and list(range(n)) not in orders
     with pytest.raises(IndexError):
         Permutation(n, 0)(n)
+
+
+def test_init_seeds_and_data_order_keys_are_the_same_integers_as_ever():
+    """One stable hash seeds each parameter's init and keys the sample order: these values fix every run's weights
+    and data, so they must never change (recorded before the two copies of the hash were merged)."""
+    assert name_seed(42, "model.embed_tokens.weight") == 8760530646438631872
+    assert name_seed(0, "lm_head.weight") == 3528297259338047458
+    assert (key_of(42, 0, 0), key_of(7, 3, 1)) == (4966074703835417981, 1713689448289929515)
+    assert [Permutation(10, key_of(42, 0, 0))(i) for i in range(10)] == [3, 2, 4, 7, 0, 1, 5, 6, 9, 8]
 
 
 def test_microbatches_are_packed_samples_and_an_epoch_visits_each_once(corpus):
@@ -247,7 +256,7 @@ def test_the_blend_gives_each_dataset_its_weight_and_consecutive_indices(weights
 def test_a_blended_corpus_draws_each_dataset_by_weight_and_shuffles_each_alone(workspace, tok, tmp_path):
     first, second = tokenized(workspace, tok), tokenized(workspace, tok, "other.jsonl")
     cfg = config(workspace, "", f"data.datasets={first}:3,{second}:1")
-    corpus = prepare_data(cfg)
+    corpus = open_corpus(cfg)
     samples = TrainSamples(corpus, seed=0)
     sizes = [d.train.num_samples(SEQ_LEN) for d in corpus.datasets]
     total = 8 * sizes[1] + 8  # two epochs and more of the small dataset, a quarter of the samples
@@ -272,93 +281,40 @@ def test_a_cut_missing_or_odd_shard_is_one_error_naming_the_file(workspace, tok,
         else:
             shard.write_bytes(good[: len(good) // 4 * 2] if damage == "half" else good + b"\0")
         with pytest.raises(DataError) as info:
-            prepare_data(config(workspace, directory))
+            open_corpus(config(workspace, directory))
         message = str(info.value)
         assert message.startswith(f"data.path: token file '{shard}'") and "re-run `nanotron tokenize`" in message
         assert ("not a whole number of 2-byte tokens" in message) == (damage == "odd")
         shard.write_bytes(good)
-    assert prepare_data(config(workspace, directory)).num_train_samples > 0
+    assert open_corpus(config(workspace, directory)).num_train_samples > 0
 
 
 def test_a_tokenized_dir_of_another_tokenizer_is_refused(workspace, tok, tmp_path):
     train_tokenizer(make_documents(NUM_DOCS), tmp_path / "tokenizer", vocab_size=280)
     with pytest.raises(DataError, match="was tokenized with another tokenizer"):
-        prepare_data(config(workspace, tokenized(workspace, tok), f"data.tokenizer={tmp_path / 'tokenizer'}"))
+        open_corpus(config(workspace, tokenized(workspace, tok), f"data.tokenizer={tmp_path / 'tokenizer'}"))
 
 
-def test_a_small_raw_corpus_is_tokenized_once_into_the_cache(workspace, tmp_path):
-    path = write_jsonl(tmp_path / "raw" / "docs.jsonl", make_documents(NUM_DOCS))
-    cfg = config(workspace, path.parent, f"data.cache_dir={tmp_path / 'cache'}", "training.eval_interval=0")
-    first = prepare_data(cfg)
-    [cache] = (tmp_path / "cache").iterdir()
-    stamp = (cache / "meta.json").stat().st_mtime_ns
-    again = prepare_data(cfg)
-    assert (cache / "meta.json").stat().st_mtime_ns == stamp
-    assert np.array_equal(whole(first.datasets[0].train), whole(again.datasets[0].train))
-    write_jsonl(path, make_documents(NUM_DOCS + 5))  # another corpus: another cache dir
-    assert prepare_data(cfg).num_train_samples > first.num_train_samples
-    assert len(list((tmp_path / "cache").iterdir())) == 2
-
-
-def test_an_oversized_raw_corpus_or_a_hub_name_is_refused_naming_nanotron_tokenize(workspace, capsys):
+@pytest.mark.parametrize("path", ["corpus.jsonl", "folder", "someorg/some-dataset"])
+def test_a_raw_corpus_or_a_hub_name_is_one_line_with_the_tokenize_command(workspace, capsys, path):
+    """Training reads tokenized dirs only: anything else is refused before a model is built, with the exact
+    `nanotron tokenize` command that makes one."""
     from nanotron.train import main
 
+    (workspace / "folder").mkdir(exist_ok=True)
+    spec = path if "/" in path else str(workspace / path)
     common = ["--data.tokenizer", str(workspace / "tokenizer"), "--model.vocab_size=300", "--training.seq_len=16"]
-    assert main([f"--data.path={workspace / 'corpus.jsonl'}", "--data.max_auto_tokenize_mb=0.001", *common]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: data.path: '{workspace / 'corpus.jsonl'}' is 0.0 MB of raw")
-    assert "data.max_auto_tokenize_mb=0.001" in err[0] and "`nanotron tokenize " in err[0]
-    assert main(["--data.path=someorg/some-dataset", *common]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Hugging Face Hub dataset is tokenized before training" in err[0]
-    assert "`nanotron tokenize someorg/some-dataset" in err[0]
-
-
-def _rank_main(rank: int, root: str, cfg, init_file: str) -> None:
-    import nanotron.data.corpus as corpus_module
-
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    tokenize_one = corpus_module._tokenize_one
-
-    def record(*args, **kwargs):
-        Path(root, f"built-by-{rank}").touch()
-        return tokenize_one(*args, **kwargs)
-
-    corpus_module._tokenize_one = record
-    try:
-        corpus = prepare_data(cfg)
-        Path(root, f"tokens-{rank}").write_text(str(whole(corpus.datasets[0].train).tolist()))
-    except DataError as e:
-        Path(root, f"error-{rank}").write_text(str(e))
-    torch.distributed.destroy_process_group()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("broken", [False, True])
-def test_only_rank_zero_tokenizes_and_its_errors_reach_every_rank(tmp_path, workspace, broken):
-    cfg = config(
-        workspace, workspace / "corpus.jsonl", f"data.cache_dir={tmp_path / 'cache'}", "training.eval_interval=0"
-    )
-    cfg.data.text_column = "body" if broken else "text"
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_rank_main, args=(r, str(tmp_path), cfg, str(tmp_path / "init"))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    assert sorted(f.name for f in tmp_path.glob("built-by-*")) == ["built-by-0"]
-    if broken:
-        assert "data.text_column: 'body' is not a field of" in (tmp_path / "error-0").read_text()
-        assert "rank 0" in (tmp_path / "error-1").read_text() and "'body'" in (tmp_path / "error-1").read_text()
-    else:
-        assert (tmp_path / "tokens-0").read_text() == (tmp_path / "tokens-1").read_text()
+    assert main([f"--data.path={spec}", *common]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: data.path: '{spec}' is not a tokenized dir; tokenize it before training: `nanotron tokenize {spec} "
+        f"--tokenizer {workspace / 'tokenizer'} --out DIR`, then set data.path=DIR"
+    ]
 
 
 def test_missing_path_names_the_key_and_the_demo_corpus_script(tmp_path, workspace):
     missing = tmp_path / "no" / "corpus"
     with pytest.raises(DataError, match="data.path") as info:
-        prepare_data(config(workspace, missing))
+        open_corpus(config(workspace, missing))
     assert str(missing) in str(info.value) and "scripts/prepare_data.sh" in str(info.value)
 
 
@@ -366,13 +322,7 @@ def test_an_unfinished_tokenized_dir_says_to_rerun_the_command(workspace, tok, t
     directory = tokenized(workspace, tok, seed=7)
     (directory / "meta.json").rename(directory / "progress.json")
     with pytest.raises(DataError, match="unfinished `nanotron tokenize` output .* re-run the same"):
-        prepare_data(config(workspace, directory))
-
-
-def test_missing_text_column_lists_the_columns(tmp_path, workspace):
-    path = write_jsonl(tmp_path / "c.jsonl", make_documents(3), column="content")
-    with pytest.raises(DataError, match=r"data.text_column: 'text' is not a field of .*\['content'\]"):
-        prepare_data(config(workspace, path, f"data.cache_dir={tmp_path / 'cache'}"))
+        open_corpus(config(workspace, directory))
 
 
 def test_missing_tokenizer_names_the_key(tmp_path):
@@ -381,16 +331,18 @@ def test_missing_tokenizer_names_the_key(tmp_path):
     assert str(tmp_path / "absent") in str(info.value)
 
 
-def test_too_little_data_for_a_global_batch_or_for_eval_is_an_error(corpus):
+def test_too_little_data_for_a_global_batch_or_for_eval_is_an_error(workspace, tok, corpus):
+    """Checked once, as the corpus opens (before a model is built, and by the launcher before it submits)."""
     with pytest.raises(DataError, match="fewer than one global batch"):
-        build_train_loader(corpus, training(mbs=corpus.num_train_samples, accum=2), seed=0, dp=1, dp_rank=0)
+        check_corpus_size(corpus, training(mbs=corpus.num_train_samples, accum=2))
+    with pytest.raises(DataError, match="data.path: the train split has .* fewer than one global batch"):
+        open_corpus(config(workspace, tokenized(workspace, tok), f"training.global_batch_size={8 * SEQ_LEN**2}"))
     too_many = corpus.num_val_samples // 8 + 1
     with pytest.raises(DataError, match="re-run `nanotron tokenize` .* with a larger --validation_split"):
-        build_train_loader(corpus, training(eval_steps=too_many), seed=0, dp=1, dp_rank=0)
+        check_corpus_size(corpus, training(eval_steps=too_many))
     with pytest.raises(DataError, match=f"needs training.eval_steps \\* global_batch_size = {too_many} \\* 8"):
         eval_batches(corpus, training(eval_steps=too_many), dp=1, dp_rank=0)
-    no_eval = build_train_loader(corpus, training(eval_steps=too_many, eval_interval=0), seed=0, dp=1, dp_rank=0)
-    assert next(iter(no_eval)).shape == (2, SEQ_LEN + 1)
+    check_corpus_size(corpus, training(eval_steps=too_many, eval_interval=0))
 
 
 @pytest.fixture(scope="module")
@@ -428,7 +380,7 @@ def test_a_token_id_beyond_the_vocabulary_is_one_line(workspace, tok, tmp_path, 
     tokens = np.fromfile(shard, dtype=np.uint16)
     tokens[5] = 60000  # >= the tokenizer's vocabulary (300)
     tokens.tofile(shard)
-    corpus = prepare_data(config(workspace, directory))
+    corpus = open_corpus(config(workspace, directory))
     loader = build_train_loader(corpus, training(), seed=0, dp=1, dp_rank=0, num_workers=num_workers)
     gc.disable()  # the workers must end when the error is raised, not whenever a garbage collection runs
     try:
@@ -471,5 +423,5 @@ def test_meta_json_fields_of_the_wrong_type_are_one_line_naming_the_field(
     meta[field] = value
     (directory / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError) as info:
-        prepare_data(config(workspace, directory))
+        open_corpus(config(workspace, directory))
     assert expected in str(info.value) and str(directory / "meta.json") in str(info.value)

@@ -16,6 +16,7 @@ from conftest import REPO, TINY_MODEL, item_log_likelihoods, run_train, train_en
 from nanotron.errors import DataError
 from nanotron.evaluation.tasks import Item, Task, accuracy, encode_item, encode_pair, load_task
 from nanotron.tokenize.tokenizer import load_tokenizer
+from nanotron.tokenize.writer import tokenize_paths
 
 RECORDS = {
     "native": {"context": "The cat", "choices": ["runs", "sees far"], "gold": 1},
@@ -139,8 +140,10 @@ def test_the_next_words_task_is_learned_well_above_chance(tmp_path):
     assert items == next_words_items(held_out, 100, seed=0) and len(items) == 100  # deterministic
     assert all(len(i["choices"]) == 4 and len(set(i["choices"])) == 4 for i in items)
     task = write_jsonl(tmp_path / "next_words.jsonl", items)
-    data = [f"--data.path={tmp_path / 'corpus'}", f"--data.tokenizer={tmp_path / 'tokenizer'}"]
-    data += [f"--data.cache_dir={tmp_path / 'cache'}", "--data.validation_split=0"]
+    tokenize_paths(
+        [str(tmp_path / "corpus")], tmp_path / "tokenizer", tmp_path / "tokens", validation_split=0.0, progress=False
+    )
+    data = [f"--data.path={tmp_path / 'tokens'}", f"--data.tokenizer={tmp_path / 'tokenizer'}"]
     run_train(
         [*TINY_MODEL, *data, f"--job.out_dir={tmp_path}", "--job.name=run", "--training.steps=50"]
         + ["--model.hidden_size=64", "--model.num_layers=2", "--training.seq_len=32", "--optimizer.lr=0.01"]

@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from nanotron.config import load_config, parse_overrides
-from nanotron.gpu import apply_env_defaults, async_tp_unavailable, env_defaults
+from nanotron.gpu import apply_env_defaults, env_defaults
+from nanotron.parallel.overlap import async_tp_unavailable, max_connections
 
 
 def config(*overrides: str):
     return load_config(*parse_overrides(["--config", "configs/tiny.toml", "--job.out_dir=/runs", *overrides]))
+
+
+def defaults_of(*overrides: str, environ: dict[str, str]) -> dict[str, str]:
+    cfg = config(*overrides)
+    return env_defaults(cfg.run_dir, max_connections(cfg), environ=environ)
 
 
 @pytest.mark.parametrize(
@@ -38,12 +44,12 @@ def config(*overrides: str):
     ],
 )
 def test_max_connections_is_one_only_where_tp_is_the_only_traffic(layout, expected):
-    defaults = env_defaults(config(*layout), environ={})
+    defaults = defaults_of(*layout, environ={})
     assert defaults.get("CUDA_DEVICE_MAX_CONNECTIONS") == expected
 
 
 def test_allocator_and_flight_recorder_defaults_point_into_the_run_dir():
-    defaults = env_defaults(config("--job.name=first"), environ={})
+    defaults = defaults_of("--job.name=first", environ={})
     assert defaults["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert defaults["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert int(defaults["TORCH_FR_BUFFER_SIZE"]) > 0  # the dump needs a trace buffer
@@ -56,7 +62,7 @@ def test_variables_the_user_set_are_left_alone_under_any_alias():
         "PYTORCH_ALLOC_CONF": "expandable_segments:False",  # the newer name of PYTORCH_CUDA_ALLOC_CONF
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",  # the older name of TORCH_FR_BUFFER_SIZE
     }
-    defaults = env_defaults(config("--parallelism.tp=2"), environ=user)
+    defaults = defaults_of("--parallelism.tp=2", environ=user)
     assert defaults.keys() == {"TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"}
 
 
@@ -65,7 +71,8 @@ def test_apply_sets_the_defaults_in_this_process_for_the_ranks_it_starts(monkeyp
         if key.startswith(("CUDA_", "PYTORCH_", "TORCH_")):
             monkeypatch.delenv(key)
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
-    applied = apply_env_defaults(config("--parallelism.dp=2"))
+    cfg = config("--parallelism.dp=2")
+    applied = apply_env_defaults(cfg.run_dir, max_connections(cfg))
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == applied["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and "TORCH_NCCL_DUMP_ON_TIMEOUT" not in applied
 

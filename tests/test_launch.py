@@ -23,6 +23,7 @@ from nanotron import train, trainer
 from nanotron.commands import launch
 from nanotron.config import Config, load_config, parse_overrides
 from nanotron.launch import checks, cluster
+from nanotron.tokenize.writer import DEFAULT_VALIDATION_SPLIT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,7 @@ def checked_data(in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list:
 def as_file(cfg: Config, root: Path) -> Config:
     """`cfg` with its relative paths made absolute from `root`, as the launcher writes them."""
     cfg = copy.deepcopy(cfg)
-    for key in ("job.out_dir", "data.path", "data.tokenizer", "data.cache_dir"):
+    for key in ("job.out_dir", "data.path", "data.tokenizer"):
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, str(root / getattr(getattr(cfg, section), name)))
     return cfg
@@ -258,11 +259,12 @@ def test_a_seq_len_beyond_the_models_max_seq_len_raises_it(in_tmp, checked_data)
 
 
 def test_the_run_config_names_every_path_absolutely_and_runs_at_another_layout(in_tmp, checked_data):
-    argv = "--run_name paths --model_size base --dp 8 --tp 2 --job.out_dir=out --data.cache_dir=~/cache --dry_run"
+    argv = "--run_name paths --model_size base --dp 8 --tp 2 --job.out_dir=out --checkpoint.dir=~/ckpt --dry_run"
     assert launch.main(argv.split()) == 0
     cfg = load_config("out/paths/config.toml")
-    assert cfg.job.out_dir == str(in_tmp / "out") and cfg.data.cache_dir == str(Path.home() / "cache")
-    assert cfg.data.path == str(in_tmp / "data/corpus") and cfg.data.tokenizer == str(in_tmp / "data/tokenizer")
+    assert cfg.job.out_dir == str(in_tmp / "out") and cfg.checkpoint.dir == str(Path.home() / "ckpt")
+    assert cfg.data.path == str(in_tmp / "data/tokenized/corpus")
+    assert cfg.data.tokenizer == str(in_tmp / "data/tokenizer")
     elsewhere = load_config("out/paths/config.toml", [("parallelism.dp", "4")]).training
     assert (elsewhere.global_batch_size, elsewhere.grad_accum_steps) == (256, 32)
 
@@ -454,20 +456,40 @@ def test_control_characters_in_any_value_are_refused_before_anything_is_written(
 
 
 def test_control_characters_from_a_config_file_are_refused_too(in_tmp, checked_data, capsys):
-    (in_tmp / "job.toml").write_text('[data]\ntext_column = "text\\n#"\n')
+    (in_tmp / "job.toml").write_text('[logging]\nwandb_group = "text\\n#"\n')
     assert launch.main(["--run_name", "ctrl", "--config", "job.toml", "--dry_run"]) == 2
-    assert capsys.readouterr().err.startswith("error: data.text_column: 'text\\n#' contains a control character")
+    assert capsys.readouterr().err.startswith("error: logging.wandb_group: 'text\\n#' contains a control character")
     assert not (in_tmp / "runs").exists()
 
 
 # ---- first contact: spellings of the original nanotron --------------------------------------------------------------
 
 
-def test_nanotrons_hyphenated_spellings_are_accepted(in_tmp, checked_data, capsys):
-    argv = f"--run_name spelled --config-file {REPO}/configs/tiny.toml --train-steps 7 --gpus-per-node 0 --dry-run"
+def test_the_original_launchers_hyphenated_flags_work(in_tmp, checked_data, capsys):
+    """huggingface/nanotron's slurm_launcher.py spells these flags with hyphens; each sets what ours does."""
+    argv = (
+        "--run_name spelled --gpus_per_node 0 --hidden-size 64 --intermediate-size 128 --num-layers 2 --num-heads 4 "
+        "--num-kv-heads 2 --vocab-size 1024 --learning-rate 0.002 --warmup-steps 5 --save-interval 10 "
+        "--save-initial-state --dry-run"
+    )
     assert launch.main(argv.split()) == 0
-    assert load_config("runs/spelled/config.toml").training.steps == 7
+    cfg = load_config("runs/spelled/config.toml")
+    m = cfg.model
+    assert (m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads, m.num_kv_heads) == (64, 128, 2, 4, 2)
+    assert (m.vocab_size, cfg.optimizer.lr, cfg.optimizer.warmup_steps) == (1024, 0.002, 5)
+    assert (cfg.checkpoint.interval, cfg.checkpoint.save_initial_state) == (10, True)
     assert "dry run: nothing submitted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "ours"),
+    [("--run-name", "--run_name"), ("--train-steps", "--train_steps"), ("--gpus-per-node", "--gpus_per_node")],
+)
+def test_other_hyphenated_forms_of_our_flags_are_one_line_naming_ours(in_tmp, checked_data, capsys, flag, ours):
+    assert launch.main([*(["--run_name", "x"] if flag != "--run-name" else []), flag, "4", "--dry_run"]) == 2
+    assert capsys.readouterr().err == f"error: unrecognized argument {flag}: use {ours}\n"
+    assert launch.main(["--run_name", "x", "--config-file", "a.toml", "--dry_run"]) == 2
+    assert capsys.readouterr().err.startswith("error: --config-file is the original nanotron's spelling: use --config")
 
 
 @pytest.mark.parametrize(
@@ -496,14 +518,14 @@ def test_paths_on_node_local_filesystems_are_named_and_unknown_ones_said_so(tmp_
     paths = {
         "job.out_dir": tmp_path / "scratch/runs",
         "data.path": tmp_path / "home/me/corpus-not-there-yet",
-        "data.cache_dir": tmp_path / "tmp/cache",
+        "checkpoint.dir": tmp_path / "tmp/checkpoints",
         "the working directory": tmp_path / "tmp",
         "data.tokenizer": tmp_path / "odd/tok",
     }
     notes = checks.shared_filesystem_notes(paths, mounts)
     assert len(notes) == 2, notes
     assert notes[0].startswith(
-        f"warning: data.cache_dir, the working directory on a node-local filesystem (tmpfs at {tmp_path}/tmp)"
+        f"warning: checkpoint.dir, the working directory on a node-local filesystem (tmpfs at {tmp_path}/tmp)"
     )
     assert notes[1].startswith(f"note: cannot tell whether data.tokenizer (fuse.unknownfs at {tmp_path}/odd) is shared")
 
@@ -513,7 +535,7 @@ def test_the_launcher_reports_node_local_paths_before_submitting(in_tmp, checked
     assert launch.main(["--run_name", "local", "--dry_run"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].startswith(
-        "warning: the working directory, job.out_dir, data.tokenizer, data.cache_dir, data.path on a node-local "
+        "warning: the working directory, job.out_dir, data.tokenizer, data.path on a node-local "
         f"filesystem (tmpfs at {in_tmp})"
     )
 
@@ -535,9 +557,7 @@ def test_the_trainer_checks_the_corpus_size_before_building_the_model(tiny_data,
     monkeypatch.setattr(trainer, "build_model", build_model)
     argv = ["--config", f"{REPO}/configs/small.toml", *tiny_data.overrides(), f"--job.out_dir={tmp_path}"]
     assert train.main([*argv, "--parallelism.dp=1", "--training.seq_len=16", "--training.global_batch_size=64"]) == 2
-    assert (
-        capsys.readouterr().err.splitlines()[-1].startswith("error: data.validation_split: the validation split has ")
-    )
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: data.path: the validation split has ")
 
 
 @pytest.mark.parametrize("size", ["small", "base", "large"])
@@ -548,8 +568,8 @@ def test_the_cluster_configs_say_what_data_they_need(size):
     header = " ".join(line[1:].strip() for line in (REPO / f"configs/{size}.toml").read_text().splitlines()[:8])
     expected = (
         f"{t.eval_steps} x {t.global_batch_size} samples of {t.seq_len + 1} tokens = {validation / 1e6:.1f}M "
-        f"validation tokens, i.e. a corpus of at least {validation / cfg.data.validation_split / 1e6:.0f}M tokens "
-        f"at validation_split {cfg.data.validation_split}"
+        f"validation tokens, i.e. a corpus of at least {validation / DEFAULT_VALIDATION_SPLIT / 1e6:.0f}M tokens "
+        f"at `nanotron tokenize --validation_split {DEFAULT_VALIDATION_SPLIT}` (its default)"
     )
     assert expected in header, header
     assert f"{t.steps * t.global_batch_size * t.seq_len / 1e9:.1f}B tokens" in header

@@ -7,6 +7,7 @@ within 5%, saved activations within 25%)."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from conftest import REPO, TINY_MODEL, train_env, train_losses
 from nanotron.config import load_config, parse_overrides
 from nanotron.parallel.mesh import ParallelContext, build_mesh
 from nanotron.parallel.parallelize import build_model
+from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.parallel.torch_private import fake_process_group
 from nanotron.plan.memory import stage_memory
@@ -214,7 +216,7 @@ def saved_activation_bytes(monkeypatch, overrides: list[str], regather: bool) ->
         runner = MicrobatchRunner(build_model(cfg, ctx), cfg, ctx)
         t = cfg.training
         batch = torch.randint(0, cfg.model.vocab_size, (t.grad_accum_steps * t.micro_batch_size, t.seq_len + 1))
-        with StepProbe(runner.modules, cfg.recompute_of).active() as probe:
+        with StepProbe(runner.modules, functools.partial(recompute_mode, cfg)).active() as probe:
             runner.forward_backward(batch)
         return probe.activation_peak, cfg
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_MODEL, activation_stats, read_metrics, run_train, train_losses
+from conftest import TINY_MODEL, TINY_MUP, activation_stats, read_metrics, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nanotron.checkpoint import OptimizerState
@@ -30,9 +30,7 @@ from nanotron.parallel.init import init_weights
 
 # TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
 MUP = [
-    "--model.parametrization=mup",
-    "--model.mup_base_width=16",
-    "--model.mup_base_depth=2",
+    *TINY_MUP,
     "--optimizer.decay_steps=4",  # the schedule does not depend on a leg's training.steps (resume test)
     "--logging.activation_stats_interval=2",
 ]
@@ -48,7 +46,6 @@ def config(*extra: str):
 def test_mup_rules_per_parameter(alpha):
     m = config(*MUP, f"--model.mup_depth_exponent={alpha}").model  # m = 2, r = 2, base head dim 16 / 4 = 4
     assert asdict(m.mup_base) == dict(hidden=16, intermediate=32, heads=4, kv_heads=2, head_dim=4, layers=2)
-    assert m.mup_base_width == m.mup_base_depth == m.mup_base_head_dim == 0  # read into mup_base, said once
     std, lr = (lambda name: param_init_std(m, name)), (lambda name: param_lr_scale(m, name))
     assert std("model.embed_tokens.weight") == std("lm_head.weight") == 0.02
     assert std("model.layers.3.self_attn.q_proj.weight") == pytest.approx(0.02 / 2**0.5)
@@ -70,13 +67,12 @@ def base(**shape: int) -> list[str]:
 
 def test_a_head_count_change_at_fixed_head_dim_keeps_the_standard_attention_scale():
     """TINY_MODEL (4 heads of 8) grown from a 1-head base of 8: µP's 1/head_dim scale equals 1/sqrt(8) at the
-    base head dim, so the logits keep the standard scale. The old keys took the base head dim from this model's
-    head count (mup_base_width 8 / 4 heads = 2): sqrt(2)/8, 2x too small; they keep meaning that."""
+    base head dim, so the logits keep the standard scale; a base of 4 heads of 2 at the same width gives sqrt(2)/8."""
     m = config(*base(hidden=8, heads=1, kv_heads=1, intermediate=16)).model
     assert m.mup_base.head_dim == 8 and multipliers(m).attention_scale is None  # SDPA's 1/sqrt(head_dim)
     assert multipliers(m).logits == 0.25  # the width ratio is still 4
-    old = config("--model.parametrization=mup", "--model.mup_base_width=8").model
-    assert old.mup_base.head_dim == 2 and multipliers(old).attention_scale == pytest.approx(2**0.5 / 8)
+    narrow = config(*base(hidden=8, heads=4, intermediate=16)).model
+    assert narrow.mup_base.head_dim == 2 and multipliers(narrow).attention_scale == pytest.approx(2**0.5 / 8)
 
 
 def test_each_matrix_scales_by_its_own_fans():
@@ -125,7 +121,7 @@ def test_eps_and_weight_decay_follow_completep_and_the_weight_decay_mode(alpha):
 def test_mup_at_its_base_shape_is_standard_parametrization_bit_for_bit(tied):
     """Every µP factor is 1 at the base shape: same init, same LR per group, same losses, exactly."""
     extra = [f"--model.tie_word_embeddings={str(tied).lower()}"]
-    base = ["--model.parametrization=mup", "--model.mup_base_width=32", "--model.mup_base_depth=4"]
+    base = ["--model.parametrization=mup", "--model.mup_base.hidden=32", "--model.mup_base.layers=4"]
     losses = []
     for cfg in (config(*extra), config(*extra, *base)):
         model = LlamaForCausalLM(cfg.model)
@@ -163,8 +159,6 @@ def test_the_first_adam_step_moves_each_weight_by_its_scaled_learning_rate():
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["--model.mup_base_width=16"], "model.mup_base_width=16 only applies with model.parametrization='mup'"),
-        (["--model.parametrization=mup", "--model.mup_base_width=18"], "mup_base_width=18 is not divisible by"),
         (["--model.mup_depth_exponent=0.5"], "model.mup_depth_exponent=0.5 only applies with"),
         (["--model.parametrization=mup", "--model.mup_depth_exponent=2"], r"expected a value in \[0.5, 1\]"),
         (["--model.mup_base.hidden=16"], "model.mup_base.hidden=16 only applies with model.parametrization='mup'"),
@@ -174,11 +168,6 @@ def test_the_first_adam_step_moves_each_weight_by_its_scaled_learning_rate():
         (base(hidden=16, heads=3), "model.mup_base.hidden=16 is not divisible by model.mup_base.heads=3"),
         (base(hidden=16, heads=2, head_dim=4), "heads x head_dim = 2 x 4 is not hidden=16"),
         (base(heads=4, kv_heads=3), "model.mup_base.heads=4 is not divisible by model.mup_base.kv_heads=3"),
-        ([*base(layers=2), "--model.mup_base_depth=2"], "model.mup_base_depth and model.mup_base both describe"),
-        (
-            ["--model.parametrization=mup", "--model.mup_base_width=16", "--model.mup_base_head_dim=16"],
-            "does not scale",
-        ),
     ],
 )
 def test_mup_misconfigurations_name_the_key(overrides, expected):
@@ -257,7 +246,7 @@ LAYOUTS = {
         "--parallelism.tp=2",
         "--parallelism.pp=2",
         "--parallelism.zero_stage=3",
-        "--parallelism.recompute_layer=true",
+        "--parallelism.recompute=full",
     ],
 }
 

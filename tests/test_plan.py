@@ -16,10 +16,11 @@ import pytest
 from nanotron.commands import launch
 from nanotron.commands.plan import main as plan_main
 from nanotron.config import load_config
+from nanotron.errors import ConfigError
 from nanotron.launch import checks
 from nanotron.plan.memory import GIB, stage_memory, worst_stage
 from nanotron.plan.search import usable_bytes
-from nanotron.plan.timing import estimate_step, parse_gpu
+from nanotron.plan.timing import estimate_step, parse_gpu, peak_tflops
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_70B = [
@@ -214,9 +215,26 @@ def test_step_estimate_puts_each_dimensions_traffic_on_its_link_and_zero_3_moves
     hsdp = step(dp=16, dp_shard=2, tp=4, pp=1, zero_stage=3)  # 2 shards x 4 tp = one node
     assert hsdp.comm["dp"].link == "NVLink" and hsdp.comm["dp_replicate"].link == "InfiniBand"
     assert hsdp.step_s < fsdp[3].step_s
-    recompute = step(dp=16, tp=4, pp=1, zero_stage=1, recompute_layer="true")
+    recompute = step(dp=16, tp=4, pp=1, zero_stage=1, recompute="full")
     assert recompute.compute_s > fsdp[1].compute_s and recompute.mfu < fsdp[1].mfu  # MFU counts model FLOPs
     assert step(dp=8, tp=4, pp=2, zero_stage=1).compute_s > step(dp=16, tp=4, pp=1, zero_stage=1).compute_s  # bubble
+
+
+def test_an_fp32_plan_runs_at_the_tf32_peak_only_with_training_tf32():
+    """fp32 matmuls reach the TF32 tensor cores' peak only where training.tf32 turns them on; without it, the fp32
+    peak (7x lower on an H100): the plan follows the key, as MFU does. A custom GPU states no fp32 peak."""
+
+    def planned(gpu: str, *overrides: tuple[str, str]):
+        cfg = load_config("configs/large.toml", [("training.dtype", "float32"), *overrides])
+        return peak_tflops(cfg, parse_gpu(gpu)), estimate_step(cfg, parse_gpu(gpu), gpus_per_node=8, efficiency=0.5)
+
+    (on_mode, on_peak), on = planned("h100", ("training.tf32", "true"))
+    (off_mode, off_peak), off = planned("h100", ("training.tf32", "false"))
+    assert (on_mode, on_peak, off_mode, off_peak) == ("tf32", 494.7, "fp32", 66.9)
+    assert off.compute_s / on.compute_s == pytest.approx(494.7 / 66.9, rel=1e-12)
+    assert planned("a100", ("training.dtype", "bfloat16"))[0] == ("bf16", 312.0)
+    with pytest.raises(ConfigError, match=r"--gpu 80GiB/312TF: no fp32 peak is known for it .*training.tf32=false"):
+        planned("80,312", ("training.tf32", "false"))
 
 
 def test_step_parts_sum_to_the_step_and_name_what_limits_each_layout():
@@ -231,7 +249,7 @@ def test_step_parts_sum_to_the_step_and_name_what_limits_each_layout():
         "bubble": step(dp=2, tp=1, pp=32, zero_stage=1),  # 32 stages, 32 microbatches: about half idle
         "tp": step(dp=8, tp=8, pp=1, zero_stage=1),  # 8-way TP: exposed transfers, the largest cost beyond compute
         "dp": step(dp=64, tp=1, pp=1, zero_stage=3),  # ZeRO-3 over InfiniBand, re-gathered per microbatch
-        "recompute": step(dp=8, tp=1, pp=1, zero_stage=1, recompute_layer="true"),
+        "recompute": step(dp=8, tp=1, pp=1, zero_stage=1, recompute="full"),
     }
     for limit, estimate in cases.items():
         assert sum(estimate.parts.values()) == pytest.approx(estimate.step_s, rel=1e-9)
@@ -482,7 +500,8 @@ def test_the_published_layout_of_a_cell_is_ranked_where_the_search_lists_it():
         cases = list(csv.DictReader(f))
     case = next(c for c in cases if c["case"] == "tt-8b-fsdp2-cp4")  # 8 GPUs, 131k tokens: seconds
     [row] = search_cells(cases, [case["case"]])
-    gpu = dataclasses.replace(parse_gpu("h100"), memory_gib=float(case["gpu_memory_gib"]))
+    gpu = parse_gpu("h100")
+    gpu = dataclasses.replace(gpu, device=dataclasses.replace(gpu.device, memory_gib=float(case["gpu_memory_gib"])))
     found, _ = search(config(case), 8, 8, gpu, gpu.efficiency.default)
     rank, total = (int(x) for x in row["rank"].split(" of "))
     order = [layout_degrees(c.cfg) for c in found]
@@ -522,14 +541,15 @@ def test_plan_states_its_efficiency_its_source_and_the_step_time_range():
     )
     assert step and float(step[2]) < float(step[1]) < float(step[3]), h100.stdout
     default = parse_gpu("h100").efficiency.default
-    assert f"compute at {default:.0%} of the 989.4 TFLOP/s peak (median of 6 published H100 runs" in h100.stdout
+    assert f"compute at {default:.0%} of the 989.4 TFLOP/s bf16 peak (median of 6 published H100 runs" in h100.stdout
     a100 = plan("--config", "configs/large.toml", "--nodes", "4", "--gpus_per_node", "8", "--gpu", "a100")
-    assert "compute at 52% of the 312 TFLOP/s peak (median of 10 published A100 runs" in a100.stdout
+    assert "compute at 52% of the 312 TFLOP/s bf16 peak (median of 10 published A100 runs" in a100.stdout
     assert "(range" in a100.stdout
     custom = plan("--config", "configs/large.toml", "--nodes", "4", "--gpus_per_node", "8", "--gpu", "80,312")
-    assert "compute at 55% of the 312 TFLOP/s peak (uncalibrated" in custom.stdout and "(range" not in custom.stdout
+    assert "compute at 55% of the 312 TFLOP/s bf16 peak (uncalibrated" in custom.stdout
+    assert "(range" not in custom.stdout
     mine = plan("--config", "configs/large.toml", "--nodes", "4", "--gpus_per_node", "8", "--efficiency", "0.5")
-    assert "compute at 50% of the 989.4 TFLOP/s peak (--efficiency)" in mine.stdout and "(range" not in mine.stdout
+    assert "compute at 50% of the 989.4 TFLOP/s bf16 peak (--efficiency)" in mine.stdout and "(range" not in mine.stdout
 
 
 @pytest.mark.slow

@@ -219,12 +219,12 @@ def test_launcher_job_on_two_cpu_nodes_completes_and_show_logs_follows_it(slurm_
         "--pp 1 --train_steps 4 --micro_batch_size 2 --grad_accum_steps 1 --max_seq_len 16 --hidden_size 32 "
         "--num_layers 4 --num_heads 4 --num_kv_heads 2 --save_interval 0 --show_logs"
     ).split()
-    paths = ["--partition", "", "--dataset", str(tiny_data.corpus), f"--job.out_dir={tmp_path}"]
+    paths = ["--partition", "", "--dataset", str(tiny_data.tokenized), f"--job.out_dir={tmp_path}"]
     overrides = (
         "--model.vocab_size=512 --model.intermediate_size=64 --training.eval_interval=0 --logging.log_interval=1 "
         "--logging.tensorboard=false --logging.peak_tflops=1 --training.device=cpu"
     ).split()
-    overrides += [f"--data.tokenizer={tiny_data.tokenizer}", f"--data.cache_dir={tiny_data.cache}"]
+    overrides.append(f"--data.tokenizer={tiny_data.tokenizer}")
 
     cmd = [sys.executable, "-m", "nanotron.launch", *flags, *site, *paths, *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=300)

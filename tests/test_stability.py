@@ -189,9 +189,10 @@ def poisoned(tmp_path_factory):
     document of a character the corpus never has: the two of its samples this run reads are both read at step
     POISON_STEP (global positions inside POISON_WINDOW). The step's loss jumps 2.7x and its gradient norm 42x
     (z 6.2 and 22.7, in runs whose other steps stay below 2 after warm-up)."""
-    from nanotron.data import TrainSamples, prepare_data
+    from nanotron.data import TrainSamples, open_corpus
     from nanotron.tokenize.bpe import train_tokenizer
     from nanotron.tokenize.tokenizer import load_tokenizer
+    from nanotron.tokenize.writer import tokenize_paths
 
     root = tmp_path_factory.mktemp("poisoned")
     train_tokenizer(synthetic_documents(60), root / "tokenizer", vocab_size=512)
@@ -208,14 +209,10 @@ def poisoned(tmp_path_factory):
     docs.insert(17, poison)
     (root / "corpus").mkdir()
     (root / "corpus" / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    overrides = [
-        f"--data.path={root / 'corpus'}",
-        f"--data.tokenizer={root / 'tokenizer'}",
-        f"--data.cache_dir={root / 'cache'}",
-        "--data.validation_split=0",
-    ]
+    tokenize_paths([str(root / "corpus")], root / "tokenizer", root / "tokens", validation_split=0.0, progress=False)
+    overrides = [f"--data.path={root / 'tokens'}", f"--data.tokenizer={root / 'tokenizer'}"]
     cfg = load_config(None, [tuple(o[2:].split("=", 1)) for o in [*TINY_MODEL, *overrides]])
-    corpus = prepare_data(cfg)
+    corpus = open_corpus(cfg)
     tokenizer = load_tokenizer(root / "tokenizer")
     others = " ".join(d for d in docs if d != poison)
     foreign = set(tokenizer.encode(poison)) - set(tokenizer.encode(others)) - {tokenizer.eos_id}

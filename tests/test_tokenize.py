@@ -229,7 +229,7 @@ def test_a_hub_dataset_is_streamed_row_by_row_and_resumes_by_skipping(corpus, tm
     """The streaming path without a network: `datasets.load_dataset(..., streaming=True)` stubbed by rows."""
     import datasets
 
-    from nanotron.tokenize.sources import Labels, Source, iter_documents
+    from nanotron.tokenize.sources import Source, iter_documents
 
     rows = [{"text": d} for d in documents(5)]
     calls = []
@@ -240,11 +240,11 @@ def test_a_hub_dataset_is_streamed_row_by_row_and_resumes_by_skipping(corpus, tm
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     source = Source("org/set", hub="org/set", hub_config="en", hub_split="train")
-    assert list(iter_documents([source], "text", Labels(), start=2)) == [r["text"] for r in rows[2:]]
+    assert list(iter_documents([source], "text", start=2)) == [r["text"] for r in rows[2:]]
     assert calls == [("org/set", "en", "train", True)]
     rows[3] = {"text": 7}
     with pytest.raises(DataError, match=r"'text' of hub dataset 'org/set' row 3 holds 7 \(int\)"):
-        list(iter_documents([source], "text", Labels()))
+        list(iter_documents([source], "text"))
 
 
 @pytest.mark.slow

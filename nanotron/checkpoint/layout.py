@@ -90,11 +90,18 @@ def clean_stale(folder: Path) -> None:
 def commit(tmp: Path, target: Path, progress: dict) -> None:
     """Writes the commit marker, renames step-N.tmp to step-N and points `latest` at it."""
     write_atomic(tmp / COMMIT_FILE, json.dumps(progress, indent=1))
-    if target.exists():  # left by an earlier run that went further, then resumed from before it
+    publish(tmp, target)
+    write_atomic(target.parent / "latest", target.name + "\n")
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Renames the finished dir `tmp` to `target`, durably: a process killed at any moment leaves either no
+    `target` or the whole of it. A `target` already there (left by an earlier run that went further, then resumed
+    from before it; or an empty folder an import was told to fill) is removed first."""
+    if target.exists():
         remove(target)
     os.rename(tmp, target)
     fsync_dir(target.parent)
-    write_atomic(target.parent / "latest", target.name + "\n")
 
 
 def remove(path: Path) -> None:

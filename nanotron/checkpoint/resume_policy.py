@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nanotron.config import Config, to_toml
-from nanotron.config.parse import tomllib
+from nanotron.config.parse import RETIRED, tomllib
 from nanotron.errors import CheckpointError, ConfigError
 from nanotron.tokenize.tokenizer import load_tokenizer
 
@@ -28,9 +28,10 @@ def _flat(tables: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_changes(saved_toml: str, cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """{key: (checkpoint's value, current value)} for every key that differs (both read as TOML)."""
+    """{key: (checkpoint's value, current value)} for every key that differs (both read as TOML); keys retired
+    since the save are none of them (see `nanotron.config.parse.RETIRED`)."""
     old, new = _flat(tomllib.loads(saved_toml)), _flat(tomllib.loads(to_toml(cfg)))
-    keys = sorted(old.keys() | new.keys())
+    keys = sorted((old.keys() - RETIRED.keys()) | new.keys())
     return {key: (old.get(key), new.get(key)) for key in keys if old.get(key) != new.get(key)}
 
 

@@ -70,7 +70,7 @@ def _main(argv: list[str]) -> int:
     pairs += [("evaluation.tasks", ",".join(args.tasks)), ("evaluation.max_items", str(args.max_items))]
     if (step_dir / "tokenizer").is_dir() and "data.tokenizer" not in given:
         pairs.append(("data.tokenizer", str(step_dir / "tokenizer")))
-    cfg = load_config(step_dir / "config.toml", pairs, world_size=nproc or launched_world_size())
+    cfg = load_config(step_dir / "config.toml", pairs, world_size=nproc or launched_world_size(), saved=True)
     tasks = load_tasks(cfg)  # bad task files: one line, before any process starts
     if nproc:
         return spawn_local(nproc, ["-m", "nanotron", "eval", *argv])

@@ -39,7 +39,7 @@ from nanotron.launch.cluster import (
     submit_lines,
     write_run_dir,
 )
-from nanotron.launch.flags import CONFIG_FLAGS, flag_help, model_summary, normalize_spellings
+from nanotron.launch.flags import CONFIG_FLAGS, flag_help, model_summary, original_spellings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 def _launch(argv: list[str]) -> int:
     parser = build_parser()
     checks.check_printable(argv)
-    args, extra = parser.parse_known_args(normalize_spellings(_join_sbatch_args(argv), parser))
+    args, extra = parser.parse_known_args(original_spellings(_join_sbatch_args(argv), parser))
     _, passthrough = parse_overrides(extra)
     for key, _ in passthrough:
         if "." not in key:

@@ -19,7 +19,7 @@ from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
 from nanotron.parallel.layout import layout_product
 from nanotron.plan.report import check_table, describe, search_table
-from nanotron.plan.timing import GPUS, UNCALIBRATED_EFFICIENCY, Efficiency, parse_gpu
+from nanotron.plan.timing import PLANNED, UNCALIBRATED_EFFICIENCY, Efficiency, parse_gpu
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,14 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
     p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument(
-        "--gpu", default="h100", help=f"{', '.join(GPUS)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (default h100)"
+        "--gpu", default="h100", help=f"{', '.join(PLANNED)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (default h100)"
     )
     p.add_argument(
         "--efficiency",
         type=float,
         default=None,
         help="achieved fraction of peak compute (default: the GPU's, from published runs where the calibration "
-        f"set has them: {', '.join(f'{name} {gpu.efficiency.default:g}' for name, gpu in GPUS.items())}; "
+        f"set has them: {', '.join(f'{name} {parse_gpu(name).efficiency.default:g}' for name in PLANNED)}; "
         f"custom GPUs {UNCALIBRATED_EFFICIENCY}, uncalibrated)",
     )
     p.add_argument("--nvlink_gbps", type=float, help="ring bandwidth per GPU inside a node, GB/s (default: by --gpu)")

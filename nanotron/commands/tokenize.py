@@ -21,9 +21,7 @@ from nanotron.errors import ConfigError, DataError, run_command
 from nanotron.signals import ABORT_EXIT_CODE
 from nanotron.tokenize.encode import available_cpus
 from nanotron.tokenize.format import check_files, read_meta, summary
-from nanotron.tokenize.sources import resolve_sources
-from nanotron.tokenize.tokenizer import load_tokenizer
-from nanotron.tokenize.writer import DEFAULT_SHARD_TOKENS, tokenize
+from nanotron.tokenize.writer import DEFAULT_SHARD_TOKENS, DEFAULT_VALIDATION_SPLIT, tokenize_paths
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -37,7 +35,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="the tokenized dir to write (data.path of the run)")
     p.add_argument("--workers", type=int, default=available_cpus(), help="tokenizer processes, one core each")
     p.add_argument("--text_column", default="text", help="field holding the text in .jsonl/.json/.parquet/hub rows")
-    p.add_argument("--validation_split", type=float, default=0.05, help="fraction of documents held out (0: none)")
+    p.add_argument(
+        "--validation_split",
+        type=float,
+        default=DEFAULT_VALIDATION_SPLIT,
+        help="fraction of documents held out (0: none)",
+    )
     p.add_argument("--seed", type=int, default=0, help="which documents are held out for validation")
     p.add_argument(
         "--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="a shard closes at the first document past this"
@@ -64,15 +67,15 @@ def _main(argv: list[str]) -> int:
     ):
         if not ok:
             raise ConfigError(f"{flag}: expected {expected}; see `nanotron tokenize --help`")
-    tokenizer = load_tokenizer(args.tokenizer, what="--tokenizer")
-    sources = resolve_sources(args.sources, exclude=args.out, hub_config=args.hub_config, hub_split=args.hub_split)
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, _interrupt)  # a preempted job stops as cleanly as Ctrl-C
     try:
-        meta, status = tokenize(
-            sources,
-            tokenizer,
+        meta, status = tokenize_paths(
+            args.sources,
+            args.tokenizer,
             args.out,
+            hub_config=args.hub_config,
+            hub_split=args.hub_split,
             workers=args.workers,
             text_column=args.text_column,
             validation_split=args.validation_split,

@@ -11,12 +11,13 @@ import os
 
 from nanotron.checkpoint import check_writable
 from nanotron.config import help_text, load_config, parse_overrides
-from nanotron.data import prepare_data
+from nanotron.data import open_corpus
 from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
 from nanotron.gpu import apply_env_defaults
 from nanotron.launch.torchrun import pop_nproc, spawn_local
 from nanotron.lock import lock_run
 from nanotron.parallel.mesh import destroy_distributed, launched_world_size
+from nanotron.parallel.overlap import max_connections
 from nanotron.signals import stop_with_launcher
 from nanotron.trainer import Trainer
 
@@ -31,9 +32,9 @@ def _main(argv: list[str]) -> int:
     os.environ[RUN_DIR_VARIABLE] = str(cfg.run_dir.absolute())  # where a rank files what the console must not show
     check_writable("job.out_dir", cfg.run_dir)
     check_writable("checkpoint.dir", cfg.checkpoint_dir)
-    apply_env_defaults(cfg)  # before anything touches CUDA or NCCL; local ranks inherit them
+    apply_env_defaults(cfg.run_dir, max_connections(cfg))  # before CUDA or NCCL start; local ranks inherit them
     if nproc:
-        prepare_data(cfg)  # data errors surface here as one line, and the ranks find the cache ready
+        open_corpus(cfg)  # data errors surface here as one line, before the processes start
         return spawn_local(nproc, ["-m", "nanotron.train", *argv])
     # One run per run dir: global rank 0 holds the lock for the run's lifetime (peers follow its fate).
     owns_run_dir = int(os.environ.get("RANK", "0")) == 0

@@ -98,7 +98,7 @@ class ModelConfig:
     init_std: float = _opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
     parametrization: str = _opt(
         "standard",
-        "standard, or mup (µP: init, LR and multipliers scaled so hyperparameters tuned at the mup_base_* "
+        "standard, or mup (µP: init, LR and multipliers scaled so hyperparameters tuned at the [model.mup_base] "
         "shape transfer to this width and depth)",
         ("standard", "mup"),
     )
@@ -111,14 +111,6 @@ class ModelConfig:
         "µP: alpha of the depth scaling, with r = num_layers / mup_base.layers: residual branches x r^-alpha, "
         "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",
         min=0.5,
-    )
-    # The old spelling of the base (one width ratio for every matrix), read into mup_base and cleared.
-    mup_base_width: int = _opt(
-        0, "µP, old spelling of mup_base.hidden (every matrix scaled by hidden_size / this)", min=0
-    )
-    mup_base_depth: int = _opt(0, "µP, old spelling of mup_base.layers", min=0)
-    mup_base_head_dim: int = _opt(
-        0, "µP, old spelling of mup_base.head_dim; 0 = mup_base_width / num_heads (this model's head count)", min=0
     )
 
     def is_moe_layer(self, index: int) -> bool:

@@ -1,6 +1,6 @@
-"""µP's base shape ([model.mup_base]): unset fields filled from the model where unambiguous, the old keys
-(mup_base_width, mup_base_depth, mup_base_head_dim) read into it and cleared, and every base that cannot define
-each parameter's scaling refused in one line. Part of config validation (validate.py calls resolve_mup)."""
+"""µP's base shape ([model.mup_base]): unset fields filled from the model where unambiguous, and every base that
+cannot define each parameter's scaling refused in one line. Part of config validation (validate.py calls
+resolve_mup)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,14 @@ from dataclasses import fields
 from nanotron.config.model import ModelConfig
 from nanotron.errors import ConfigError
 
-_OLD_MUP_KEYS = ("mup_base_width", "mup_base_depth", "mup_base_head_dim")
-
 
 def resolve_mup(m: ModelConfig) -> None:
     """µP's base shape in model.mup_base, unset fields filled from this model where unambiguous (µP at its own
-    shape is standard) and the old keys read into it and cleared; recorded in the resolved config, so a wider
-    or deeper copy of it keeps the base the hyperparameters were tuned on."""
+    shape is standard); recorded in the resolved config, so a wider or deeper copy of it keeps the base the
+    hyperparameters were tuned on."""
     b = m.mup_base
-    old = {key: getattr(m, key) for key in _OLD_MUP_KEYS if getattr(m, key)}
     if m.parametrization == "standard":
-        extra = [f"model.{key}={value}" for key, value in old.items()]
-        extra += [f"model.mup_base.{f.name}={getattr(b, f.name)}" for f in fields(b) if getattr(b, f.name)]
+        extra = [f"model.mup_base.{f.name}={getattr(b, f.name)}" for f in fields(b) if getattr(b, f.name)]
         if m.mup_depth_exponent != 1.0:
             extra.append(f"model.mup_depth_exponent={m.mup_depth_exponent}")
         if extra:
@@ -34,37 +30,7 @@ def resolve_mup(m: ModelConfig) -> None:
             f"model.mup_depth_exponent={m.mup_depth_exponent}: expected a value in [0.5, 1] (1 = CompleteP, "
             "0.5 = depth-µP); above 1 deep models would learn less the deeper they are"
         )
-    if old:
-        if b.set:
-            raise ConfigError(
-                f"model.{next(iter(old))} and model.mup_base both describe the µP base; keep model.mup_base "
-                f"(model.{next(iter(old))} is its old spelling)"
-            )
-        _read_old_mup_keys(m)
     _fill_mup_base(m)
-
-
-def _read_old_mup_keys(m: ModelConfig) -> None:
-    """The old keys' base: every matrix wider by hidden_size / mup_base_width (the MLP and K/V widths too), the
-    base head dim mup_base_head_dim or mup_base_width / num_heads (this model's head count)."""
-    b, width = m.mup_base, m.mup_base_width or m.hidden_size
-    if not m.mup_base_head_dim and width % m.num_heads:
-        raise ConfigError(
-            f"model.mup_base_width={width} is not divisible by model.num_heads={m.num_heads}, so the base head "
-            "dim is undefined; pick a base width that is a multiple of num_heads, or set model.mup_base"
-        )
-    b.hidden, b.layers = width, m.mup_base_depth or m.num_layers
-    b.head_dim = m.mup_base_head_dim or width // m.num_heads
-    b.heads = width // b.head_dim
-    b.kv_heads = b.heads * m.num_kv_heads // m.num_heads
-    b.intermediate = m.intermediate_size * width // m.hidden_size
-    if width % b.head_dim or (b.heads * m.num_kv_heads) % m.num_heads or (m.intermediate_size * width) % m.hidden_size:
-        raise ConfigError(
-            f"model.mup_base_width={width} (head dim {b.head_dim}) does not scale this model's MLP, head and K/V "
-            "widths by one whole ratio; describe the base in model.mup_base (hidden, intermediate, heads, "
-            "kv_heads, layers)"
-        )
-    m.mup_base_width = m.mup_base_depth = m.mup_base_head_dim = 0
 
 
 def _fill_mup_base(m: ModelConfig) -> None:

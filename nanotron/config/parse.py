@@ -23,7 +23,19 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 SECTIONS = {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
-CONFIG_SPELLINGS = ("config", "config-file")  # --config-file: the original nanotron's spelling
+_TOKENIZE = "tokenize before training: `nanotron tokenize SOURCE --tokenizer T --out DIR"
+# Removed keys -> what replaces them: one line saying so, instead of "unknown key".
+RETIRED = {
+    "parallelism.recompute_layer": "use parallelism.recompute='full'",
+    "model.mup_base_width": "use [model.mup_base] hidden = <base width>, with heads (or head_dim) and intermediate",
+    "model.mup_base_depth": "use [model.mup_base] layers = <base depth>",
+    "model.mup_base_head_dim": "use [model.mup_base] head_dim = <base head dim>",
+    "data.cache_dir": f"{_TOKENIZE}`, then set data.path=DIR",
+    "data.max_auto_tokenize_mb": f"{_TOKENIZE}`, then set data.path=DIR",
+    "data.tokenize_workers": f"{_TOKENIZE} --workers N`",
+    "data.text_column": f"{_TOKENIZE} --text_column NAME`",
+    "data.validation_split": f"{_TOKENIZE} --validation_split FRACTION`",
+}
 
 
 def _suggest(name: str, options: list[str]) -> str:
@@ -101,6 +113,8 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     table, _, sub = key.partition(".")
     if sub and table in hints and is_dataclass(hints[table]):  # --model.moe.num_experts=8: one key of a table
         obj, hints, key = getattr(obj, table), typing.get_type_hints(hints[table]), sub
+    if dotted in RETIRED:
+        raise ConfigError(f"{dotted} was removed: {RETIRED[dotted]} ({where})")
     if key not in hints:
         raise ConfigError(f"unknown key '{dotted}' in {where}{_suggest(key, list(hints))}")
     if is_dataclass(hints[key]) and isinstance(value, dict):  # a [model.moe] table sets the keys it names
@@ -119,10 +133,12 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
             raise ConfigError(f"unexpected argument '{arg}': expected --section.key=value or --config FILE")
         name, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and name not in CONFIG_SPELLINGS):
+            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and name != "config"):
                 raise ConfigError(f"--{name}: missing value; use --{name}=VALUE")
             value, i = argv[i + 1], i + 1
-        if name in CONFIG_SPELLINGS:
+        if name == "config-file":
+            raise ConfigError("--config-file is the original nanotron's spelling: use --config FILE (a TOML file)")
+        if name == "config":
             config_path = value
         else:
             pairs.append((name, value))
@@ -156,17 +172,26 @@ def _read_tables(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def _set_file(cfg: Config, tables: dict[str, Any], path: Path, saved: bool) -> None:
+    """Every key of a TOML file's tables. A config.toml nanotron `saved` (a run's or a checkpoint's) may hold keys
+    retired since, at values that meant nothing then: they are skipped, so older checkpoints stay readable."""
+    for section, table in tables.items():
+        for key, value in table.items():
+            if not (saved and f"{section}.{key}" in RETIRED):
+                _set(cfg, f"{section}.{key}", value, str(path))
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[tuple[str, str]] = (),
     world_size: int | None = None,
+    saved: bool = False,
 ) -> Config:
-    """TOML file, then overrides, then presets and validation: the resolved config of a run."""
+    """TOML file (`saved`: one nanotron wrote, see `_set_file`), then overrides, then presets and validation: the
+    resolved config of a run."""
     cfg = Config()
     if path is not None:
-        for section, table in _read_tables(Path(path), "--config").items():
-            for key, value in table.items():
-                _set(cfg, f"{section}.{key}", value, str(path))
+        _set_file(cfg, _read_tables(Path(path), "--config"), Path(path), saved)
     for key, value in overrides:
         _set(cfg, key, value, "command line")
     validate(cfg, world_size)
@@ -179,8 +204,7 @@ def read_model_config(path: Path) -> ModelConfig:
     if not isinstance(table, dict):
         raise ConfigError(f"'{path}' has no [model] section: cannot tell the model's shape")
     cfg = Config()
-    for key, value in table.items():
-        _set(cfg, f"model.{key}", value, str(path))
+    _set_file(cfg, {"model": table}, Path(path), saved=True)
     resolve_model(cfg.model)
     return cfg.model
 

@@ -91,7 +91,6 @@ class ParallelismConfig:
     recompute_every: int = _opt(
         1, "apply parallelism.recompute to every k-th decoder layer (layers 0, k, 2k, ...); the others keep all", min=1
     )
-    recompute_layer: bool = _opt(False, "old spelling of recompute='full' (true sets it when recompute is 'none')")
 
     def recompute_of(self, layer: int) -> str:
         """How decoder layer `layer` (global index) is checkpointed: 'none', 'full' or 'selective'."""
@@ -160,7 +159,7 @@ class OptimizerConfig:
 class DatasetConfig:
     """One `[[data.datasets]]` table; on the command line `--data.datasets=PATH:WEIGHT,PATH:WEIGHT`."""
 
-    path: str = _opt("", "a `nanotron tokenize` output dir (or a small local raw corpus, tokenized at start)")
+    path: str = _opt("", "a `nanotron tokenize` output dir")
     weight: float = _opt(1.0, "share of the training samples, relative to the other datasets' weights (> 0)")
 
     @staticmethod
@@ -171,26 +170,11 @@ class DatasetConfig:
 
 @dataclass
 class DataConfig:
-    path: str = _opt(
-        "data/tokenized/shakespeare",
-        "a `nanotron tokenize` output dir; or a small local text/jsonl/json/parquet file or folder, tokenized "
-        "at start-up into cache_dir (up to max_auto_tokenize_mb)",
-    )
+    path: str = _opt("data/tokenized/shakespeare", "a `nanotron tokenize` output dir")
     datasets: list[DatasetConfig] = _opt(
         [], "weighted blend of datasets, [[data.datasets]] tables with path and weight; when given, replaces path"
     )
-    text_column: str = _opt("text", "column holding the document text (raw corpora tokenized at start-up)")
     tokenizer: str = _opt("data/tokenizer", "tokenizer.json file or Hugging Face tokenizer dir")
-    validation_split: float = _opt(
-        0.05, "fraction of documents held out for validation when a raw corpus is tokenized at start-up", min=0.0
-    )
-    cache_dir: str = _opt(".cache/nanotron", "where raw corpora tokenized at start-up are kept")
-    max_auto_tokenize_mb: float = _opt(
-        64.0, "largest raw corpus (MB of files) tokenized at start-up; beyond it, run `nanotron tokenize`", min=0.0
-    )
-    tokenize_workers: int = _opt(
-        0, "processes tokenizing a raw corpus at start-up; 0 = one per 16 MB, up to the CPUs", min=0
-    )
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
     skip_samples: list[str] = _opt(
         [],
@@ -206,8 +190,8 @@ class DistributedConfig:
     )
     startup_timeout_minutes: float = _opt(
         120.0,
-        "the same limit until the first step is done: rank 0 tokenizing a small corpus, checkpoint loading, "
-        "compilation and the first step's collectives may keep the other ranks waiting that long",
+        "the same limit until the first step is done: checkpoint loading, compilation and the first step's "
+        "collectives may keep the other ranks waiting that long",
         min=0.1,
     )
 
@@ -372,13 +356,6 @@ class Config:
         """Ranks one FSDP group shards parameters over: the dp_shard group times cp (cp ranks hold the same
         parameters and shard them together); 1 under zero_stage 0 (replicas)."""
         return 1 if self.parallelism.zero_stage == 0 else self.dp_shard_size * self.parallelism.cp
-
-    def recompute_of(self, layer: int) -> str:
-        """How decoder layer `layer` (global index) is checkpointed: `parallelism.recompute_of`, except that a
-        mixture-of-experts layer under 'selective' is recomputed in full: torch 2.13's selective checkpoint sees
-        its experts' FSDP hooks run more often in the rerun than in the forward, and fails."""
-        mode = self.parallelism.recompute_of(layer)
-        return "full" if mode == "selective" and self.model.is_moe_layer(layer) else mode
 
     @property
     def num_stages(self) -> int:

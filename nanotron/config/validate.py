@@ -6,7 +6,7 @@ import re
 from dataclasses import fields
 
 from nanotron.config.mup import resolve_mup
-from nanotron.config.schema import PP_ENGINES, PRESET_COMMON, PRESETS, Config, ModelConfig, ParallelismConfig
+from nanotron.config.schema import PP_ENGINES, PRESET_COMMON, PRESETS, Config, ModelConfig
 from nanotron.errors import ConfigError
 
 # A run name is one path component (the run dir under job.out_dir) and the Slurm job name: no separators, no "..",
@@ -92,8 +92,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {o.betas}")
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
-    if not 0.0 <= cfg.data.validation_split < 1.0:
-        raise ConfigError(f"data.validation_split: expected a fraction in [0, 1), got {cfg.data.validation_split}")
     for index, dataset in enumerate(cfg.data.datasets):
         if not dataset.path:
             raise ConfigError(
@@ -139,21 +137,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
 
 
-def _resolve_recompute(p: ParallelismConfig) -> None:
-    """parallelism.recompute_layer=true is the old spelling of recompute='full'; once read it is cleared, so a
-    saved config says it once (and a later recompute override is not undone by it)."""
-    if p.recompute_layer and p.recompute not in ("none", "full"):
-        raise ConfigError(
-            f"parallelism.recompute_layer=true (the old spelling of recompute='full') contradicts "
-            f"parallelism.recompute='{p.recompute}'; drop recompute_layer"
-        )
-    if p.recompute_layer:
-        p.recompute, p.recompute_layer = "full", False
-
-
 def _validate_parallelism(cfg: Config) -> None:
     m, p, t = cfg.model, cfg.parallelism, cfg.training
-    _resolve_recompute(p)
     if m.num_kv_heads % p.tp:
         raise ConfigError(
             f"parallelism.tp={p.tp} must divide model.num_kv_heads={m.num_kv_heads} "

@@ -78,11 +78,11 @@ def family(cfg: Config, width: int, depth: int, fixed_head_dim: bool, kv_heads: 
 def probe_batch(cfg: Config, tokens: int) -> torch.Tensor:
     """The fixed probe batch: the first validation sequences of the config's data (held out, the training
     distribution), at least `tokens` tokens."""
-    from nanotron.data.corpus import prepare_data
+    from nanotron.data.corpus import open_corpus
     from nanotron.data.loader import eval_batches
 
     rows, count = [], 0
-    for batch in eval_batches(prepare_data(cfg), cfg.training, 1, 0):
+    for batch in eval_batches(open_corpus(cfg), cfg.training, 1, 0):
         rows.append(batch[:, :-1])
         count += batch[:, :-1].numel()
         if count >= tokens:
@@ -121,11 +121,10 @@ def run_overrides(cfg: Config, steps: int, out_dir: Path, name: str, seed: int) 
 
 def parametrization_overrides(parametrization: str, base: Member) -> list[str]:
     """µP with `base` as its base model, or standard (whatever µP keys the config has, cleared)."""
-    cleared = ["--model.mup_base_width=0", "--model.mup_base_depth=0", "--model.mup_base_head_dim=0"]
     if parametrization == "mup":
-        return ["--model.parametrization=mup", *cleared, *base.as_base()]
+        return ["--model.parametrization=mup", *base.as_base()]
     zero = [f"--model.mup_base.{f.name}=0" for f in fields(MupBase)]
-    return ["--model.parametrization=standard", "--model.mup_depth_exponent=1.0", *cleared, *zero]
+    return ["--model.parametrization=standard", "--model.mup_depth_exponent=1.0", *zero]
 
 
 def train(config: Path | None, args: list[str], nproc: int, run_dir: Path) -> None:

@@ -1,8 +1,7 @@
 """Training data: tokenized dirs (memory-mapped shards) → weighted blend → keyed O(1)-memory shuffle →
-dp-sharded loader. `nanotron.tokenize` writes the dirs; `prepare_data` opens them (tokenizing small raw
-corpora first)."""
+dp-sharded loader. `nanotron tokenize` writes the dirs; `open_corpus` opens them."""
 
-from nanotron.data.corpus import Corpus, check_corpus_size, prepare_data
+from nanotron.data.corpus import Corpus, check_corpus_size, open_corpus
 from nanotron.data.loader import StepSampler, TrainSamples, build_train_loader, eval_batches, loader_batches
 
 __all__ = [
@@ -13,5 +12,5 @@ __all__ = [
     "check_corpus_size",
     "eval_batches",
     "loader_batches",
-    "prepare_data",
+    "open_corpus",
 ]

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from nanotron.config import TrainingConfig
-from nanotron.data.corpus import Corpus, check_corpus_size, check_validation
+from nanotron.data.corpus import Corpus, check_validation
 from nanotron.data.order import Permutation, key_of
 from nanotron.data.skips import SampleSkips
 from nanotron.errors import DataError
@@ -86,13 +86,13 @@ def build_train_loader(
     start_sample: int = 0,
     skips: SampleSkips | None = None,
 ) -> DataLoader:
-    """LongTensor [micro_batch_size, seq_len+1] microbatches forever, from the `start_sample`-th trained sample on.
+    """LongTensor [micro_batch_size, seq_len+1] microbatches forever, from the `start_sample`-th trained sample on,
+    of a corpus `open_corpus` checked against this global batch.
 
     Building it reads nothing and allocates nothing that grows with the corpus: start-up and resume are O(1).
     """
     if training.global_batch_size != training.micro_batch_size * training.grad_accum_steps * dp:
         raise ValueError("training.global_batch_size must equal micro_batch_size * grad_accum_steps * dp")
-    check_corpus_size(corpus, training)
     sampler = StepSampler(training, dp, dp_rank, start_sample, skips)
     workers = corpus.num_workers if num_workers is None else num_workers
     samples = TrainSamples(corpus, seed)

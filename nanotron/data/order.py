@@ -7,17 +7,16 @@ sample count (the trainer's consumed_samples).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from fractions import Fraction
 from typing import Any
 
-from nanotron.hashing import mix64
+from nanotron.hashing import mix64, stable_hash64
 
 
 def key_of(*parts: Any) -> int:
     """A 64-bit key from any parts, stable across processes and Python versions (unlike hash())."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+    return stable_hash64(repr(parts))
 
 
 class Permutation:

@@ -101,10 +101,9 @@ class TokenizedData:
     train: TokenStream
     val: TokenStream
     what: str  # the config key naming it: data.path or data.datasets[i].path
-    auto: bool  # tokenized from a raw corpus at start-up (its validation split is data.validation_split)
 
 
-def open_tokenized(path: Path, what: str, tokenizer: Tokenizer, check: bool, auto: bool = False) -> TokenizedData:
+def open_tokenized(path: Path, what: str, tokenizer: Tokenizer, check: bool) -> TokenizedData:
     """Opens a finished tokenized dir made with this tokenizer; `check` stats every shard against meta.json."""
     meta = read_meta(path, what)
     if meta["tokenizer"]["fingerprint"] != tokenizer.fingerprint:
@@ -116,4 +115,4 @@ def open_tokenized(path: Path, what: str, tokenizer: Tokenizer, check: bool, aut
         check_all(path, meta, what)
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     streams = [TokenStream(path, split, meta["shards"], dtype, what) for split in ("train", "val")]
-    return TokenizedData(path, meta, *streams, what, auto)
+    return TokenizedData(path, meta, *streams, what)

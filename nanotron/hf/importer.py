@@ -4,7 +4,6 @@ start training from with `checkpoint.init_from` at any layout."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import warnings
@@ -17,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from nanotron.checkpoint import integrity
 from nanotron.checkpoint.full_model import expected_shapes
+from nanotron.checkpoint.layout import publish
 from nanotron.config import ModelConfig, toml_text
 from nanotron.errors import CheckpointError
 from nanotron.hf import mixtral
@@ -114,9 +114,7 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
         (tmp / "config.toml").write_text(toml_text({"model": asdict(model)}))
         copy_tokenizer(hf_dir, tmp / "tokenizer")
         integrity.write(tmp, integrity.shard_checksums(tmp))
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return model

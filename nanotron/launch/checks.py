@@ -59,7 +59,7 @@ def check_config_strings(cfg: Config) -> None:
 def path_keys(cfg: Config) -> dict[str, str]:
     """Config keys holding local paths the job opens (a hub dataset name is not one)."""
     d, c = cfg.data, cfg.checkpoint
-    keys = {"job.out_dir": cfg.job.out_dir, "data.tokenizer": d.tokenizer, "data.cache_dir": d.cache_dir}
+    keys = {"job.out_dir": cfg.job.out_dir, "data.tokenizer": d.tokenizer}
     keys |= {"checkpoint.dir": c.dir, "checkpoint.init_from": c.init_from}
     keys["profiler.export_path"] = cfg.profiler.export_path
     if c.resume_from not in NOT_PATHS:
@@ -125,13 +125,13 @@ def shared_filesystem_notes(paths: dict[str, Path], mounts: list[tuple[str, str]
         (local if kind in NODE_LOCAL_FS else unknown).setdefault(fs or ("?", kind), []).append(name)
     notes = [
         f"warning: {', '.join(names)} on a node-local filesystem ({kind} at {mount}): the job's nodes read and "
-        "write their own copies, not this node's (and rank 0's token cache and checkpoints stay on its node); "
+        "write their own copies, not this node's (and rank 0's checkpoints stay on its node); "
         "use a filesystem every node mounts (NFS, Lustre, GPFS, ...) unless the job runs on this machine"
         for (mount, kind), names in local.items()
     ]
     notes += [
         f"note: cannot tell whether {', '.join(names)} ({kind} at {mount}) is shared by the job's nodes; "
-        "it must be, for the token cache and checkpoints"
+        "it must be, for the tokenized data and checkpoints"
         for (mount, kind), names in unknown.items()
     ]
     return notes
@@ -144,8 +144,7 @@ def job_paths(cfg: Config, environment: str, workdir: Path) -> dict[str, Path]:
 
 
 def check_data(cfg: Config) -> Corpus:
-    """Tokenizer, tokenized dirs (shards checked against meta.json) and split sizes, as the trainer will find them;
-    a small raw corpus is tokenized here, on the login node, so the job finds it ready in data.cache_dir."""
-    from nanotron.data import prepare_data
+    """Tokenizer, tokenized dirs (shards checked against meta.json) and split sizes, as the trainer will find them."""
+    from nanotron.data import open_corpus
 
-    return prepare_data(cfg)
+    return open_corpus(cfg)

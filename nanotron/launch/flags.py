@@ -47,7 +47,23 @@ CONFIG_FLAGS: dict[str, tuple[str, ...]] = {
     "preflight": ("training.preflight",),
 }
 
-# The original nanotron launcher's flags that are named differently here: a hint instead of "unrecognized".
+# The original nanotron launcher's (slurm_launcher.py) hyphenated flags that are this launcher's flags spelled with
+# underscores: they keep working.
+ORIGINAL_HYPHENATED = {
+    "hidden-size",
+    "intermediate-size",
+    "num-layers",
+    "num-heads",
+    "num-kv-heads",
+    "vocab-size",
+    "learning-rate",
+    "warmup-steps",
+    "save-interval",
+    "save-initial-state",
+    "dry-run",
+    "show-logs",
+}
+# The original launcher's flags that are named differently here: a hint instead of "unrecognized".
 ORIGINAL_FLAGS = {
     "run": "--run_name",
     "model": "--model_size (tiny, small, base, large) or --hidden_size/--num_layers/--num_heads",
@@ -61,7 +77,7 @@ ORIGINAL_FLAGS = {
     "zero": "--parallelism.zero_stage=VALUE",
     "seed": "--job.seed=VALUE",
     "tokenizer": "--data.tokenizer=PATH",
-    "text-column": "--data.text_column=NAME",
+    "text-column": "`nanotron tokenize --text_column NAME` (the run trains from its output dir, --dataset)",
     "checkpoints-path": "--checkpoint.dir=PATH",
 }
 
@@ -75,9 +91,9 @@ def flag_help(flag: str) -> str:
     return f"{meta['help']} [{', '.join(CONFIG_FLAGS[flag])}{choices}]"
 
 
-def normalize_spellings(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """Accepts nanotron's hyphenated spellings (`--dry-run`, `--config-file`) of this launcher's flags, and
-    names the flag to use for the original launcher's flags that are called differently here."""
+def original_spellings(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """The original launcher's hyphenated flags (`--dry-run`) as this launcher's; its flags called differently
+    here, and other hyphenated forms of this launcher's flags, are one line naming the flag to use."""
     flags = {o for action in parser._actions for o in action.option_strings}
     out = []
     for arg in argv:
@@ -85,11 +101,13 @@ def normalize_spellings(argv: list[str], parser: argparse.ArgumentParser) -> lis
         if not name.startswith("--") or name in flags or "." in name:
             out.append(arg)
             continue
-        spelled = "--config" if name == "--config-file" else "--" + name[2:].replace("-", "_")
-        if spelled in flags:
+        spelled = "--" + name[2:].replace("-", "_")
+        if name[2:] in ORIGINAL_HYPHENATED:
             out.append(spelled + eq + value)
         elif name[2:] in ORIGINAL_FLAGS:
             raise ConfigError(f"unrecognized argument {name}: nanotron's original {name} is {ORIGINAL_FLAGS[name[2:]]}")
+        elif spelled in flags:
+            raise ConfigError(f"unrecognized argument {name}: use {spelled}")
         else:
             out.append(arg)
     return out

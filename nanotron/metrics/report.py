@@ -119,7 +119,7 @@ def summary(run_dir: Path, data: dict[str, dict[int, float]], found: list[dict],
         from nanotron.parallel.layout import layout_line
 
         try:
-            cfg = load_config(str(config), [])
+            cfg = load_config(str(config), [], saved=True)
             m, t = cfg.model, cfg.training
             lines += [
                 f"- model: {m.size or 'custom'} (hidden {m.hidden_size}, {m.num_layers} layers), seq_len {t.seq_len}, "

@@ -9,11 +9,10 @@ than the CPU's for the same seed, but the same at every layout).
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from nanotron.hashing import stable_hash64
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.parametrization import param_init_std
 
@@ -39,7 +38,7 @@ def init_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 def name_seed(seed: int, name: str) -> int:
     """A 63-bit generator seed from the run seed and a parameter name, stable across processes."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+    return stable_hash64(f"{seed}:{name}") >> 1
 
 
 def _device(model: torch.nn.Module) -> torch.device:

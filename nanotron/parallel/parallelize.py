@@ -5,19 +5,21 @@ checkpoints and HF names don't depend on the layout."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from nanotron.config import Config
-from nanotron.gpu import async_tp_unavailable
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
 from nanotron.parallel.expert import apply_expert_parallel, use_grouped_gemm
 from nanotron.parallel.fsdp import apply_fsdp
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.mesh import ParallelContext, data_parallel_mesh, expert_data_mesh
+from nanotron.parallel.overlap import async_tp_unavailable
 from nanotron.parallel.pipeline import split_model
-from nanotron.parallel.recompute import apply_recompute
+from nanotron.parallel.recompute import apply_recompute, recompute_mode
 from nanotron.parallel.regather import apply_regather
 from nanotron.parallel.tensor import apply_tensor_parallel
 from nanotron.parallel.torch_private import enable_inductor_async_tp
@@ -26,7 +28,7 @@ from nanotron.parallel.torch_private import enable_inductor_async_tp
 def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]]:
     """(global pipeline stage index, module) for every stage this rank runs, sharded but still on the meta
     device: no memory is allocated, so `nanotron plan --check` can build any rank of any world size."""
-    p = cfg.parallelism
+    p, mode_of = cfg.parallelism, functools.partial(recompute_mode, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg.model)
     stages = split_model(model, cfg, ctx.pp_rank) if p.pp > 1 else [(0, model)]
@@ -40,9 +42,9 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
         if ctx.device.type == "cuda":
             use_grouped_gemm(module)
         if p.recompute != "none":
-            apply_recompute(module, cfg.recompute_of, cfg.parallelism.selective_matmuls)
+            apply_recompute(module, mode_of, cfg.parallelism.selective_matmuls)
         if p.tp > 1 and p.tp_mode == "reduce_scatter" and not cfg.training.compile:
-            apply_regather(module, lambda layer: cfg.recompute_of(layer) != "none")
+            apply_regather(module, lambda layer: mode_of(layer) != "none")
         if cfg.training.compile:
             for layer in module.model.layers.values():
                 layer.compile()

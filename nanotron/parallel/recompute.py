@@ -1,5 +1,5 @@
 """Activation checkpointing of decoder layers (`parallelism.recompute`, on every `recompute_every`-th layer;
-a mixture-of-experts layer under selective is recomputed in full: `Config.recompute_of`).
+a mixture-of-experts layer under selective is recomputed in full: `recompute_mode`).
 
 full:      the layer keeps only its input; backward reruns its whole forward.
 selective: torch's selective checkpointing with one policy: keep what is expensive to recompute (matmul and
@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from nanotron.config import Config
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.moe import MoE
 from nanotron.parallel.torch_private import checkpoint_in_place, in_backward_pass, reduced_output_ops
@@ -38,6 +39,14 @@ KEPT = {
 }
 if hasattr(aten, "_grouped_mm"):  # CUDA's grouped expert GEMM
     KEPT.add(aten._grouped_mm.default)
+
+
+def recompute_mode(cfg: Config, layer: int) -> str:
+    """How decoder layer `layer` (global index) is checkpointed: `parallelism.recompute_of`, except that a
+    mixture-of-experts layer under 'selective' is recomputed in full: torch 2.13's selective checkpoint sees
+    its experts' FSDP hooks run more often in the rerun than in the forward, and fails."""
+    mode = cfg.parallelism.recompute_of(layer)
+    return "full" if mode == "selective" and cfg.model.is_moe_layer(layer) else mode
 
 
 # Called with each output the policy keeps in a forward (not a recompute): how benchmarks/probe.py measures it.
@@ -78,7 +87,7 @@ def apply_recompute(
     model: LlamaForCausalLM, mode_of: Callable[[int], str] = lambda layer: "full", matmuls: str = "all"
 ) -> None:
     """Hooks the layers in place (parameter names don't change), each as `mode_of(global index)` says
-    (`Config.recompute_of`): 'none', 'full' or 'selective' (keeping `matmuls`: 'all' or 'every_other')."""
+    (`recompute_mode`): 'none', 'full' or 'selective' (keeping `matmuls`: 'all' or 'every_other')."""
     for name, layer in model.model.layers.items():
         mode = mode_of(int(name))
         if mode == "none":

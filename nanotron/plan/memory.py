@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.shapes import element_bytes, is_expert_param, is_moe_layer, layer_shapes, root_shapes
 from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
+from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.tensor import tp_shard_dim
 
 GIB = 2**30
@@ -297,14 +298,14 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     saved = {i: layer_activation_bytes(cfg, tokens, i) for s in stages for i in s.layer_indices}
     # Backward of a recomputed layer rebuilds what it did not keep: one layer's worth at a time.
     rebuilt = [
-        v["none"] - (v["selective"] if cfg.recompute_of(i) == "selective" else 0.0)
+        v["none"] - (v["selective"] if recompute_mode(cfg, i) == "selective" else 0.0)
         for i, v in saved.items()
-        if cfg.recompute_of(i) != "none"
+        if recompute_mode(cfg, i) != "none"
     ]
     recompute_transient = max(rebuilt, default=0.0)
     activations_saved = logits_saved = 0.0
     for stage in stages:
-        held = sum(saved[i][cfg.recompute_of(i)] for i in stage.layer_indices)
+        held = sum(saved[i][recompute_mode(cfg, i)] for i in stage.layer_indices)
         # The hidden states crossing a stage boundary are this tp rank's sequence shard under sequence parallelism.
         held += 0 if stage.first else tokens / sp * e * m.hidden_size  # received input, kept for backward
         held += 0 if stage.last else tokens / sp * e * m.hidden_size  # output, kept for backward

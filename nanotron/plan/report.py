@@ -10,10 +10,10 @@ from nanotron.errors import ConfigError
 from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
 from nanotron.plan.search import RECOMPUTE_CHOICES, Candidate, reserve_bytes, search, shown_seconds, usable_bytes
-from nanotron.plan.timing import Gpu, estimate_step
+from nanotron.plan.timing import Gpu, estimate_step, peak_tflops
 
 ASSUMPTIONS = (
-    "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s peak ({source}); FSDP/DP collectives overlap "
+    "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s {mode} peak ({source}); FSDP/DP collectives overlap "
     "compute (but the first unit's gather of each pass and the last unit's reduction), TP and PP "
     "transfers are exposed, the cp K/V ring is exposed only beyond the attention it overlaps; ring collectives at "
     "{nvlink:g} GB/s per GPU over NVLink inside a node, {ib:g} GB/s over InfiniBand across nodes; reserve "
@@ -32,7 +32,7 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     lines = [
         f"model {params} | {dp} tp={p.tp} pp={p.pp} ({p.pp_engine}) zero_stage={p.zero_stage}"
         f" recompute={recompute_label(p)} {t.dtype} | {cfg.world_size} of {nodes}x{gpus_per_node} GPUs "
-        f"({gpu.name}, {gpu.memory_gib:g} GiB)",
+        f"({gpu.name}, {gpu.device.memory_gib:g} GiB)",
         f"global batch {t.global_batch_size} x {t.seq_len} tokens = micro_batch_size {t.micro_batch_size} x "
         f"{t.grad_accum_steps} microbatches x dp {p.dp}",
         "",
@@ -69,6 +69,7 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     if e.low is not None and e.high is not None and e.low <= efficiency <= e.high:
         fast, slow = (estimate_step(cfg, gpu, gpus_per_node, x).step_s for x in (e.high, e.low))
         spread = f" (range {fast:.2f}-{slow:.2f}s at the published runs' efficiencies {e.low:g}-{e.high:g})"
+    mode, peak = peak_tflops(cfg, gpu)
     lines += [
         f"step time ~{step.step_s:.2f}s{spread} (compute {step.compute_s:.2f}s incl. pipeline bubble; communication "
         f"per step: {comm or 'none'}) "
@@ -76,9 +77,10 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
         ASSUMPTIONS.format(
             eff=efficiency,
             source=gpu.efficiency.source if efficiency == gpu.efficiency.default else "--efficiency",
-            peak=gpu.peak_tflops,
-            nvlink=gpu.nvlink_gbps,
-            ib=gpu.ib_gbps,
+            peak=peak,
+            mode=mode,
+            nvlink=gpu.device.nvlink_gbps,
+            ib=gpu.device.ib_gbps,
             reserve=reserve_bytes(gpu) / GIB,
         ),
     ]

@@ -54,7 +54,7 @@ def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp
                         cfg = replace(base, parallelism=copy.copy(base.parallelism), training=copy.copy(base.training))
                         p, t = cfg.parallelism, cfg.training
                         p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
-                        p.recompute, p.recompute_every, p.recompute_layer = recompute, 1, False
+                        p.recompute, p.recompute_every = recompute, 1
                         p.selective_matmuls = matmuls
                         t.micro_batch_size, t.grad_accum_steps, p.ep = micro, 0, ep
                         try:
@@ -102,8 +102,8 @@ def shown_seconds(seconds: float) -> float:
 
 def reserve_bytes(gpu: Gpu) -> float:
     """Kept free for the CUDA context, NCCL and allocator fragmentation: 5% of the device, at least 2 GiB."""
-    return max(2.0, 0.05 * gpu.memory_gib) * 2**30
+    return max(2.0, 0.05 * gpu.device.memory_gib) * 2**30
 
 
 def usable_bytes(gpu: Gpu) -> float:
-    return gpu.memory_gib * 2**30 - reserve_bytes(gpu)
+    return gpu.device.memory_gib * 2**30 - reserve_bytes(gpu)

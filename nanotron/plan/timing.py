@@ -10,12 +10,13 @@ uses NVLink, a group spanning nodes InfiniBand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
-from nanotron.gpu import GPU_PEAKS
+from nanotron.gpu import GPUS, Device, math_mode
 from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
+from nanotron.parallel.recompute import recompute_mode
 from nanotron.plan.memory import FP32, coordinate_zero_split, rank_stages
 
 UNCALIBRATED_EFFICIENCY = 0.55  # a GPU without published runs in the calibration set
@@ -46,30 +47,26 @@ A100_EFFICIENCY = Efficiency(
 )
 
 
+# GPU (the model in nanotron.gpu.GPUS) -> its efficiency; a GPU the planner plans for has memory and links there.
+EFFICIENCIES = {"H100": H100_EFFICIENCY, "H200": H100_EFFICIENCY, "A100": A100_EFFICIENCY}
+PLANNED = [model.lower() for (model, form), device in GPUS.items() if not form and device.memory_gib]
+
+
 @dataclass(frozen=True)
 class Gpu:
+    """A GPU as the planner sees it: its row of `nanotron.gpu.GPUS` (links as overridden) and its efficiency."""
+
     name: str
-    memory_gib: float
-    peak_tflops: float  # dense bf16 (fp32 runs get half: TF32)
-    nvlink_gbps: float  # achievable ring bandwidth per GPU inside a node, GB/s
-    ib_gbps: float  # achievable bandwidth per GPU across nodes, GB/s
+    device: Device
     efficiency: Efficiency = Efficiency(UNCALIBRATED_EFFICIENCY)
-    hbm_gbps: float = 3350.0  # memory bandwidth (datasheet), GB/s: what selective recompute's element-wise ops cost
-
-
-# Memory as the device reports it (80 GB H100 = 79.6 GiB); link bandwidths are typical NCCL bus bandwidths, HBM
-# the datasheets' (H100 SXM 3.35 TB/s, H200 4.8, A100 80 GB 2.04).
-GPUS = {
-    "h100": Gpu("h100", 79.6, GPU_PEAKS["H100", ""].bf16, 360.0, 45.0, H100_EFFICIENCY, 3350.0),
-    "h200": Gpu("h200", 139.8, GPU_PEAKS["H200", ""].bf16, 360.0, 45.0, H100_EFFICIENCY, 4800.0),
-    "a100": Gpu("a100", 79.2, GPU_PEAKS["A100", ""].bf16, 230.0, 22.0, A100_EFFICIENCY, 2039.0),
-}
 
 
 def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None = None) -> Gpu:
-    """`h100`, `h200`, `a100`, or `<memory GiB>,<peak TFLOP/s>` (then H100 links unless given)."""
-    if text.lower() in GPUS:
-        gpu = GPUS[text.lower()]
+    """`h100`, `h200`, `a100`, or `<memory GiB>,<peak bf16 TFLOP/s>` (TF32 at half of it, no fp32 peak, the H100's
+    links and HBM unless given)."""
+    if text.lower() in PLANNED:
+        model = text.upper()
+        gpu = Gpu(text.lower(), GPUS[model, ""], EFFICIENCIES.get(model, Efficiency(UNCALIBRATED_EFFICIENCY)))
     else:
         try:
             memory, peak = (float(x) for x in text.split(","))
@@ -77,11 +74,26 @@ def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None
                 raise ValueError
         except ValueError:
             raise ConfigError(
-                f"--gpu {text!r}: expected {', '.join(GPUS)} or '<memory GiB>,<peak bf16 TFLOP/s>' such as '80,989'"
+                f"--gpu {text!r}: expected {', '.join(PLANNED)} or '<memory GiB>,<peak bf16 TFLOP/s>' such as '80,989'"
             ) from None
-        gpu = Gpu(f"{memory:g}GiB/{peak:g}TF", memory, peak, GPUS["h100"].nvlink_gbps, GPUS["h100"].ib_gbps)
-    nvlink, ib = nvlink_gbps or gpu.nvlink_gbps, ib_gbps or gpu.ib_gbps
-    return Gpu(gpu.name, gpu.memory_gib, gpu.peak_tflops, nvlink, ib, gpu.efficiency, gpu.hbm_gbps)
+        device = replace(GPUS["H100", ""], bf16=peak, tf32=peak / 2, fp32=None, memory_gib=memory)
+        gpu = Gpu(f"{memory:g}GiB/{peak:g}TF", device)
+    links = {"nvlink_gbps": nvlink_gbps or gpu.device.nvlink_gbps, "ib_gbps": ib_gbps or gpu.device.ib_gbps}
+    return replace(gpu, device=replace(gpu.device, **links))
+
+
+def peak_tflops(cfg: Config, gpu: Gpu) -> tuple[str, float]:
+    """(math mode, dense peak) the run's matmuls can reach: MFU's rule (bf16; fp32 on TF32 tensor cores when
+    training.tf32, else full fp32)."""
+    mode = math_mode(cfg.training.dtype, cfg.training.tf32)
+    peak = gpu.device.peak(mode)
+    if peak is None:
+        raise ConfigError(
+            f"--gpu {gpu.name}: no {mode} peak is known for it (training.dtype='{cfg.training.dtype}', "
+            f"training.tf32={str(cfg.training.tf32).lower()}); plan with training.tf32=true or bfloat16, or a GPU "
+            f"of the table ({', '.join(PLANNED)})"
+        )
+    return mode, peak
 
 
 @dataclass(frozen=True)
@@ -131,10 +143,10 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     world, n_micro, shard = cfg.world_size, t.grad_accum_steps, cfg.fsdp_shard_size
     e = element_bytes(t.dtype)
-    peak = gpu.peak_tflops * (1 if t.dtype == "bfloat16" else 0.5) * 1e12
+    peak = peak_tflops(cfg, gpu)[1] * 1e12
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
-    modes = [cfg.recompute_of(i) for i in range(m.num_layers)]
+    modes = [recompute_mode(cfg, i) for i in range(m.num_layers)]
     full, selective = modes.count("full"), modes.count("selective")
     recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
     if p.selective_matmuls == "every_other":  # selective reruns the k, o and up projections too
@@ -143,14 +155,14 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     flops = model_flops + recompute_flops
     bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, n_micro, p.pp_stages_per_rank)
     # Selective recompute reruns element-wise ops only: memory-bound, charged at the GPU's memory bandwidth.
-    rerun_s = tokens_step / world * selective * elementwise_rerun_bytes(cfg) / (gpu.hbm_gbps * 1e9)
+    rerun_s = tokens_step / world * selective * elementwise_rerun_bytes(cfg) / (gpu.device.hbm_gbps * 1e9)
     compute_s = (flops / world / (peak * efficiency) + rerun_s) * (1 + bubble)
     achieved = world * peak * efficiency
     parts = {"compute": model_flops / achieved, "recompute": recompute_flops / achieved + rerun_s}
     parts["bubble"] = compute_s - parts["compute"] - parts["recompute"]
 
     tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
-    nvlink, ib = ("NVLink", gpu.nvlink_gbps), ("InfiniBand", gpu.ib_gbps)
+    nvlink, ib = ("NVLink", gpu.device.nvlink_gbps), ("InfiniBand", gpu.device.ib_gbps)
     layers_per_rank = m.num_layers / p.pp
     comm: dict[str, Transfer] = {}
     # TP: per layer, forward and backward each move 4 activations (2 all-gathers + 2 reduce-scatters, or 2

@@ -137,7 +137,7 @@ def _stop_signals_blocked() -> Iterator[None]:
 def _init_worker(parent: int, tokenizer_json: str, eos_id: int, dtype: str) -> None:
     """Stop signals are the parent's to handle (it keeps the committed shards and exits; the worker then dies)."""
     global _WORKER_ENCODER
-    ignore_stop_signals()  # also SIGUSR1, which the trainer (tokenizing a small corpus at start-up) handles
+    ignore_stop_signals()  # SIGUSR1 too: the tokenizing process alone decides what a stop signal means
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _die_with(parent)
     _WORKER_ENCODER = Encoder(tokenizer_json, eos_id, dtype)

@@ -25,17 +25,7 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TRUE = ("1", "true", "yes", "on")
 
 
-@dataclass(frozen=True)
-class Labels:
-    """How errors name the inputs: flags for `nanotron tokenize`, config keys inside the trainer."""
-
-    source: str = "SOURCE"
-    text_column: str = "--text_column"
-    out: str = "--out"
-    fix: str = "pass a local .txt/.jsonl/.json/.parquet file or folder, or an online hub dataset name"
-
-
-CLI_LABELS = Labels()
+LOCAL_FIX = "pass a local .txt/.jsonl/.json/.parquet file or folder"
 
 
 @dataclass
@@ -61,7 +51,6 @@ class Source:
 
 def resolve_sources(
     specs: list[str],
-    labels: Labels = CLI_LABELS,
     exclude: Path | None = None,
     hub_config: str | None = None,
     hub_split: str = "train",
@@ -82,16 +71,17 @@ def resolve_sources(
                 and (skip is None or skip not in f.resolve().parents)
             )
         elif is_hub_name(spec):
-            check_hub_reachable(spec, labels)
+            check_hub_reachable(spec)
             sources.append(Source(spec, hub=spec, hub_config=hub_config, hub_split=hub_split))
             continue
         else:
             problem = "is neither a file nor a folder" if root.exists() else "does not exist"
-            raise DataError(f"{labels.source}: '{spec}' {problem}; {labels.fix}, or {PREPARE_HINT}")
+            hint = f"{LOCAL_FIX}, or an online hub dataset name, or {PREPARE_HINT}"
+            raise DataError(f"SOURCE: '{spec}' {problem}; {hint}")
         unknown = sorted({f.suffix or f.name for f in files if f.suffix not in KINDS})
         if unknown or not files:
             found = f"found {unknown}" if unknown else "it holds no files"
-            raise DataError(f"{labels.source}: '{spec}' must hold .txt, .jsonl, .json or .parquet files; {found}")
+            raise DataError(f"SOURCE: '{spec}' must hold .txt, .jsonl, .json or .parquet files; {found}")
         sources.append(Source(spec, files))
     return sources
 
@@ -108,15 +98,15 @@ def sources_key(sources: list[Source]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def check_hub_reachable(name: str, labels: Labels) -> None:
+def check_hub_reachable(name: str) -> None:
     """A hub dataset offline fails at once, rather than after `datasets`' retries (~23 s)."""
     offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").lower() in _TRUE]
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
     reason = f"{offline[0]} is set" if offline else None if _reachable(host) else f"{host}:443 is unreachable"
     if reason:
         raise DataError(
-            f"{labels.source}: '{name}' is not a local file or folder, and the Hugging Face Hub is offline "
-            f"({reason}); {labels.fix.replace(', or an online hub dataset name', '')}, or {PREPARE_HINT}"
+            f"SOURCE: '{name}' is not a local file or folder, and the Hugging Face Hub is offline "
+            f"({reason}); {LOCAL_FIX}, or {PREPARE_HINT}"
         )
 
 
@@ -137,11 +127,11 @@ def _reachable(host: str, timeout: float = 3.0) -> bool:
     return bool(ok)
 
 
-def iter_documents(sources: list[Source], column: str, labels: Labels, start: int = 0) -> Iterator[str]:
+def iter_documents(sources: list[Source], column: str, start: int = 0) -> Iterator[str]:
     """Every document's text in order, from document `start` on (earlier files are skipped by counting rows)."""
     for source in sources:
         if source.hub:
-            start = yield from _hub_documents(source, column, labels, start)
+            start = yield from _hub_documents(source, column, start)
             continue
         for path in source.files:
             kind = KINDS[path.suffix]
@@ -150,11 +140,11 @@ def iter_documents(sources: list[Source], column: str, labels: Labels, start: in
                 if rows <= start:
                     start -= rows
                     continue
-            yield from _READERS[kind](path, column, labels, start)
+            yield from _READERS[kind](path, column, start)
             start = 0
 
 
-def _text(value: Any, where: str, column: str, labels: Labels) -> str:
+def _text(value: Any, where: str, column: str) -> str:
     if isinstance(value, str):
         return value
     shown = json.dumps(value, default=repr)
@@ -162,31 +152,31 @@ def _text(value: Any, where: str, column: str, labels: Labels) -> str:
         "" if value is None else f" ({type(value).__name__})"
     )
     raise DataError(
-        f"{labels.text_column}: '{column}' of {where} holds {shown}, expected a string; fix or drop that row, or "
+        f"--text_column: '{column}' of {where} holds {shown}, expected a string; fix or drop that row, or "
         "name the text column"
     )
 
 
-def _field(row: Any, where: str, column: str, labels: Labels) -> str:
+def _field(row: Any, where: str, column: str) -> str:
     if not isinstance(row, dict):
-        raise DataError(f"{labels.source}: {where} is a JSON {type(row).__name__}, expected an object with '{column}'")
+        raise DataError(f"SOURCE: {where} is a JSON {type(row).__name__}, expected an object with '{column}'")
     if column not in row:
         raise DataError(
-            f"{labels.text_column}: '{column}' is not a field of {where} (its fields: {sorted(row)}); "
-            f"name the text column with {labels.text_column}"
+            f"--text_column: '{column}' is not a field of {where} (its fields: {sorted(row)}); "
+            "name the text column with --text_column"
         )
-    return _text(row[column], where, column, labels)
+    return _text(row[column], where, column)
 
 
-def _text_documents(path: Path, column: str, labels: Labels, skip: int) -> Iterator[str]:
+def _text_documents(path: Path, column: str, skip: int) -> Iterator[str]:
     """A .txt file is one document, byte for byte (no newline translation)."""
     try:
         yield path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{labels.source}: '{path}' is not UTF-8 text (byte {e.start}); re-encode it") from None
+        raise DataError(f"SOURCE: '{path}' is not UTF-8 text (byte {e.start}); re-encode it") from None
 
 
-def _jsonl_documents(path: Path, column: str, labels: Labels, skip: int) -> Iterator[str]:
+def _jsonl_documents(path: Path, column: str, skip: int) -> Iterator[str]:
     """One JSON object per non-blank line."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
@@ -199,40 +189,40 @@ def _jsonl_documents(path: Path, column: str, labels: Labels, skip: int) -> Iter
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise DataError(f"{labels.source}: {where} is not valid JSON ({e})") from None
-            yield _field(row, where, column, labels)
+                raise DataError(f"SOURCE: {where} is not valid JSON ({e})") from None
+            yield _field(row, where, column)
 
 
-def _json_documents(path: Path, column: str, labels: Labels, skip: int) -> Iterator[str]:
+def _json_documents(path: Path, column: str, skip: int) -> Iterator[str]:
     """A JSON array of objects, or JSON lines under a .json name."""
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
     if not head.startswith(b"["):
-        yield from _jsonl_documents(path, column, labels, skip)
+        yield from _jsonl_documents(path, column, skip)
         return
     try:
         rows = json.loads(path.read_bytes())
     except ValueError as e:
-        raise DataError(f"{labels.source}: '{path}' is not valid JSON ({e})") from None
+        raise DataError(f"SOURCE: '{path}' is not valid JSON ({e})") from None
     if not isinstance(rows, list):
-        raise DataError(f"{labels.source}: '{path}' is a JSON {type(rows).__name__}, expected an array of objects")
+        raise DataError(f"SOURCE: '{path}' is a JSON {type(rows).__name__}, expected an array of objects")
     for number, row in enumerate(rows[skip:], skip):
-        yield _field(row, f"'{path}' item {number}", column, labels)
+        yield _field(row, f"'{path}' item {number}", column)
 
 
-def _parquet_documents(path: Path, column: str, labels: Labels, skip: int) -> Iterator[str]:
+def _parquet_documents(path: Path, column: str, skip: int) -> Iterator[str]:
     """The text column only, batch by batch; whole row groups before `skip` are never read."""
     import pyarrow.parquet as pq
 
     try:
         file = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several unrelated types for a bad file
-        raise DataError(f"{labels.source}: '{path}' is not a readable parquet file ({e})") from None
+        raise DataError(f"SOURCE: '{path}' is not a readable parquet file ({e})") from None
     names = file.schema_arrow.names
     if column not in names:
         raise DataError(
-            f"{labels.text_column}: '{column}' is not a column of '{path}' (its columns: {names}); "
-            f"name the text column with {labels.text_column}"
+            f"--text_column: '{column}' is not a column of '{path}' (its columns: {names}); "
+            "name the text column with --text_column"
         )
     groups, row = [], 0
     for group in range(file.num_row_groups):
@@ -247,7 +237,7 @@ def _parquet_documents(path: Path, column: str, labels: Labels, skip: int) -> It
             if skip:
                 skip -= 1
             else:
-                yield _text(value, f"'{path}' row {row}", column, labels)
+                yield _text(value, f"'{path}' row {row}", column)
             row += 1
 
 
@@ -274,7 +264,7 @@ def _count_json(path: Path) -> int:
     return len(rows) if isinstance(rows, list) else 0
 
 
-def _hub_documents(source: Source, column: str, labels: Labels, skip: int) -> Iterator[str]:
+def _hub_documents(source: Source, column: str, skip: int) -> Iterator[str]:
     """Streamed, never downloaded whole; rows before `skip` are streamed past. Returns how many of `skip` are
     left for the sources after it."""
     import datasets
@@ -284,10 +274,10 @@ def _hub_documents(source: Source, column: str, labels: Labels, skip: int) -> It
         rows = datasets.load_dataset(source.hub, source.hub_config, split=source.hub_split, streaming=True)
         for number, row in enumerate(rows, 1):
             if number > skip:
-                yield _field(row, f"hub dataset '{source.hub}' row {number - 1}", column, labels)
+                yield _field(row, f"hub dataset '{source.hub}' row {number - 1}", column)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
         message = f"`datasets` could not stream '{source.hub}' ({type(e).__name__}: {e})"
-        raise DataError(f"{labels.source}: {message}") from None
+        raise DataError(f"SOURCE: {message}") from None
     return max(0, skip - number)
 
 

@@ -38,9 +38,10 @@ from nanotron.tokenize.format import (
     shard_name,
     token_dtype,
 )
-from nanotron.tokenize.sources import CLI_LABELS, Labels, Source, iter_documents, sources_key
-from nanotron.tokenize.tokenizer import Tokenizer
+from nanotron.tokenize.sources import Source, iter_documents, resolve_sources, sources_key
+from nanotron.tokenize.tokenizer import Tokenizer, load_tokenizer
 
+DEFAULT_VALIDATION_SPLIT = 0.05  # of documents held out
 DEFAULT_SHARD_TOKENS = 1 << 29  # ~1 GiB of uint16 per shard: few files at TB scale, cheap to redo after a kill
 _OUR_FILES = re.compile(r"(train|val)-\d{5}\.(bin|idx)|meta\.json|progress\.json|\.lock")
 # What a killed run leaves behind: the open shard's files, and write_atomic's temporaries of them and of the JSON.
@@ -148,36 +149,35 @@ def tokenize(
     *,
     workers: int = 1,
     text_column: str = "text",
-    validation_split: float = 0.05,
+    validation_split: float = DEFAULT_VALIDATION_SPLIT,
     seed: int = 0,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
-    labels: Labels = CLI_LABELS,
 ) -> tuple[dict[str, Any], str]:
     """Writes (or resumes, or reuses) the tokenized dir `out`; returns its meta and what was done."""
     out = Path(out)
     job = job_of(sources, tokenizer, text_column, validation_split, seed, shard_tokens)
     if (out / META).is_file() and not overwrite:
-        meta = read_meta(out, labels.out)
-        _refuse_another_job(out, meta["job"], job, labels)
-        check_all(out, meta, labels.out)
+        meta = read_meta(out, "--out")
+        _refuse_another_job(out, meta["job"], job)
+        check_all(out, meta, "--out")
         if (out / PROGRESS).exists():  # a run killed between writing meta.json and removing this (read-only: no-op)
             (out / PROGRESS).unlink()
         return meta, "reused"
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out, labels):
+    with _locked(out):
         for path in out.iterdir():
             if _TEMPORARY.fullmatch(path.name) or (overwrite and _OUR_FILES.fullmatch(path.name) and path.name != LOCK):
                 path.unlink()
-        shards = _committed_shards(out, job, labels)
+        shards = _committed_shards(out, job)
         status = f"resumed after shard {len(shards) - 1}" if shards else "written"
         dtype = token_dtype(tokenizer.vocab_size)
         save = lambda: write_atomic(out / PROGRESS, json.dumps({"job": job, "shards": shards}, indent=1))
         save()
         writer = ShardWriter(out, dtype, shard_tokens, shards, save)
         split = ValidationSplit(validation_split, seed)
-        documents = iter_documents(sources, text_column, labels, writer.next_document)
+        documents = iter_documents(sources, text_column, writer.next_document)
         with _progress_bar(progress, out) as bar:
             for tokens, lengths in encode_batches(batches(documents), tokenizer, dtype, workers):
                 for end, length in zip(np.cumsum(lengths).tolist(), lengths.tolist()):
@@ -189,6 +189,20 @@ def tokenize(
         (out / PROGRESS).unlink()
     (out / LOCK).unlink(missing_ok=True)
     return meta, status
+
+
+def tokenize_paths(
+    specs: list[str],
+    tokenizer: str | Path,
+    out: Path,
+    hub_config: str | None = None,
+    hub_split: str = "train",
+    **options,
+) -> tuple[dict[str, Any], str]:
+    """`nanotron tokenize SOURCE... --tokenizer T --out DIR` as a function (the command, tests and benchmarks make
+    their tokenized dirs with it); `options` are `tokenize`'s."""
+    sources = resolve_sources(specs, exclude=Path(out), hub_config=hub_config, hub_split=hub_split)
+    return tokenize(sources, load_tokenizer(tokenizer, what="--tokenizer"), Path(out), **options)
 
 
 def check_all(out: Path, meta: dict, what: str) -> None:
@@ -220,49 +234,49 @@ def _meta(job, shards, sources, tokenizer, dtype, text_column, validation_split,
     }
 
 
-def _committed_shards(out: Path, job: dict, labels: Labels) -> list[dict]:
+def _committed_shards(out: Path, job: dict) -> list[dict]:
     """The shards a previous run of the same job committed and that are still intact, in order."""
     progress = out / PROGRESS
     state = json.loads(progress.read_text()) if progress.is_file() else None
     if state is not None:
-        _refuse_another_job(out, state["job"], job, labels)
+        _refuse_another_job(out, state["job"], job)
     else:
         foreign = sorted(p.name for p in out.iterdir() if not _OUR_FILES.fullmatch(p.name))
         if foreign:
             raise DataError(
-                f"{labels.out}: '{out}' already holds other files ({', '.join(foreign[:3])}); tokenize into a new or "
+                f"--out: '{out}' already holds other files ({', '.join(foreign[:3])}); tokenize into a new or "
                 "empty folder"
             )
         return []
     shards = []
     for shard in state["shards"]:
         try:
-            check_files(out, shard["files"], 1, labels.out)
+            check_files(out, shard["files"], 1, "--out")
         except DataError:
             break  # from here on the shards are redone
         shards.append(shard)
     return shards
 
 
-def _refuse_another_job(out: Path, before: dict, now: dict, labels: Labels) -> None:
+def _refuse_another_job(out: Path, before: dict, now: dict) -> None:
     """A dir holding (part of) another tokenization is never mixed with this one, nor silently replaced."""
     names = {"tokenizer": "another tokenizer", "sources": "other source files"}
     differ = [names.get(k, f"{k}={before.get(k)!r}, now {now[k]!r}") for k in now if before.get(k) != now[k]]
     if differ:
         raise DataError(
-            f"{labels.out}: '{out}' holds the tokens of another input ({'; '.join(differ)}); pass another "
-            f"{labels.out}, or --overwrite to rebuild it"
+            f"--out: '{out}' holds the tokens of another input ({'; '.join(differ)}); pass another "
+            f"--out, or --overwrite to rebuild it"
         )
 
 
 @contextlib.contextmanager
-def _locked(out: Path, labels: Labels) -> Iterator[None]:
-    """One writer per dir: a second `nanotron tokenize` (or a trainer's auto-tokenize) into it stops at once."""
+def _locked(out: Path) -> Iterator[None]:
+    """One writer per dir: a second `nanotron tokenize` into it stops at once."""
     with open(out / LOCK, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise DataError(f"{labels.out}: another process is tokenizing into '{out}' now; wait for it") from None
+            raise DataError(f"--out: another process is tokenizing into '{out}' now; wait for it") from None
         yield
 
 
