@@ -133,7 +133,7 @@ CP_LAYOUTS = [  # (dp, cp, tp, pp, extra)
     (2, 2, 1, 1, ["--parallelism.zero_stage=3"]),
     (1, 2, 2, 1, ["--parallelism.tp_mode=reduce_scatter"]),
     (1, 2, 1, 2, ["--parallelism.pp_engine=1f1b"]),
-    (1, 2, 2, 2, ["--parallelism.recompute_layer=true"]),
+    (1, 2, 2, 2, ["--parallelism.recompute=full"]),
 ]
 
 

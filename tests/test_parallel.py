@@ -25,7 +25,7 @@ RTOL = 1e-5
 STATS = "--logging.activation_stats_interval=2"  # act/* at steps 2 and 4 (not with compile: a config error)
 
 # (dp, tp, pp, extra overrides): every tp_mode, pp_engine, zero stage, HSDP, and recompute none/selective, keeping
-# all matmul outputs or every other one (full, as recompute_layer=true, in the cp, ep and µP matrices).
+# all matmul outputs or every other one (full in the cp, ep and µP matrices).
 LAYOUTS = [
     (2, 1, 1, []),
     (2, 1, 1, ["--parallelism.zero_stage=3"]),
@@ -189,7 +189,13 @@ def test_compiled_layout_matches_its_eager_twin(layout, reference, tiny_data, tm
 # also 1/sqrt(2 * base depth) instead of 1/sqrt(2 * num_layers).
 INIT_PARAMETRIZATIONS = {
     "standard": [],
-    "mup": ["--model.parametrization=mup", "--model.mup_base_width=8", "--model.mup_base_depth=1"],
+    "mup": [
+        "--model.parametrization=mup",
+        "--model.mup_base.hidden=8",
+        "--model.mup_base.heads=4",
+        "--model.mup_base.intermediate=16",
+        "--model.mup_base.layers=1",
+    ],
 }
 
 
@@ -225,7 +231,7 @@ def test_initial_weights_follow_the_configured_std(parametrization):
         assert abs(expected.mean().item()) < 5 * std / n**0.5, name
         assert abs(expected.std().item() / std - 1) < 5 / (2 * n) ** 0.5, name
     m, init_std = cfg.model, cfg.model.init_std
-    width = 4 if m.parametrization == "mup" else 1  # hidden_size / mup_base_width
+    width = 4 if m.parametrization == "mup" else 1  # hidden_size / mup_base.hidden
     depth = 1 if m.parametrization == "mup" else m.num_layers  # the depth the residual-output init is scaled for
     assert param_init_std(m, "model.layers.0.mlp.down_proj.weight") == pytest.approx(
         init_std / (2 * depth) ** 0.5 / width**0.5
@@ -333,17 +339,12 @@ def test_resume_reshards_between_one_process_hsdp_and_fsdp(tiny_data, tmp_path):
         ({"dp": "4", "dp_shard": "2", "zero_stage": "0"}, "set parallelism.zero_stage >= 1 for HSDP"),
         ({"pp": "2", "pp_engine": "zbv", "zero_stage": "3"}, "zero_stage=3 with pp_engine='zbv' computes wrong"),
         (  # torch 2.13's split backward recomputes a checkpointed layer twice and its context manager breaks
-            {"pp": "2", "pp_engine": "zero_bubble", "recompute_layer": "true"},
+            {"pp": "2", "pp_engine": "zero_bubble", "recompute": "full"},
             "parallelism.recompute='full' with pp_engine='zero_bubble' is not supported",
         ),
         (
             {"pp": "2", "pp_engine": "zbv", "recompute": "selective"},
             "parallelism.recompute='selective' with pp_engine='zbv' is not supported",
-        ),
-        (
-            {"recompute": "selective", "recompute_layer": "true"},
-            "parallelism.recompute_layer=true (the old spelling of recompute='full') contradicts "
-            "parallelism.recompute='selective'",
         ),
         ({"recompute": "some"}, "parallelism.recompute: expected one of 'none', 'selective', 'full', got 'some'"),
         ({"recompute_every": "0"}, "parallelism.recompute_every: expected a value >= 1, got 0"),
@@ -357,17 +358,8 @@ def test_hsdp_zero_stage_and_recompute_misconfigurations_name_the_key(overrides,
         load_config("configs/tiny.toml", pairs)
 
 
-def test_recompute_layer_is_the_old_spelling_of_full_and_recompute_every_picks_layers(tmp_path):
-    """The old key still turns full recompute on, is cleared once read (a saved config says it once, so a later
-    `recompute` override is not undone by it), and recompute_every=k applies the mode to layers 0, k, 2k, ..."""
-    from nanotron.config import to_toml
-
-    cfg = load_config("configs/tiny.toml", [("parallelism.recompute_layer", "true")])
-    assert (cfg.parallelism.recompute, cfg.parallelism.recompute_layer) == ("full", False)
-    saved = tmp_path / "config.toml"
-    saved.write_text(to_toml(cfg))
-    again = load_config(str(saved), [("parallelism.recompute", "none")])
-    assert again.parallelism.recompute == "none"
+def test_recompute_every_picks_layers():
+    """recompute_every=k applies the mode to layers 0, k, 2k, ..."""
     every_third = [("parallelism.recompute", "selective"), ("parallelism.recompute_every", "3")]
     cfg = load_config("configs/tiny.toml", every_third)
     assert [cfg.parallelism.recompute_of(i) for i in range(4)] == ["selective", "none", "none", "selective"]
