@@ -38,7 +38,7 @@ def run_to_first_step(args: list[str]) -> tuple[float, float]:
         match = BUILD.search(line)
         if match:
             build = float(match.group(1))
-        if line.startswith("step ") and first_step is None:
+        if re.match(r"^(\S+ \S+ )?step ", line) and first_step is None:  # after the console's time of day
             first_step = time.perf_counter() - started
     proc.wait(timeout=600)
     if proc.returncode != 0 or first_step is None or build is None:

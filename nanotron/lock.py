@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from nanotron.console import say
 from nanotron.errors import ConfigError
 
 LOCK_FILE = "run.lock"
@@ -236,5 +237,5 @@ def lock_run(folders: list[Path]) -> contextlib.ExitStack:
                 continue
             locked.append(folder)
             if note := taken.enter_context(RunLock(folder, key)).acquire():
-                print(note)
+                say(note)
         return taken.pop_all()

@@ -17,9 +17,10 @@ from typing import NoReturn
 import torch
 
 from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
-from nanotron.checkpoint.layout import committed_steps
+from nanotron.checkpoint.layout import committed_steps, latest_checkpoint
 from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.config import Config, to_toml
+from nanotron.console import say
 from nanotron.data import build_train_loader, loader_batches, open_corpus
 from nanotron.data.skips import write_run_skips
 from nanotron.errors import DivergenceError, NodeFaultError, UserError
@@ -87,6 +88,7 @@ class Progress:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.started = time.perf_counter()
         # Trapped from the start, so a stop signal during set-up still stops cleanly at the first step boundary.
         self.stop = StopRequest()
         info = {"run_dir": str(cfg.run_dir.absolute()), "checkpoint_dir": str(cfg.checkpoint_dir.absolute())}
@@ -106,7 +108,7 @@ class Trainer:
         if self.source is not None and not self.source[1]:  # a resume: refuse what it cannot honour, list the rest
             note = check_resume(cfg, self.source[0])
             if note and self.ctx.rank == 0:
-                print(note, flush=True)
+                say(note)
         started = time.perf_counter()
         self.stages = build_model(cfg, self.ctx, initialize=self.source is None)
         self.build_seconds = time.perf_counter() - started
@@ -142,7 +144,7 @@ class Trainer:
                 "world_size": self.ctx.world_size,
                 "layout": layout_sizes(cfg),
             },
-            log=lambda message: print(message, flush=True),  # called on rank 0, the committing rank, at any pp
+            log=say,  # called on rank 0, the committing rank, at any pp
             device=self.ctx.device,
             on_phase=self.beat,
         )
@@ -289,6 +291,13 @@ class Trainer:
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         self.resume()
+        self.first_step = self.state.step
+        if self.first_step >= t.steps:  # a finished run started again: say so, touch nothing
+            self.metrics.info(
+                f"run already complete at step {self.first_step} (training.steps={t.steps}): nothing to train; raise "
+                f"training.steps to train on from {cfg.checkpoint_dir}, or start a new run with another job.name"
+            )
+            return
         if self.ctx.rank == 0:
             write_atomic(cfg.run_dir / "config.toml", to_toml(cfg), durable=False)
         self.loader_iter = self.data_iterator()
@@ -326,6 +335,15 @@ class Trainer:
                 f"preempted: stopped at step {self.state.step} after a stop signal; checkpoint saved "
                 f"in {cfg.checkpoint_dir}; rerun the same command to resume"
             )
+        self.summarize()
+
+    def summarize(self) -> None:
+        """The run's last line: steps and tokens this run, wall time, last scores, the checkpoint and the report."""
+        t, latest = self.cfg.training, latest_checkpoint(self.cfg.checkpoint_dir)
+        steps = self.state.step - self.first_step
+        where = [f"checkpoint {latest}" if latest else "no checkpoint", f"report: nanotron report {self.cfg.run_dir}"]
+        seconds = time.perf_counter() - self.started
+        self.metrics.summary(self.first_step, steps, steps * t.global_batch_size * t.seq_len, seconds, where)
 
     def keep(self, applied: bool, stopping: bool) -> StepInfo:
         """The step counts: the progress that checkpoints carry moves on."""
@@ -334,7 +352,8 @@ class Trainer:
         self.state.consumed_samples += t.global_batch_size
         self.state.consumed_tokens += t.global_batch_size * t.seq_len
         last = self.state.step == t.steps
-        logging = self.state.step % self.cfg.logging.log_interval == 0 or last
+        first = self.state.step == self.first_step + 1  # this process's first step: the run is seen to train
+        logging = self.state.step % self.cfg.logging.log_interval == 0 or last or first
         return StepInfo(self.state.step, applied, logging, last, stopping)
 
     def end_step(self, info: StepInfo, *services: StepEnd) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -165,12 +166,24 @@ def popen_train(args: list[str]) -> subprocess.Popen:
     )
 
 
+CONSOLE_TIME = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")  # what nanotron.console puts in front
+
+
+def console_message(line: str) -> str:
+    """A console line without its time of day."""
+    return CONSOLE_TIME.sub("", line, count=1)
+
+
+def console_messages(output: str) -> list[str]:
+    return [console_message(line) for line in output.strip().splitlines()]
+
+
 def wait_for_training(proc: subprocess.Popen) -> list[str]:
     """Reads output until the first step line: the trainer is past start-up and its signal handlers."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step "):
+        if console_message(line).startswith("step "):
             return lines
     raise AssertionError("training never started:\n" + "".join(lines))
 

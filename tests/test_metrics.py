@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import console_messages
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.gpu import device_model, gpu_peak_tflops, math_mode, set_matmul_precision
@@ -95,23 +97,32 @@ def test_fp32_runs_use_tf32_tensor_cores_on_cuda_and_its_peak(monkeypatch):
 def test_unknown_gpu_warns_naming_the_key_and_logs_no_mfu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B300")
     assert detect_peak_tflops(torch.device("cuda"), "bfloat16", tf32=True) == 0.0
-    out = capsys.readouterr().out.strip().splitlines()
+    out = console_messages(capsys.readouterr().out)
     assert len(out) == 1 and out[0].startswith("warning: ") and "'NVIDIA B300'" in out[0]
     assert "logging.peak_tflops" in out[0] and "bf16" in out[0]
 
 
-def test_cuda_memory_record_has_allocated_reserved_and_host(monkeypatch):
+def test_cuda_memory_record_has_allocated_reserved_its_share_of_the_device_and_host(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
     record = memory_record(torch.device("cuda"))
-    assert record["memory_gib"] == 3.0 and record["memory_reserved_gib"] == 5.0 and record["host_memory_gib"] > 0
-    line = step_line(
-        {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 10.0, "tflops": 1.0, "mfu": 0.5}
-        | record
-        | {"eta_sec": 0},
-        total_steps=2,
+    assert (record["memory_gib"], record["memory_reserved_gib"], record["memory_total_gib"]) == (3.0, 5.0, 80.0)
+    assert record["host_memory_gib"] > 0
+    line = step_line(STEP | record, total_steps=2)
+    assert "| mem 3.00GiB (6% of 80GiB, reserved 5.00GiB, host " in line
+
+
+STEP = {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 10.0, "tokens_per_sec_per_device": 5.0}
+STEP |= {"step_time_sec": 0.25, "tflops": 1.0, "mfu": 0.5, "consumed_tokens": 1_234_567, "eta_sec": 75}
+
+
+def test_the_step_line_says_step_time_rates_per_device_and_global_and_tokens_consumed():
+    line = step_line(STEP | {"memory_gib": 0.5}, total_steps=2)
+    assert line == (
+        "step 1/2 | loss 2.0000 | lr 1.000e-03 | grad_norm 1.000 | 0.250s/step | tokens/s 10 (5/device) | tflops 1.000"
+        " | mfu 50.00% | mem 0.50GiB | tokens 1.23M | eta 1m15s"
     )
-    assert "| mem 3.00GiB (reserved 5.00GiB, host " in line
 
 
 def _memory_worker(rank: int, world: int, init_file: str, out: str) -> None:

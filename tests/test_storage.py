@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL, popen_train, run_train
+from conftest import TINY_MODEL, console_message, popen_train, run_train
 
 pytestmark = [
     pytest.mark.slow,
@@ -91,7 +91,7 @@ def test_a_full_run_dir_is_one_line_naming_the_metrics_file(tiny_data, tmp_path)
         lines = []
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("step "):
+            if console_message(line).startswith("step "):
                 subprocess.run(["dd", "if=/dev/zero", f"of={out / 'filler'}", "bs=1M"], capture_output=True)
                 break
         output = "".join(lines) + proc.communicate(timeout=120)[0]

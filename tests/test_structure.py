@@ -185,6 +185,7 @@ LAYERS = [
         "nanotron.errors",
         "nanotron.signals",
         "nanotron.hashing",
+        "nanotron.console",
         "nanotron.config",
         "nanotron.step_end",  # what a step's end looks like to the services, whatever their layer
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import child_pids
+from conftest import child_pids, console_message
 
 from nanotron.commands import tokenize as cli
 from nanotron.errors import DataError
@@ -72,6 +73,22 @@ def test_one_and_two_workers_write_identical_files(corpus, tmp_path, monkeypatch
     assert (meta["eos_id"], meta["dtype"], meta["rows"]) == (tokenizer.eos_id, "uint16", 300)
     assert meta["documents"] == {"train": 270, "val": 30}  # exactly the validation fraction, document by document
     assert meta["tokenizer"]["fingerprint"] == tokenizer.fingerprint
+
+
+def test_progress_is_a_line_every_interval_when_the_output_is_not_a_terminal(corpus, tmp_path, capsys, monkeypatch):
+    """A Slurm log is no terminal: no progress bar there, but timestamped progress lines (every 30 s; here every
+    batch), then the summary."""
+    from nanotron.tokenize import writer
+
+    monkeypatch.setattr(writer, "PROGRESS_SECONDS", 0.0)
+    args = [str(corpus / "corpus"), "--tokenizer", str(corpus / "tokenizer"), "--out", str(tmp_path / "out")]
+    assert cli.main(args) == 0
+    lines = [console_message(line) for line in capsys.readouterr().out.splitlines()]
+    progress = [line for line in lines if line.startswith(f"tokenize {tmp_path / 'out'}: ")]
+    assert progress and all(
+        re.search(r": [\d,]+ documents, [\d.]+k? tokens so far \([\d.]+M tokens/s\)$", p) for p in progress
+    )
+    assert lines[-1].startswith("tokenize: ")  # the summary
 
 
 def test_a_finished_output_is_reused_and_another_input_refused(corpus, tmp_path, capsys):

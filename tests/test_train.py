@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, read_metrics, run_train, shapes_of, train_env, train_losses
+from conftest import (
+    CONSOLE_TIME,
+    REPO,
+    TINY_MODEL,
+    console_message,
+    read_metrics,
+    run_train,
+    shapes_of,
+    train_env,
+    train_losses,
+)
 
 from nanotron.checkpoint import committed_steps, latest_checkpoint, read_model_weights
 from nanotron.config import OptimizerConfig
@@ -39,12 +49,42 @@ def test_tiny_run_learns_and_writes_metrics_tensorboard_and_config(tiny_data, tm
     assert [r["step"] for r in evals] == [0, 20, 40]
     assert evals[0]["eval_loss"] == pytest.approx(math.log(512), rel=0.05)  # untrained: uniform over the vocab
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.5
-    assert [r["step"] for r in steps] == [10, 20, 30, 40]
+    assert [r["step"] for r in steps] == [1, 10, 20, 30, 40]  # the first step always: the run is seen to train
     for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "memory_gib", "step_time_sec"):
         assert all(math.isfinite(r[key]) for r in steps), key
     assert all(r["tokens_per_sec"] > 0 and r["mfu"] > 0 for r in steps)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "[parallelism]" in (run_dir / "config.toml").read_text()
+
+
+@pytest.mark.slow
+def test_the_log_says_when_each_line_happened_each_save_and_the_runs_end_and_a_rerun_is_complete(tiny_data, tmp_path):
+    """Log lines people operate on (issue 41 item 4): every console line timestamped; step 1 logged whatever the
+    interval, with step time, tokens/s global and per device, tokens consumed; a line when a save starts and when it
+    is committed (duration, size); a summary at the end; a finished run started again says so and trains nothing."""
+    args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--job.name=log", "--training.steps=6"]
+    args += ["--logging.log_interval=5", "--checkpoint.interval=3", "--training.eval_interval=6"]
+    out = run_train(args).stdout.strip().splitlines()
+    assert out and all(CONSOLE_TIME.match(line) for line in out), [line for line in out if not CONSOLE_TIME.match(line)]
+    messages = [console_message(line) for line in out]
+    steps = [m for m in messages if m.startswith("step ")]
+    assert [m.split("/")[0] for m in steps] == ["step 1", "step 5", "step 6"]
+    assert re.search(r"\| [\d.]+s/step \| tokens/s [\d,]+ \([\d,]+/device\) \|.* \| tokens 768 \| eta", steps[-1])
+    checkpoints = tmp_path / "log" / "checkpoints"
+    saves = [m for m in messages if m.startswith("checkpoint: sav")]
+    assert saves[0] == f"checkpoint: saving step 3 to {checkpoints / 'step-3'}"
+    assert re.fullmatch(rf"checkpoint: saved {checkpoints / 'step-3'} in [\d.]+s \([\d.]+ GiB\)", saves[1]), saves
+    assert len(saves) == 4  # steps 3 and 6
+    assert re.fullmatch(
+        rf"run done: steps 1-6 \(6 this run\) \| 768 tokens in 0m\d\ds \| last loss [\d.]+ \| eval_loss [\d.]+ "
+        rf"\(best [\d.]+ at step \d\) \| checkpoint {checkpoints / 'step-6'} \| "
+        rf"report: nanotron report {tmp_path / 'log'}",
+        messages[-1],
+    ), messages[-1]
+    assert all(isinstance(r["time"], float) for r in read_metrics(tmp_path / "log"))  # wall clock on every record
+    again = [console_message(line) for line in run_train(args).stdout.strip().splitlines()]
+    assert any(m.startswith("run already complete at step 6 (training.steps=6): nothing to train") for m in again)
+    assert not [m for m in again if m.startswith(("step ", "checkpoint: sav"))]
 
 
 @pytest.mark.slow

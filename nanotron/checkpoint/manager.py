@@ -116,7 +116,9 @@ class CheckpointManager:
             return
         self.last_saved_step, self.save_started = step, time.perf_counter()
         target, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
+        asynchronous = self.options.async_save and not final
         if self.rank == 0:
+            self.log(f"checkpoint: saving step {step} to {target}" + (" (async)" if asynchronous else ""))
             with storage_errors("save checkpoint", tmp, self._kept()):
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
@@ -124,7 +126,7 @@ class CheckpointManager:
         state = {name: component.state_dict() for name, component in self.states.items()}
         progress = {**self.progress.state_dict(), **self.meta}  # as of now, even if an async save commits later
         with dcp_errors(tmp, "save"):
-            if self.options.async_save and not final:
+            if asynchronous:
                 self._async_save(state, tmp, target, progress)
                 return
             dcp.save(state, checkpoint_id=str(tmp))
@@ -179,7 +181,8 @@ class CheckpointManager:
                 layout.commit(tmp, target, progress)
             with storage_errors("prune old checkpoints in", self.folder, f"{target} is saved and latest"):
                 layout.prune(self.folder, layout.step_of(target), self.options.keep_last)
-            self.log(f"checkpoint: saved {target} in {time.perf_counter() - self.save_started:.2f}s")
+            size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file()) / 2**30
+            self.log(f"checkpoint: saved {target} in {time.perf_counter() - self.save_started:.2f}s ({size:.2f} GiB)")
         _barrier()
 
     def _kept(self) -> str:

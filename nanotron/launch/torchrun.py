@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from nanotron.console import say
 from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, SpikeError, UserError, incident_dir
 from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
 from nanotron.watch.faults import ATTEMPT_VARIABLE
@@ -83,7 +84,7 @@ def run_torchrun(args: list[str]) -> int:
         except UserError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             return error.exit_code
-        print(f"restarting the ranks in place (attempt {attempt + 1}) after: {verdict['line']}", flush=True)
+        say(f"restarting the ranks in place (attempt {attempt + 1}) after: {verdict['line']}")
 
 
 def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import Config
+from nanotron.console import say
 from nanotron.gpu import gpu_peak_tflops, math_mode
 from nanotron.models.shapes import active_params, num_params
 
@@ -23,10 +24,9 @@ def detect_peak_tflops(device: torch.device, dtype: str, tf32: bool) -> float:
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_tflops(name, mode)
         if peak is None:
-            print(
+            say(
                 f"warning: no {mode} peak TFLOP/s known for '{name}', so MFU is logged as 0; set "
-                f"logging.peak_tflops to the device's dense {mode} peak from its datasheet",
-                flush=True,
+                f"logging.peak_tflops to the device's dense {mode} peak from its datasheet"
             )
         return peak or 0.0
     a = torch.randn(1024, 1024, dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
@@ -51,6 +51,7 @@ def memory_record(device: torch.device) -> dict[str, float]:
         local = {
             "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
             "memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "memory_total_gib": torch.cuda.get_device_properties(device).total_memory / 2**30,
             "host_memory_gib": _peak_rss_gib(),
         }
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -83,6 +84,7 @@ def step_record(state: Any, loss: float | None, lr: float, grad_norm: float, ste
         "grad_norm": grad_norm,
         "step_time_sec": step_time,
         "consumed_samples": state.consumed_samples,
+        "consumed_tokens": state.consumed_tokens,
         "eta_sec": eta,
     }
 

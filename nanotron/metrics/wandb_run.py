@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nanotron.config import Config
+from nanotron.console import say
 from nanotron.io import write_atomic
 
 STATE_FILE = "wandb.json"
@@ -54,17 +55,15 @@ class WandbRun:
         try:
             import wandb
         except ImportError:
-            print(
-                f"warning: logging.wandb=true but the wandb package is not installed "
-                f"(pip install 'nanotron[wandb]'); {HINT}",
-                flush=True,
+            say(
+                f"warning: logging.wandb=true but the wandb package is not installed (pip install '.[wandb]'); {HINT}"
             )
             return None
         path = cfg.run_dir / STATE_FILE
         try:
             state = json.loads(path.read_text()) if path.is_file() else {}
         except (OSError, ValueError) as error:
-            print(f"warning: '{path}' is unreadable ({error}); a new W&B run is started", flush=True)
+            say(f"warning: '{path}' is unreadable ({error}); a new W&B run is started")
             state = {}
         run_id = state.get("id") or secrets.token_hex(6)  # W&B ids: lowercase letters and digits
         write_atomic(path, json.dumps({"id": run_id}) + "\n", durable=False)
@@ -79,10 +78,9 @@ class WandbRun:
             )
         except Exception as error:  # noqa: BLE001 - no network, bad credentials, a W&B server error
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            print(
+            say(
                 f"warning: W&B run {run_id} did not start ({first}); logging.wandb_mode='offline' needs no network "
                 f"(wandb sync later); {HINT}",
-                flush=True,
             )
             return None
         return cls(run)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nanotron.config import Config
+from nanotron.console import say
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
 from nanotron.parallel.expert import apply_expert_parallel, use_grouped_gemm
@@ -79,4 +80,4 @@ def enable_async_tp(cfg: Config, ctx: ParallelContext) -> None:
     if reason is None:
         enable_inductor_async_tp()
     elif ctx.rank == 0:
-        print(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP", flush=True)
+        say(f"warning: parallelism.tp_linear_async_communication: {reason}; using synchronous TP")

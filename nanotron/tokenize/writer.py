@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from fractions import Fraction
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from nanotron.console import format_count, say
 from nanotron.errors import DataError
 from nanotron.hashing import mix64
 from nanotron.io import fsync_dir, write_atomic
@@ -43,6 +45,7 @@ from nanotron.tokenize.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_VALIDATION_SPLIT = 0.05  # of documents held out
 DEFAULT_SHARD_TOKENS = 1 << 29  # ~1 GiB of uint16 per shard: few files at TB scale, cheap to redo after a kill
+PROGRESS_SECONDS = 30.0  # between progress lines when the output is not a terminal
 _OUR_FILES = re.compile(r"(train|val)-\d{5}\.(bin|idx)|meta\.json|progress\.json|\.lock")
 # What a killed run leaves behind: the open shard's files, and write_atomic's temporaries of them and of the JSON.
 _TEMPORARY = re.compile(r"\.{1,2}(train|val)-\d{5}\.(bin|idx)\.partial(\.tmp\d+)?|\.(meta|progress)\.json\.tmp\d+")
@@ -282,18 +285,27 @@ def _locked(out: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _progress_bar(enabled: bool, out: Path) -> Iterator:
-    """tqdm counting documents (docs/s) with the token rate alongside, on a terminal (a log keeps the summary)."""
+    """On a terminal, tqdm counting documents (docs/s) with the token rate alongside; elsewhere (a job's log, where a
+    bar is unreadable) a line every PROGRESS_SECONDS. Either way the command's summary line follows."""
     from tqdm import tqdm
 
-    bar = tqdm(unit=" docs", desc=f"tokenize {out}", disable=None if enabled else True, mininterval=1.0, leave=False)
-    started, total = time.perf_counter(), 0
+    terminal = enabled and sys.stderr.isatty()
+    bar = tqdm(unit=" docs", desc=f"tokenize {out}", disable=not terminal, mininterval=1.0, leave=False)
+    started = last_line = time.perf_counter()
+    documents = tokens = 0
 
-    def update(documents: int, tokens: int) -> None:
-        nonlocal total
-        total += tokens
-        bar.update(documents)
-        rate = total / max(time.perf_counter() - started, 1e-9)
-        bar.set_postfix_str(f"{rate / 1e6:.2f}M tokens/s", refresh=False)
+    def update(new_documents: int, new_tokens: int) -> None:
+        nonlocal documents, tokens, last_line
+        documents += new_documents
+        tokens += new_tokens
+        now = time.perf_counter()
+        rate = f"{tokens / max(now - started, 1e-9) / 1e6:.2f}M tokens/s"
+        if terminal:
+            bar.update(new_documents)
+            bar.set_postfix_str(rate, refresh=False)
+        elif enabled and now - last_line >= PROGRESS_SECONDS:
+            last_line = now
+            say(f"tokenize {out}: {documents:,} documents, {format_count(tokens)} tokens so far ({rate})")
 
     try:
         yield update

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import Config
+from nanotron.console import say
 from nanotron.errors import ConfigError, NodeFaultError
 from nanotron.models.shapes import num_params
 from nanotron.parallel.mesh import ParallelContext
@@ -302,7 +303,7 @@ def preflight(cfg: Config, ctx: ParallelContext, standalone: bool = False) -> No
     nodes = {r["node"] for r in everyone}
     every_node = bool(bad_nodes) and bad_nodes == nodes
     if ctx.rank == 0:
-        print(table(everyone), flush=True)
+        say(table(everyone))
         for line in lines[1:]:
             print(line, file=sys.stderr, flush=True)
         if bad_nodes and not every_node and not standalone:
