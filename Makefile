@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The venv's bin/ first on PATH: Slurm jobs started from the tests inherit it and find its torchrun.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
-# CPU machines get the local CPU wheel; a CUDA cluster sets TORCH_SPEC to its own build (or "" to keep one).
+# Installed into the new venv before the project. "" skips it: a torch already in $(VENV) stays, else pip
+# installs the newest torch>=2.13 its index has (a GPU cluster puts its CUDA build into $(VENV) first: README).
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 8
 LAYOUT ?= --parallelism.dp=2 --parallelism.tp=2 --parallelism.pp=2

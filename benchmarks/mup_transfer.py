@@ -17,7 +17,7 @@ tokens, warmup 10% of the steps, cosine decay to lr/10, AdamW. Its loss is the m
 estimate covers ~40k tokens. The best LR of a size is the vertex of a parabola fitted to its seed-mean curve's
 lowest points (the grid argmin is noisier; both are reported), with a 95% bootstrap interval (the seeds of
 every LR resampled). Standard parametrization keeps init std 0.02 and one LR for every parameter at every size;
-µP scales them (README, µP). Runs go to --workers processes (one core each). Writes lr-transfer.png (loss vs LR,
+µP scales them (docs/mup.md). Runs go to --workers processes (one core each). Writes lr-transfer.png (loss vs LR,
 a curve per width and one per depth, standard vs µP), wider-is-better.png (loss vs width), mup_transfer.csv
 (every run) and mup_transfer.md (best LR per size with its interval, loss vs width, the targets) to --out.
 

@@ -56,7 +56,7 @@ def test_bad_flags_are_one_line_and_nothing_runs(flags, expected, tmp_path, caps
 
 @pytest.mark.slow
 def test_coord_check_passes_mup_and_fails_standard_at_tp2(tiny_data, tmp_path, capsys):
-    """The tiny family at tp2 (2 processes; the README's target is tiny.toml at tp2 x pp2): µP's slopes flat,
+    """The tiny family at tp2 (2 processes; docs/mup.md's example is tiny.toml at tp2 x pp2): µP's slopes flat,
     standard's not (its updates grow ~width^1); the table, every value and the figures written."""
     out = tmp_path / "cc"
     model = [o for o in TINY_MODEL if not o.startswith(("--model.hidden_size", "--model.intermediate_size"))]

@@ -2,11 +2,11 @@
 `convert from-hf`), verified before anything is loaded.
 
 Same-size bit rot (a flipped bit in a shard) passes every size check and loads silently; a 128-bit XXH3 per
-file catches it. XXH3 (the `xxhash` package, which `datasets` already depends on) hashes at ~4 GB/s per core
-here, 3x zlib's CRC-32 and 7x sha256: bit rot needs detection, not a cryptographic hash (untrusted input is
-handled by safe_io's allow-list reading). The work is spread: with W ranks each hashes every W-th shard file,
-so a rank hashes ~1/W of the checkpoint (a 70B model's ~1 TB of weights and AdamW state on 512 ranks: ~2 GB,
-under a second per rank), and one small all-gather of the results per save or load is the only communication.
+file catches it. XXH3 (the `xxhash` package, which `datasets` already depends on) hashes faster than zlib's
+CRC-32 and sha256 (benchmarks/RESULTS.md, "Checkpoint checksums"): bit rot needs detection, not a cryptographic
+hash (untrusted input is handled by safe_io's allow-list reading). The work is spread: with W ranks each hashes
+every W-th shard file, so a rank hashes ~1/W of the checkpoint (a 70B model's ~1 TB of weights and AdamW state on
+512 ranks: ~2 GB), and one small all-gather of the results per save or load is the only communication.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ CHECKPOINT is a step-N dir, a checkpoint dir or a run dir (their latest). The mo
 sequence length come from the checkpoint's config.toml; the layout starts as one process (dp = tp = pp = cp
 = 1) and is set with the usual keys, e.g. `--nproc_per_node 4 --parallelism.tp=2 --parallelism.pp=2`, in
 any combination the training run could have used, not necessarily its own. Scoring is the in-training
-evaluation's (`[evaluation]`, README: Downstream evaluation): the same numbers at every layout. Writes the
+evaluation's (`[evaluation]`, docs/evaluation.md): the same numbers at every layout. Writes the
 per-task scores as JSON to --out (default eval-step-N.json), and each item's log-likelihoods to --items.
 """
 

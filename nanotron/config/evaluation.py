@@ -13,7 +13,7 @@ class EvalTaskConfig:
     """One `[[evaluation.tasks]]` table; on the command line `--evaluation.tasks=PATH,NAME=PATH`."""
 
     name: str = _opt("", "the task's name in metrics (eval/<name>/acc); empty = the file's name without .jsonl")
-    path: str = _opt("", "a JSONL file of multiple-choice items (see README: Downstream evaluation)")
+    path: str = _opt("", "a JSONL file of multiple-choice items (see docs/evaluation.md)")
 
     @staticmethod
     def from_text(text: str) -> dict[str, str]:

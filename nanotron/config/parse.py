@@ -248,7 +248,7 @@ def to_toml(cfg: Config) -> str:
 
 
 def help_text() -> str:
-    """Every key with its default and meaning, for `--help` and the README's config reference."""
+    """Every key with its default and meaning, for `--help` (docs/configuration.md's key table names them all)."""
     out = []
     for section in fields(Config):
         out.append(f"[{section.name}]")

@@ -99,7 +99,7 @@ def sources_key(sources: list[Source]) -> str:
 
 
 def check_hub_reachable(name: str) -> None:
-    """A hub dataset offline fails at once, rather than after `datasets`' retries (~23 s)."""
+    """A hub dataset offline fails at once, rather than after `datasets`' retries."""
     offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").lower() in _TRUE]
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
     reason = f"{offline[0]} is set" if offline else None if _reachable(host) else f"{host}:443 is unreachable"
