@@ -116,12 +116,13 @@ def test_search_works_when_the_configs_own_layout_is_larger_than_the_cluster():
 
 def test_search_keeps_each_layout_with_the_least_recompute_that_fits():
     """none, then selective, selective keeping every other matmul, then full: each is slower and only saves
-    memory, so a layout appears once, with the first mode that fits (large.toml on one 8-GPU node: memory
-    forces recompute on some layouts)."""
+    memory, so a layout appears once, with the first mode that fits with the memory margin (or, where none does,
+    the first that fits at all, marked tight) (large.toml on one 8-GPU node: memory forces recompute on some
+    layouts)."""
     import copy
 
     from nanotron.plan.memory import worst_stage
-    from nanotron.plan.search import RECOMPUTE_CHOICES, search
+    from nanotron.plan.search import MEMORY_MARGIN, RECOMPUTE_CHOICES, search
 
     gpu = parse_gpu("h100")
     found, _ = search(load_config("configs/large.toml", []), 8, 8, gpu, gpu.efficiency.default)
@@ -133,9 +134,35 @@ def test_search_keeps_each_layout_with_the_least_recompute_that_fits():
         for lighter, matmuls in RECOMPUTE_CHOICES[:chosen]:  # what it would keep without it
             other = copy.deepcopy(c.cfg)
             other.parallelism.recompute, other.parallelism.selective_matmuls = lighter, matmuls
-            assert worst_stage(other)[1]["total"] > usable_bytes(gpu), (keys[-1], p.recompute, lighter)
+            total = worst_stage(other)[1]["total"]
+            limit = usable_bytes(gpu) * (1 if c.tight else 1 - MEMORY_MARGIN)  # a tight one: nothing lighter fits
+            assert total > limit, (keys[-1], p.recompute, lighter)
     assert len(keys) == len(set(keys))
     assert {(c.cfg.parallelism.recompute, c.cfg.parallelism.selective_matmuls) for c in found} == set(RECOMPUTE_CHOICES)
+
+
+def test_search_ranks_layouts_within_the_memory_margin_last_and_marks_them_tight():
+    """A layout whose plan leaves less than MEMORY_MARGIN of the usable memory free is listed only after every
+    layout that keeps the margin, marked tight in the table and in the memory line (issue 41: --search ranked
+    first a layout at 92 % of device memory)."""
+    from nanotron.plan.report import fit_line
+    from nanotron.plan.search import MEMORY_MARGIN, search
+
+    gpu = parse_gpu("h100")
+    usable = usable_bytes(gpu)
+    found, _ = search(load_config("configs/large.toml", []), 8, 8, gpu, gpu.efficiency.default)
+    tight = [c.tight for c in found]
+    assert any(tight) and not all(tight), "large.toml on 8 H100s has both kinds"
+    assert tight == sorted(tight), "a tight layout ranked above one that keeps the margin"
+    for c in found:
+        assert c.tight == (c.memory["total"] > (1 - MEMORY_MARGIN) * usable), c.memory["total"] / usable
+    first_tight = next(c for c in found if c.tight)
+    assert "(tight: less than the plan's 10% margin to spare" in fit_line(first_tight.cfg, gpu)
+    assert "tight" not in fit_line(found[0].cfg, gpu)
+    proc = plan("--config", "configs/large.toml", "--nodes", "1", "--gpus_per_node", "8", "--search", "--top", "100")
+    rows = table_rows(proc.stdout, "| # | dp |")
+    marked = [r[11].endswith(" tight") for r in rows]
+    assert marked == tight[: len(rows)], proc.stdout[-2000:]
 
 
 def test_zero_stages_change_gradients_and_working_copies_as_documented():

@@ -9,7 +9,16 @@ from nanotron.config import Config, ParallelismConfig
 from nanotron.errors import ConfigError
 from nanotron.models.shapes import active_params, num_params
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
-from nanotron.plan.search import RECOMPUTE_CHOICES, Candidate, reserve_bytes, search, shown_seconds, usable_bytes
+from nanotron.plan.search import (
+    MEMORY_MARGIN,
+    RECOMPUTE_CHOICES,
+    Candidate,
+    is_tight,
+    reserve_bytes,
+    search,
+    shown_seconds,
+    usable_bytes,
+)
 from nanotron.plan.timing import Gpu, estimate_step, peak_tflops
 
 ASSUMPTIONS = (
@@ -104,7 +113,10 @@ def fit_line(cfg: Config, gpu: Gpu) -> str:
     total, usable = mem["total"] / GIB, usable_bytes(gpu) / GIB
     where = f" (pp rank {pp_rank})" if cfg.parallelism.pp > 1 else ""
     if mem["total"] <= usable_bytes(gpu):
-        return f"memory: fits: {total:.1f} GiB per GPU{where} of {usable:.1f} GiB usable on {gpu.name}"
+        line = f"memory: fits: {total:.1f} GiB per GPU{where} of {usable:.1f} GiB usable on {gpu.name}"
+        if is_tight(mem["total"], gpu):
+            line += f" (tight: less than the plan's {MEMORY_MARGIN:.0%} margin to spare; it may not fit)"
+        return line
     key, label = max(PARTS, key=lambda part: mem[part[0]])
     return (
         f"memory: does not fit: {total:.1f} GiB per GPU{where} but {usable:.1f} GiB usable on {gpu.name}; largest "
@@ -126,8 +138,8 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
     found, considered = search(cfg, world, gpus_per_node, gpu, efficiency)
     lines = [
         f"{len(found)} of {considered} valid layouts fit {world} x {gpu.name} (each with the least recompute that "
-        "fits) at global batch "
-        f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first:",
+        f"fits with a {MEMORY_MARGIN:.0%} memory margin) at global batch "
+        f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first, tight ones last:",
         "| # | dp | dp_shard | cp | ep | tp | pp | zero | recompute | micro batch | accum | memory GiB | step s "
         "| tokens/s | MFU | traffic GB | limit | within error |",
         "|" + "---|" * 18,
@@ -140,10 +152,13 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
         lines.append(
             f"| {index} | {p.dp} | {c.cfg.dp_shard_size} | {p.cp} | {p.ep} | {p.tp} | {p.pp} | {p.zero_stage} | "
             f"{recompute_label(p)} | {t.micro_batch_size} | {t.grad_accum_steps} | "
-            f"{c.memory['total'] / GIB:.1f} | {shown_seconds(c.step.step_s):g} | {c.step.tokens_per_s:,.0f} | "
+            f"{c.memory['total'] / GIB:.1f}{' tight' if c.tight else ''} | {shown_seconds(c.step.step_s):g} | "
+            f"{c.step.tokens_per_s:,.0f} | "
             f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} | {equivalent} |"
         )
     lines.append(
+        f"tight: less than {MEMORY_MARGIN:.0%} of the usable memory to spare (the plan is 0.85-1.02x of published "
+        "peaks): listed only where no safer recompute fits; "
         "accum: microbatches per step; traffic: GB each GPU sends per step, hidden or not (equal step times rank "
         "by it, then by memory); limit: what bounds the layout: compute, or the largest cost beyond the model's "
         "FLOPs (bubble, recompute = the memory that forced it, or exposed tp/pp/cp/ep/dp traffic); within error: "
