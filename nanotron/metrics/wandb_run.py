@@ -55,9 +55,7 @@ class WandbRun:
         try:
             import wandb
         except ImportError:
-            say(
-                f"warning: logging.wandb=true but the wandb package is not installed (pip install '.[wandb]'); {HINT}"
-            )
+            say(f"warning: logging.wandb=true but the wandb package is not installed (pip install '.[wandb]'); {HINT}")
             return None
         path = cfg.run_dir / STATE_FILE
         try:
