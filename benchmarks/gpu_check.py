@@ -165,12 +165,13 @@ def verify(check: Check, row: dict, done: dict[str, dict]) -> None:
 
 def watch_checks(common: list[str], n_devices: int, settings: argparse.Namespace) -> bool:
     """`nanotron doctor` on the visible devices: a healthy run passes (exit 0, its table printed) and an injected
-    wrong matmul on rank 0 is caught (exit 75): the checksum and fp64-reference checks on the device's own math.
+    wrong matmul on rank 0 is caught (exit 2: named, but with one node a requeue without it would have no node
+    left, so a person looks): the checksum and fp64-reference checks on the device's own math.
     With two devices or more, also a hang on NCCL (rank 1 sleeps in data at step 3): the watcher must name it."""
     base = ["--nproc_per_node", str(n_devices), "--config", "configs/tiny.toml"]  # after `python -m nanotron CMD`
     base += [arg for arg in common if arg.startswith(("--training.device", "--data."))]
     base += [f"--job.out_dir={settings.work_dir / 'runs'}", f"--parallelism.dp={n_devices}"]
-    runs = [("doctor", "", 0, "doctor: "), ("doctor", "rank:0,step:0,kind:bad_matmul", 75, "doctor: rank 0 ")]
+    runs = [("doctor", "", 0, "doctor: "), ("doctor", "rank:0,step:0,kind:bad_matmul", 2, "doctor: rank 0 ")]
     if n_devices > 1:
         runs.append(("train", "rank:1,step:3,kind:sleep", 75, "hang: rank 1 "))
     ok = True

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import (
     TINY_MODEL,
+    console_messages,
     popen_train,
     read_metrics,
     run_train,
@@ -208,7 +209,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tiny_
     os.kill(max(workers), signal.SIGUSR1)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, output[-3000:]
-    stopped = next(line for line in output.splitlines() if line.startswith("preempted: stopped at step"))
+    stopped = next(line for line in console_messages(output) if line.startswith("preempted: stopped at step"))
     step = int(stopped.split()[4])
     folder = tmp_path / "preempted" / "checkpoints"
     assert 0 < step < 5000 and latest_checkpoint(folder) == folder / f"step-{step}"

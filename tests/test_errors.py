@@ -34,7 +34,7 @@ exit_process(run_command(main))
 def launch(tmp_path, mode: str, nproc: int = 2) -> subprocess.CompletedProcess:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "nanotron.launch.torchrun", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable, "-m", "nanotron", "torchrun", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(
         [*cmd, str(script), mode], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120
     )

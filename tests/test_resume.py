@@ -4,7 +4,7 @@ settings, layout) and refuses in one line what it cannot (model shape, tokenizer
 from __future__ import annotations
 
 import pytest
-from conftest import TINY_MODEL, run_train, synthetic_documents
+from conftest import TINY_MODEL, console_messages, run_train, synthetic_documents
 
 import nanotron.train
 from nanotron.config import load_config, parse_overrides
@@ -40,7 +40,8 @@ def test_changed_adamw_settings_and_lr_are_listed_and_honoured(saved, tmp_path, 
     finally:
         trainer.close()
         destroy_distributed()
-    note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: config differs"))
+    out = console_messages(capsys.readouterr().out)
+    note = next(line for line in out if line.startswith("resume: config differs"))
     for expected in ("optimizer.betas [0.9, 0.95] -> [0.8, 0.9]", "optimizer.lr 0.003 -> 0.001", "optimizer.eps"):
         assert expected in note, note
 
@@ -67,9 +68,13 @@ def test_a_global_batch_change_is_accepted_when_asked_and_listed(saved, tmp_path
     assert "training.global_batch_size 8 -> 16" in capsys.readouterr().out
 
 
-def test_another_tokenizer_is_refused(saved, tmp_path, capsys):
+def test_another_tokenizer_is_refused(saved, tiny_data, tmp_path, capsys):
+    """The corpus tokenized again with the other tokenizer: the data matches it, the checkpoint does not."""
     from nanotron.tokenize.bpe import train_tokenizer
+    from nanotron.tokenize.writer import tokenize_paths
 
     train_tokenizer(synthetic_documents(20, seed=7), tmp_path / "other", vocab_size=300)
-    assert nanotron.train.main(resume(saved, tmp_path, f"--data.tokenizer={tmp_path / 'other'}")) == 2
+    tokenize_paths([str(tiny_data.corpus)], tmp_path / "other", tmp_path / "tokens", progress=False)
+    changes = f"--data.tokenizer={tmp_path / 'other'}", f"--data.path={tmp_path / 'tokens'}"
+    assert nanotron.train.main(resume(saved, tmp_path, *changes)) == 2
     assert "cannot honour data.tokenizer (another vocabulary)" in capsys.readouterr().err

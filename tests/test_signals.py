@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, child_pids, train_env, wait_for_training, worker_pids
+from conftest import (
+    REPO,
+    TINY_MODEL,
+    child_pids,
+    console_message,
+    console_messages,
+    train_env,
+    wait_for_training,
+    worker_pids,
+)
 
 from nanotron.checkpoint import latest_checkpoint
 
@@ -35,7 +44,7 @@ def stopped_with_checkpoint(proc: subprocess.Popen, folder: Path) -> str:
     output = proc.communicate(timeout=180)[0]
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output and "killed by signal" not in output, output[-3000:]
-    line = next(line for line in output.splitlines() if line.startswith("preempted: stopped at step"))
+    line = next(line for line in console_messages(output) if line.startswith("preempted: stopped at step"))
     step = int(line.split()[4])
     assert latest_checkpoint(folder / "checkpoints") == folder / "checkpoints" / f"step-{step}", output[-2000:]
     return output
@@ -61,7 +70,7 @@ def test_ctrl_c_checkpoints_like_sigterm_and_a_second_one_aborts_at_once(tiny_da
     proc = start(tiny_data, tmp_path, "aborted", "--checkpoint.interval=0")
     wait_for_training(proc)
     os.killpg(proc.pid, signal.SIGINT)
-    next(line for line in proc.stdout if line.startswith("interrupt:"))  # the first one was handled
+    next(line for line in proc.stdout if console_message(line).startswith("interrupt:"))  # the first one was handled
     os.killpg(proc.pid, signal.SIGINT)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130 and "aborting without a checkpoint" in output and "Traceback" not in output, output

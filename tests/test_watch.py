@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, read_metrics, train_env, train_losses
+from conftest import REPO, TINY_MODEL, console_messages, read_metrics, train_env, train_losses
 
 from nanotron.config import WatchConfig
 from nanotron.errors import ConfigError, NodeFaultError
@@ -261,7 +261,7 @@ def test_a_rank_three_times_slower_is_named_within_20_steps_and_the_others_score
     proc = start(tiny_data, tmp_path, "slow", "rank:2,step:1,kind:slow:3", straggling)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
-    warnings = [line for line in stdout.splitlines() if line.startswith("warning: straggler:")]
+    warnings = [line for line in console_messages(stdout) if line.startswith("warning: straggler:")]
     assert warnings and warnings[0].startswith(f"warning: straggler: rank 2 (node {os.uname().nodename}) arrives")
     records = [r for r in read_metrics(tmp_path / "slow") if "straggler/max" in r]
     assert records[1]["step"] <= 20 and all(r["straggler/rank_2"] > 0.4 for r in records)
