@@ -193,3 +193,26 @@ def test_batches_score_like_length_rows_with_the_head_on_their_continuations_onl
     assert lengths == sorted(lengths)
     windows, rows = sum(hi - lo for _, _, (lo, hi) in batches), sum(t.shape[1] for _, t, _ in batches)
     assert windows < rows / 2, (windows, rows)
+
+
+def test_an_evaluation_record_carries_each_tasks_item_count_and_chance_level(tiny_data):
+    """For the report's error bars and chance line: `eval/<task>/items` and `eval/<task>/chance` (uniform guessing's
+    expected accuracy, the mean over items of 1 / choices) beside the scores, taken from the task file once."""
+    from types import SimpleNamespace
+
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.evaluation.evaluator import Evaluator
+    from nanotron.step_end import StepInfo
+
+    args = [*tiny_data.overrides(), *TINY_MODEL, f"--evaluation.tasks=mine={tiny_data.task}", "--training.seq_len=16"]
+    args += ["--training.eval_interval=0", "--evaluation.interval=3"]  # downstream only, at step 3
+    cfg = load_config(None, parse_overrides(args)[1], world_size=1)
+    runner = SimpleNamespace(row_share=lambda total: (0, total), width_multiple=1, windowed=True, is_logging_rank=True)
+    runner.score = lambda batches: torch.arange(25, dtype=torch.float64)  # one process's 25 rows, any scores
+    runner.gather_rows = lambda mine: mine
+    evaluator = Evaluator(cfg, corpus=None, ctx=None, runner=runner, on_phase=lambda phase, step: None)
+    info = StepInfo(step=3, applied=True, logging=True, last=False, stopping=False)
+    [(record, line)] = evaluator.step_end(info).entries
+    choices = [len(json.loads(item)["choices"]) for item in tiny_data.task.read_text().splitlines()]
+    assert set(record) == {"step", "eval/seconds"} | {f"eval/mine/{k}" for k in ("acc", "acc_norm", "items", "chance")}
+    assert record["eval/mine/items"] == 7 and record["eval/mine/chance"] == sum(1 / n for n in choices) / 7

@@ -31,10 +31,13 @@ class Evaluator:
         self.training, self.corpus, self.ctx, self.runner, self.on_phase = cfg.training, corpus, ctx, runner, on_phase
         self.validation_interval = cfg.training.eval_interval
         self.downstream_interval = cfg.evaluation.interval or cfg.training.eval_interval
-        self.downstream = None
+        self.downstream, self.task_facts = None, {}
         if cfg.evaluation.tasks:  # tokenized once, each rank its own share of the rows
             tokenizer = load_tokenizer(cfg.data.tokenizer)
             self.downstream = DownstreamEval(load_tasks(cfg), cfg, runner, tokenizer)
+            # logged with the scores, for their error bars and chance line; known from the task files
+            for t in self.downstream.tasks:
+                self.task_facts |= {f"eval/{t.name}/items": len(t.items), f"eval/{t.name}/chance": t.chance}
         self.items_dir = cfg.run_dir / "evaluation" if cfg.evaluation.write_items else None
 
     def start(self, step: int) -> StepReport | None:
@@ -77,7 +80,7 @@ class Evaluator:
         if self.items_dir is not None:
             write_items(self.items_dir / f"step-{step}.jsonl", items)
         line = scores_line(step, self.downstream.tasks, scores) + f" | {seconds:.1f}s"
-        return [({"step": step} | scores | {"eval/seconds": seconds}, line)]
+        return [({"step": step} | scores | self.task_facts | {"eval/seconds": seconds}, line)]
 
 
 def _due(interval: int, info: StepInfo) -> bool:

@@ -50,6 +50,11 @@ class Task:
     def rows(self) -> int:
         return sum(len(item.choices) for item in self.items)
 
+    @property
+    def chance(self) -> float:
+        """The accuracy of guessing uniformly: the mean over items of 1 / choices (what a score is read against)."""
+        return sum(1 / len(item.choices) for item in self.items) / len(self.items)
+
 
 def _item(record: dict, where: str) -> Item:
     """One JSON record in any of the accepted layouts as an Item, or a DataError naming the line."""
