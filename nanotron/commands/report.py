@@ -2,9 +2,10 @@
 
     nanotron report RUN_DIR [--out DIR]
 
-Writes PNG figures (loss and validation loss, downstream scores, learning rate, tokens/s and MFU, memory, gradient
-norm, activation statistics, straggler scores; spikes and rollbacks marked on the loss) and `summary.md` (config,
-layout, steps, tokens, best scores, incidents) to DIR (default RUN_DIR/report). Needs matplotlib
+Writes figures as PNG, PDF and SVG (loss and validation loss, downstream scores against chance with error bars,
+learning rate, gradient norm, memory, tokens/s, step time, TFLOP/s, MFU in %, activation statistics, the max and the
+worst 3 ranks' straggler scores; units on every axis, spikes and rollbacks marked on the loss) and `summary.md`
+(config, layout, steps, duration, tokens, best scores, incidents) to DIR (default RUN_DIR/report). Needs matplotlib
 (`pip install ".[bench]"`). Records a resumed run wrote twice (the steps between its checkpoint and a kill) count
 once: the later record of a step wins.
 """
@@ -15,9 +16,10 @@ import argparse
 from pathlib import Path
 
 from nanotron.commands.args import Parser
+from nanotron.console import format_duration
 from nanotron.errors import DataError, run_command
 from nanotron.io import write_atomic
-from nanotron.metrics.report import events, figures, read_records, series, summary
+from nanotron.metrics.report import duration, events, figures, read_records, series, summary
 
 
 def _main(argv: list[str]) -> int:
@@ -32,9 +34,10 @@ def _main(argv: list[str]) -> int:
         raise DataError("nanotron report draws with matplotlib: pip install '.[bench]' (or matplotlib)") from None
     out = args.out or args.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    data, found = series(records), events(records)
-    written = figures(data, found, out)
-    write_atomic(out / "summary.md", summary(args.run_dir, data, found, written), durable=False)
+    data, found, seconds = series(records), events(records), duration(records)
+    caption = args.run_dir.resolve().name + (f", {format_duration(seconds)}" if seconds is not None else "")
+    written = figures(data, found, out, caption)
+    write_atomic(out / "summary.md", summary(args.run_dir, data, found, written, seconds), durable=False)
     print(f"report: {len(written)} figures and summary.md in {out}")
     return 0
 
