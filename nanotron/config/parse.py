@@ -13,7 +13,8 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from nanotron.config.schema import Config, ModelConfig
+from nanotron.config.model import ModelConfig
+from nanotron.config.schema import Config
 from nanotron.config.validate import resolve_model, validate
 from nanotron.errors import ConfigError
 
