@@ -202,8 +202,11 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     """
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
-    tp, sp = p.tp, p.tp if p.tp_mode == "reduce_scatter" else 1
-    h, kv, i = m.hidden_size, m.num_kv_heads * m.head_dim, m.intermediate_size
+    tp = p.tp
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    h = m.hidden_size
+    kv = m.num_kv_heads * m.head_dim
+    i = m.intermediate_size
     # Under sequence parallelism (eager) a layer that is not recomputed keeps the shard of each gathered norm output
     # and gathers it again in backward (`nanotron.parallel.regather`); a mixture of experts keeps its own gather.
     regather = sp > 1 and not cfg.training.compile
