@@ -75,7 +75,9 @@ class Progress:
     """What trainer_state.json holds: the TrainState's counters and the stability state."""
 
     def __init__(self, state: TrainState, stability: Stability, checkpoint_dir: Path) -> None:
-        self.state, self.stability, self.checkpoint_dir = state, stability, checkpoint_dir
+        self.state = state
+        self.stability = stability
+        self.checkpoint_dir = checkpoint_dir
 
     def state_dict(self) -> dict:
         return self.state.state_dict() | {"stability": self.stability.state_dict()}
@@ -308,7 +310,8 @@ class Trainer:
         peak = cfg.logging.peak_tflops or (
             detect_peak_tflops(self.ctx.device, t.dtype, t.tf32) if self.is_logging_rank else 0.0
         )
-        self.timer, stop = StepTimer(self.state.step, t.steps), False
+        self.timer = StepTimer(self.state.step, t.steps)
+        stop = False
         profiler = Profiler.start(
             cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
         )
@@ -339,7 +342,8 @@ class Trainer:
 
     def summarize(self) -> None:
         """The run's last line: steps and tokens this run, wall time, last scores, the checkpoint and the report."""
-        t, latest = self.cfg.training, latest_checkpoint(self.cfg.checkpoint_dir)
+        t = self.cfg.training
+        latest = latest_checkpoint(self.cfg.checkpoint_dir)
         steps = self.state.step - self.first_step
         where = [f"checkpoint {latest}" if latest else "no checkpoint", f"report: nanotron report {self.cfg.run_dir}"]
         seconds = time.perf_counter() - self.started

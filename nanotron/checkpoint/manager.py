@@ -87,8 +87,13 @@ class CheckpointManager:
         device: torch.device | str = "cpu",
         on_phase: Callable[[str, int], None] = lambda phase, step: None,
     ):
-        self.folder, self.options, self.states, self.progress = folder, options, states, progress
-        self.write_extras, self.meta, self.log = write_extras, meta or {}, log
+        self.folder = folder
+        self.options = options
+        self.states = states
+        self.progress = progress
+        self.write_extras = write_extras
+        self.meta = meta or {}
+        self.log = log
         self.on_phase = on_phase  # told ("checkpoint", step) as a save starts
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: tuple[Future, Path, Path, dict] | None = None

@@ -58,7 +58,9 @@ class Source:
     """The source config as read so far: `get` returns a key's value checked against a type and marks it read."""
 
     def __init__(self, data: dict[str, Any], file: str):
-        self.data, self.file, self.read = data, file, set()
+        self.data = data
+        self.file = file
+        self.read = set()
 
     def get(self, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
         """The value at `key` (e.g. "data_stages[0].data.seed"), or `default` when absent or null."""

@@ -189,7 +189,8 @@ def _model(c: Conversion) -> None:
 
 def _positions(c: Conversion) -> None:
     """The original ignores max_position_embeddings below the sequence length it trains on; here it bounds RoPE."""
-    seq_len, positions = c.tables.get("training", {}).get("seq_len", 0), c.tables["model"]["max_seq_len"]
+    seq_len = c.tables.get("training", {}).get("seq_len", 0)
+    positions = c.tables["model"]["max_seq_len"]
     if seq_len > positions:
         c.set("model.max_seq_len", seq_len, f"{MODEL}.max_position_embeddings", "tokens.sequence_length")
         c.note(
@@ -208,7 +209,8 @@ def _moe(c: Conversion) -> None:
         c.copy(f"{moe}.{name}", f"model.moe.{name}", int, default)
     c.set("model.moe.router", "softmax_topk", moe)
     c.set("model.moe.renormalize", False, moe)
-    layers, total = c.src.get(f"{moe}.layers", list, [-1]), c.tables["model"]["num_layers"]
+    layers = c.src.get(f"{moe}.layers", list, [-1])
+    total = c.tables["model"]["num_layers"]
     if not layers or not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in layers):
         raise ConfigError(f"{c.file}: {moe}.layers: expected a list of layer indices, got {show(layers)}")
     first = 0 if layers == [-1] else min(layers)

@@ -74,7 +74,8 @@ def _hub_dataset(c: Conversion, dataset: str) -> None:
         return
     path = f"{TOKENIZED}/{_slug(name)}"
     c.set("data.path", path, key)
-    column, config = c.src.get(f"{dataset}.text_column_name", str), c.src.get(f"{dataset}.hf_dataset_config_name", str)
+    column = c.src.get(f"{dataset}.text_column_name", str)
+    config = c.src.get(f"{dataset}.hf_dataset_config_name", str)
     flags = f" --text_column {column}" if column not in (None, "text") else ""
     flags += f" --hub_config {config}" if config else ""
     c.note(key, f"{key}={show(name)}: tokenize it before training here: {_tokenize(c, name, path)}{flags}")
@@ -85,7 +86,9 @@ def _nanoset(c: Conversion, dataset: str) -> None:
     key, weights_key = f"{dataset}.dataset_folder", f"{dataset}.dataset_weights"
     folders, weights = c.src.get(key, (str, list, dict)), c.src.get(weights_key, list)
     if isinstance(folders, dict):  # {folder: weight}, the older spelling
-        folders, weights, weights_key = list(folders), list(folders.values()), key
+        weights = list(folders.values())
+        folders = list(folders)
+        weights_key = key
     folders = [folders] if isinstance(folders, str) else folders
     if not all(isinstance(folder, str) for folder in folders):
         raise ConfigError(f"{c.file}: {key}: expected a folder or a list of folders, got {show(folders)}")

@@ -1,48 +1,43 @@
-"""The [model] section's schema: the model's shape, its mixture of experts ([model.moe]) and the size presets.
-Part of the config schema (`schema.py` re-exports it); fields declared as there, with `_opt`."""
+"""The [model] section: the model's shape, its mixture of experts ([model.moe]), µP's base shape
+([model.mup_base]) and the size presets."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-
-def _opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
-    meta = {"help": help, "choices": choices, "min": min}
-    if isinstance(default, (list, tuple)):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
+from nanotron.config.option import opt
 
 
 @dataclass
 class MoEConfig:
     """[model.moe]: mixture-of-experts MLPs (token choice, dropless by default); num_experts = 0 is a dense model."""
 
-    num_experts: int = _opt(0, "routed experts per MoE layer; 0 = dense model (no MoE)", min=0)
-    top_k: int = _opt(2, "experts each token is routed to", min=1)
-    moe_intermediate_size: int = _opt(0, "SwiGLU width of each expert; 0 = model.intermediate_size", min=0)
-    num_shared_experts: int = _opt(
+    num_experts: int = opt(0, "routed experts per MoE layer; 0 = dense model (no MoE)", min=0)
+    top_k: int = opt(2, "experts each token is routed to", min=1)
+    moe_intermediate_size: int = opt(0, "SwiGLU width of each expert; 0 = model.intermediate_size", min=0)
+    num_shared_experts: int = opt(
         0, "experts every token passes through (one MLP of num_shared_experts x moe_intermediate_size)", min=0
     )
-    first_dense_layers: int = _opt(0, "the first k layers keep a dense MLP", min=0)
-    router: str = _opt(
+    first_dense_layers: int = opt(0, "the first k layers keep a dense MLP", min=0)
+    router: str = opt(
         "softmax_topk",
         "softmax_topk (Mixtral/Qwen: softmax over experts, top k) or sigmoid (DeepSeek-V3: sigmoid scores, "
         "top k, gates normalised over the chosen experts)",
         ("softmax_topk", "sigmoid"),
     )
-    renormalize: bool = _opt(True, "softmax_topk: gates of the chosen experts renormalised to sum to 1")
-    bias_update_rate: float = _opt(
+    renormalize: bool = opt(True, "softmax_topk: gates of the chosen experts renormalised to sum to 1")
+    bias_update_rate: float = opt(
         0.0,
         "auxiliary-loss-free load balancing (DeepSeek-V3): after each step every expert's routing bias moves "
         "by this much towards the mean load (global count over the step); 0 = off. The bias only chooses "
         "experts, it never scales their outputs",
         min=0.0,
     )
-    aux_loss_coef: float = _opt(
+    aux_loss_coef: float = opt(
         0.0, "sequence-wise auxiliary balance loss coefficient (DeepSeek-V3's alpha); 0 = off", min=0.0
     )
-    capacity_factor: float = _opt(
+    capacity_factor: float = opt(
         0.0,
         "0 = dropless; otherwise each expert takes at most ceil(capacity_factor x seq_len x top_k / "
         "num_experts) tokens of each sequence (the earliest), the rest are dropped (counted in the metrics)",
@@ -61,12 +56,12 @@ class MupBase:
     width multiplier. 0 = this model's own value where that is unambiguous; once the base width differs, the
     MLP width and the attention shape must be stated (model.validate says which)."""
 
-    hidden: int = _opt(0, "hidden_size of the base model; 0 = this model's", min=0)
-    intermediate: int = _opt(0, "intermediate_size of the base model; 0 = this model's (only at its width)", min=0)
-    heads: int = _opt(0, "num_heads of the base model; 0 = hidden / head_dim, or this model's", min=0)
-    kv_heads: int = _opt(0, "num_kv_heads of the base model; 0 = this model's (only at its head count)", min=0)
-    head_dim: int = _opt(0, "head dim of the base model; 0 = hidden / heads", min=0)
-    layers: int = _opt(0, "num_layers of the base model; 0 = this model's", min=0)
+    hidden: int = opt(0, "hidden_size of the base model; 0 = this model's", min=0)
+    intermediate: int = opt(0, "intermediate_size of the base model; 0 = this model's (only at its width)", min=0)
+    heads: int = opt(0, "num_heads of the base model; 0 = hidden / head_dim, or this model's", min=0)
+    kv_heads: int = opt(0, "num_kv_heads of the base model; 0 = this model's (only at its head count)", min=0)
+    head_dim: int = opt(0, "head dim of the base model; 0 = hidden / heads", min=0)
+    layers: int = opt(0, "num_layers of the base model; 0 = this model's", min=0)
 
     @property
     def set(self) -> bool:
@@ -75,18 +70,18 @@ class MupBase:
 
 @dataclass
 class ModelConfig:
-    size: str = _opt("tiny", "preset filling the fields left unset", ("tiny", "small", "base", "large"))
-    hidden_size: int | None = _opt(None, "model width", min=1)
-    intermediate_size: int | None = _opt(None, "SwiGLU hidden width", min=1)
-    num_layers: int | None = _opt(None, "decoder layers", min=1)
-    num_heads: int | None = _opt(None, "attention (query) heads", min=1)
-    num_kv_heads: int | None = _opt(None, "key/value heads (GQA); divides num_heads", min=1)
-    vocab_size: int | None = _opt(None, "embedding rows; at least the tokenizer's vocab", min=1)
-    max_seq_len: int | None = _opt(None, "longest sequence RoPE is precomputed for", min=1)
-    rope_theta: float | None = _opt(None, "RoPE base", min=1.0)
-    rms_norm_eps: float | None = _opt(None, "RMSNorm epsilon", min=0.0)
-    tie_word_embeddings: bool | None = _opt(None, "share embedding and lm_head weights")
-    attention: str = _opt(
+    size: str = opt("tiny", "preset filling the fields left unset", ("tiny", "small", "base", "large"))
+    hidden_size: int | None = opt(None, "model width", min=1)
+    intermediate_size: int | None = opt(None, "SwiGLU hidden width", min=1)
+    num_layers: int | None = opt(None, "decoder layers", min=1)
+    num_heads: int | None = opt(None, "attention (query) heads", min=1)
+    num_kv_heads: int | None = opt(None, "key/value heads (GQA); divides num_heads", min=1)
+    vocab_size: int | None = opt(None, "embedding rows; at least the tokenizer's vocab", min=1)
+    max_seq_len: int | None = opt(None, "longest sequence RoPE is precomputed for", min=1)
+    rope_theta: float | None = opt(None, "RoPE base", min=1.0)
+    rms_norm_eps: float | None = opt(None, "RMSNorm epsilon", min=0.0)
+    tie_word_embeddings: bool | None = opt(None, "share embedding and lm_head weights")
+    attention: str = opt(
         "causal",
         "causal, or document: packed sequences attend only within their own document (documents end at the "
         "tokenizer's EOS) and the token after an EOS carries no loss",
@@ -95,8 +90,8 @@ class ModelConfig:
     moe: MoEConfig = field(
         default_factory=MoEConfig, metadata={"help": "mixture of experts: a [model.moe] table", "choices": None}
     )
-    init_std: float = _opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
-    parametrization: str = _opt(
+    init_std: float = opt(0.02, "std of the normal init of linear and embedding weights", min=0.0)
+    parametrization: str = opt(
         "standard",
         "standard, or mup (µP: init, LR and multipliers scaled so hyperparameters tuned at the [model.mup_base] "
         "shape transfer to this width and depth)",
@@ -106,7 +101,7 @@ class ModelConfig:
         default_factory=MupBase,
         metadata={"help": "µP: the base model's shape, a [model.mup_base] table", "choices": None},
     )
-    mup_depth_exponent: float = _opt(
+    mup_depth_exponent: float = opt(
         1.0,
         "µP: alpha of the depth scaling, with r = num_layers / mup_base.layers: residual branches x r^-alpha, "
         "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",

@@ -13,7 +13,8 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from nanotron.config.schema import Config, ModelConfig
+from nanotron.config.model import ModelConfig
+from nanotron.config.schema import Config
 from nanotron.config.validate import resolve_model, validate
 from nanotron.errors import ConfigError
 
@@ -112,7 +113,9 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     hints = typing.get_type_hints(type(obj))
     table, _, sub = key.partition(".")
     if sub and table in hints and is_dataclass(hints[table]):  # --model.moe.num_experts=8: one key of a table
-        obj, hints, key = getattr(obj, table), typing.get_type_hints(hints[table]), sub
+        obj = getattr(obj, table)
+        hints = typing.get_type_hints(hints[table])
+        key = sub
     if dotted in RETIRED:
         raise ConfigError(f"{dotted} was removed: {RETIRED[dotted]} ({where})")
     if key not in hints:
@@ -126,7 +129,9 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
 
 def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
     """Splits `--config F --a.b=1 --c.d 2` into the config path and (key, value) pairs."""
-    config_path, pairs, i = None, [], 0
+    config_path = None
+    pairs = []
+    i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
+from nanotron.config.engines import PP_ENGINES
+from nanotron.config.model import PRESET_COMMON, PRESETS, ModelConfig
 from nanotron.config.mup import resolve_mup
-from nanotron.config.schema import PP_ENGINES, PRESET_COMMON, PRESETS, Config, ModelConfig
+from nanotron.config.schema import Config
 from nanotron.errors import ConfigError
 
 # A run name is one path component (the run dir under job.out_dir) and the Slurm job name: no separators, no "..",

@@ -71,7 +71,8 @@ class Router(nn.Module):
     def __init__(self, hidden: int, moe: MoEConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
-        self.sigmoid, self.top_k = moe.router == "sigmoid", moe.top_k
+        self.sigmoid = moe.router == "sigmoid"
+        self.top_k = moe.top_k
         self.renormalize = self.sigmoid or moe.renormalize
         # Chooses experts only (DeepSeek-V3's b_i); moved by the trainer from the step's global load; checkpointed.
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
@@ -93,7 +94,9 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, shared_experts: nn.Module | None = None):
         super().__init__()
         moe = cfg.moe
-        self.num_experts, self.top_k, self.capacity_factor = moe.num_experts, moe.top_k, moe.capacity_factor
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.capacity_factor = moe.capacity_factor
         self.aux_loss_coef = moe.aux_loss_coef
         self.gate = Router(cfg.hidden_size, moe)
         self.experts = GroupedExperts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size)

@@ -26,7 +26,10 @@ def is_moe_layer(m: ModelConfig, index: int) -> bool:
 
 def layer_shapes(m: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
     """The parameters of decoder layer `index`: name inside the layer -> shape, in the model's order."""
-    h, q, kv, i = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
+    h = m.hidden_size
+    q = m.num_heads * m.head_dim
+    kv = m.num_kv_heads * m.head_dim
+    i = m.intermediate_size
     shapes = {
         "input_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (q, h),
@@ -37,11 +40,9 @@ def layer_shapes(m: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
     }
     if not is_moe_layer(m, index):
         return shapes | {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
-    e, ie, shared = (
-        m.moe.num_experts,
-        m.moe.moe_intermediate_size,
-        m.moe.num_shared_experts * m.moe.moe_intermediate_size,
-    )
+    e = m.moe.num_experts
+    ie = m.moe.moe_intermediate_size
+    shared = m.moe.num_shared_experts * m.moe.moe_intermediate_size
     shapes |= {
         "mlp.gate.weight": (e, h),
         "mlp.experts.gate_up_proj": (e, 2 * ie, h),

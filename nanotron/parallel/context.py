@@ -55,7 +55,10 @@ class RingAttention(nn.Module):
 
     def __init__(self, scale: float | None, group: dist.ProcessGroup, cp: int, rank: int):
         super().__init__()
-        self.scale, self.group, self.cp, self.rank = scale, group, cp, rank  # scale None: 1/sqrt(head_dim)
+        self.scale = scale  # None: 1/sqrt(head_dim)
+        self.group = group
+        self.cp = cp
+        self.rank = rank
 
     @torch.compiler.disable  # peer-to-peer transfers inside an autograd function: eager, also under compile
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None):
@@ -78,7 +81,8 @@ class _Ring:
 
     def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int):
         self.received = torch.empty_like(tensor)
-        nxt, prev = dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp)
+        nxt = dist.get_global_rank(group, (rank + 1) % cp)
+        prev = dist.get_global_rank(group, (rank - 1) % cp)
         ops = [dist.P2POp(dist.isend, tensor, nxt, group), dist.P2POp(dist.irecv, self.received, prev, group)]
         self.requests = dist.batch_isend_irecv(ops)
 
@@ -91,7 +95,8 @@ class _Ring:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, doc, module: RingAttention):
-        cp, rank, scale = module.cp, module.rank, _scale(module, q)
+        cp, rank = module.cp, module.rank
+        scale = _scale(module, q)
         acc = torch.promote_types(q.dtype, torch.float32)
         # [batch, seq, heads, dim] in memory, as SDPA returns it: the caller's transpose and reshape into the
         # output projection's input is then a view, not a copy that autograd would keep.
@@ -124,7 +129,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         doc = rest[0] if rest else None
         module = ctx.module
-        cp, rank, scale = module.cp, module.rank, _scale(module, q)
+        cp, rank = module.cp, module.rank
+        scale = _scale(module, q)
         acc = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)

@@ -40,7 +40,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
@@ -150,10 +151,13 @@ class ExpertBalance:
             key=lambda item: item[0],
         )
         moe, p = cfg.model.moe, cfg.parallelism
-        self.rate, self.device = moe.bias_update_rate, ctx.device
+        self.rate = moe.bias_update_rate
+        self.device = ctx.device
         self.group = ctx.loss_group()  # the ranks that route distinct tokens
-        self.num_layers, self.num_experts = cfg.model.num_layers, moe.num_experts
-        self.tp, self.dp_cp = p.tp, p.dp * p.cp
+        self.num_layers = cfg.model.num_layers
+        self.num_experts = moe.num_experts
+        self.tp = p.tp
+        self.dp_cp = p.dp * p.cp
         self.microbatches = cfg.training.grad_accum_steps
 
     @torch.no_grad()

@@ -29,7 +29,8 @@ from nanotron.parallel.torch_private import enable_inductor_async_tp
 def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]]:
     """(global pipeline stage index, module) for every stage this rank runs, sharded but still on the meta
     device: no memory is allocated, so `nanotron plan --check` can build any rank of any world size."""
-    p, mode_of = cfg.parallelism, functools.partial(recompute_mode, cfg)
+    p = cfg.parallelism
+    mode_of = functools.partial(recompute_mode, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg.model)
     stages = split_model(model, cfg, ctx.pp_rank) if p.pp > 1 else [(0, model)]

@@ -47,7 +47,9 @@ class _Gathered:
     view of it has been unpacked."""
 
     def __init__(self, shard: DTensor):
-        self.shard, self.full, self.pending = shard, None, 0
+        self.shard = shard
+        self.full = None
+        self.pending = 0
 
     def unpack(self) -> torch.Tensor:
         if self.full is None:
@@ -67,12 +69,10 @@ class _Saved:
         local = local_tensor(view)
         self.gathered = gathered
         self.local_layout = (local.size(), local.stride(), local.storage_offset())
-        self.mesh, self.placements, self.shape, self.stride = (
-            view.device_mesh,
-            view.placements,
-            view.shape,
-            view.stride(),
-        )
+        self.mesh = view.device_mesh
+        self.placements = view.placements
+        self.shape = view.shape
+        self.stride = view.stride()
         gathered.pending += 1
 
     def unpack(self) -> DTensor:
@@ -102,7 +102,8 @@ class _Regather:
         local = local_tensor(x)
         if not local.is_contiguous() or local.storage_offset() != 0 or x.shape != self.shard.shape:
             return  # not a plain gathered copy of the shard: keep what autograd keeps
-        self.gathered, self.storage = _Gathered(self.shard), local.untyped_storage().data_ptr()
+        self.gathered = _Gathered(self.shard)
+        self.storage = local.untyped_storage().data_ptr()
         self.context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.context.__enter__()
 

@@ -69,7 +69,9 @@ class MicrobatchRunner:
         self.sync = GradientSync(cfg.parallelism.zero_stage)
         self.loss_parallel = cfg.parallelism.tp > 1  # the logits are vocab-sharded DTensors
         p = cfg.parallelism
-        self.cp, self.cp_rank, self.dp = p.cp, ctx.cp_rank, p.dp
+        self.cp = p.cp
+        self.cp_rank = ctx.cp_rank
+        self.dp = p.dp
         self.dp_group = ctx.mesh["dp"].get_group() if p.dp > 1 else None
         self.document = cfg.model.attention == "document"
         if self.document and eos_id is None:
@@ -81,7 +83,9 @@ class MicrobatchRunner:
         indices = [index for index, _ in stages]
         self.has_first, self.has_last = 0 in indices, cfg.num_stages - 1 in indices
         # The loss lives on the last pipeline stage (rank 0's second stage under zbv): its first dp/cp/tp rank logs.
-        self.rank, self.dp_rank, self.tp_rank = ctx.rank, ctx.dp_rank, ctx.tp_rank
+        self.rank = ctx.rank
+        self.dp_rank = ctx.dp_rank
+        self.tp_rank = ctx.tp_rank
         self.is_logging_rank = self.has_last and ctx.dp_rank == 0 and ctx.cp_rank == 0 and ctx.tp_rank == 0
         self.loss_group = ctx.loss_group()
         self.pp_group = ctx.mesh["pp"].get_group() if p.pp > 1 else None  # gradient norms add up over the stages
@@ -111,7 +115,8 @@ class MicrobatchRunner:
             if self.schedule is not None:
                 self.on_phase("forward")
                 return self._pipelined(self.schedule.step, inputs, targets, doc)
-            model, total = self.modules[0], torch.zeros((), device=self.device)
+            model = self.modules[0]
+            total = torch.zeros((), device=self.device)
             for index, (inp, tgt, d) in enumerate(self._microbatches(inputs, targets, doc)):
                 self.sync.before_backward(model, last_microbatch=index == self.n_micro - 1)
                 self.on_phase("forward")
@@ -149,14 +154,16 @@ class MicrobatchRunner:
         stage."""
         for module in self.modules:
             module.eval()
-        self.scoring, rows = True, []
+        self.scoring = True
+        rows = []
         try:
             for tokens, targets, window in batches:
                 inputs, _, doc = self._split(tokens)
                 targets = shard_sequence(targets.to(self.device), self.cp, self.cp_rank)
                 kwargs = {}
                 if window is not None:
-                    targets, kwargs = targets[:, window[0] : window[1]], {"window": window}
+                    targets = targets[:, window[0] : window[1]]
+                    kwargs = {"window": window}
                 with self._loss_context():
                     if self.schedule is not None:
                         with forward_only(self.schedule):
@@ -213,7 +220,8 @@ class MicrobatchRunner:
         """Inputs and targets of this cp rank's part of each sequence, and (document masking) the document
         ids of the whole sequences; sets the batch's loss scale."""
         batch = batch.to(self.device, non_blocking=True)
-        inputs, targets, doc = batch[:, :-1], batch[:, 1:], None
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        doc = None
         if self.document:
             doc = document_ids(inputs, self.eos_id)
             targets = targets.masked_fill(inputs == self.eos_id, IGNORE_INDEX)

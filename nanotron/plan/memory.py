@@ -202,8 +202,11 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     """
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
-    tp, sp = p.tp, p.tp if p.tp_mode == "reduce_scatter" else 1
-    h, kv, i = m.hidden_size, m.num_kv_heads * m.head_dim, m.intermediate_size
+    tp = p.tp
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    h = m.hidden_size
+    kv = m.num_kv_heads * m.head_dim
+    i = m.intermediate_size
     # Under sequence parallelism (eager) a layer that is not recomputed keeps the shard of each gathered norm output
     # and gathers it again in backward (`nanotron.parallel.regather`); a mixture of experts keeps its own gather.
     regather = sp > 1 and not cfg.training.compile
@@ -260,41 +263,67 @@ def attention_transient_bytes(cfg: Config, tokens: int) -> float:
     return total
 
 
-def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
-    """Bytes per part for the worst rank of pipeline rank `pp_rank` (tp and dp coordinate 0: the largest
-    chunks), plus "activations_saved" (what autograd holds: the measured quantity) and "total"."""
-    m, p, t = cfg.model, cfg.parallelism, cfg.training
-    shard, n_micro = cfg.fsdp_shard_size, t.grad_accum_steps
-    e = element_bytes(t.dtype)
-    tokens = t.micro_batch_size * t.seq_len // p.cp  # this cp rank's part of each sequence
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
-    stages = rank_stages(cfg, pp_rank)
+@dataclass(frozen=True)
+class RankWeights:
+    """Parameter elements of a rank's stages at tp and FSDP coordinate 0 (the largest chunks)."""
+
+    sharded: int  # this rank's FSDP shards: what it keeps between steps
+    tp_local: int  # this tp rank's parameters before FSDP shards them
+    tensors: int  # parameter tensors
+    root_tp: int  # the stage roots' (embedding, final norm, head) tp-local elements
+    largest_layer: int  # the largest decoder layer's tp-local elements: FSDP gathers one layer at a time
+
+
+def rank_weights(cfg: Config, stages: list[StageShape]) -> RankWeights:
+    p = cfg.parallelism
+    split = coordinate_zero_split(p.tp, cfg.fsdp_shard_size, p.ep)
     sharded = tp_local = tensors = root_tp = 0
     largest_layer = 0
-    split = coordinate_zero_split(p.tp, shard, p.ep)
     for stage in stages:
         for param in stage.root + stage.layers:
             full, local = split(param)
-            sharded, tp_local, tensors = sharded + local, tp_local + full, tensors + 1
+            sharded += local
+            tp_local += full
+            tensors += 1
         root_tp += sum(split(param)[0] for param in stage.root)
-        gathered: dict[str, int] = {}  # per layer ("model.layers.<i>.…"): FSDP gathers one layer at a time
+        gathered: dict[str, int] = {}  # per layer ("model.layers.<i>.…")
         for param in stage.layers:
             layer = param.name.split(".")[2]
             gathered[layer] = gathered.get(layer, 0) + split(param)[0]
         largest_layer = max([largest_layer, *gathered.values()])
-    accumulates = n_micro > 1 or p.pp > 1
-    full_grads = p.zero_stage == 0 or (p.zero_stage == 1 and accumulates)
-    # Measured: the vocab-parallel embedding's unsharded gradient covers the whole vocabulary (a partial sum
-    # over tp ranks), not the rank's rows; it lives while gradients accumulate unsharded, or during its reduction.
-    has_embedding = any(s.first for s in stages) and p.tp > 1
-    embedding_grad_extra = FP32 * m.vocab_size * m.hidden_size * (1 - 1 / p.tp) if has_embedding else 0.0
-    layers_here = sum(s.num_layers for s in stages)
-    if p.zero_stage == 3:  # the stage roots stay gathered; layers one at a time plus one prefetched
-        working = e * (root_tp + min(2, layers_here) * largest_layer)
-    else:
-        working = e * tp_local
+    return RankWeights(sharded, tp_local, tensors, root_tp, largest_layer)
 
-    flights = in_flight(cfg, pp_rank)
+
+def keeps_full_gradients(cfg: Config) -> bool:
+    """Whether gradients stay unsharded between microbatches: ZeRO-0, or ZeRO-1 while they accumulate."""
+    p = cfg.parallelism
+    accumulates = cfg.training.grad_accum_steps > 1 or p.pp > 1
+    return p.zero_stage == 0 or (p.zero_stage == 1 and accumulates)
+
+
+def embedding_gradient_extra(cfg: Config, stages: list[StageShape]) -> float:
+    """Measured: the vocab-parallel embedding's unsharded gradient covers the whole vocabulary (a partial sum over
+    tp ranks), not the rank's rows; it lives while gradients accumulate unsharded, or during its reduction."""
+    m, p = cfg.model, cfg.parallelism
+    has_embedding = any(s.first for s in stages) and p.tp > 1
+    return FP32 * m.vocab_size * m.hidden_size * (1 - 1 / p.tp) if has_embedding else 0.0
+
+
+def working_copy_bytes(cfg: Config, stages: list[StageShape], weights: RankWeights) -> float:
+    """Parameters in the compute dtype as forward and backward use them: all of the rank's, or under ZeRO-3 the
+    stage roots (they stay gathered) and one layer at a time plus one prefetched."""
+    e = element_bytes(cfg.training.dtype)
+    if cfg.parallelism.zero_stage == 3:
+        layers_here = sum(s.num_layers for s in stages)
+        return e * (weights.root_tp + min(2, layers_here) * weights.largest_layer)
+    return e * weights.tp_local
+
+
+def activation_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights: float) -> tuple[float, float]:
+    """(what autograd holds for backward at the schedule's peak, what rebuilding a recomputed layer adds)."""
+    m, p = cfg.model, cfg.parallelism
+    e = element_bytes(cfg.training.dtype)
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
     saved = {i: layer_activation_bytes(cfg, tokens, i) for s in stages for i in s.layer_indices}
     # Backward of a recomputed layer rebuilds what it did not keep: one layer's worth at a time.
     rebuilt = [
@@ -302,8 +331,7 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
         for i, v in saved.items()
         if recompute_mode(cfg, i) != "none"
     ]
-    recompute_transient = max(rebuilt, default=0.0)
-    activations_saved = logits_saved = 0.0
+    activations_saved = 0.0
     for stage in stages:
         held = sum(saved[i][recompute_mode(cfg, i)] for i in stage.layer_indices)
         # The hidden states crossing a stage boundary are this tp rank's sequence shard under sequence parallelism.
@@ -312,32 +340,70 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
         held += tokens * 8 if stage.first else 0  # token ids
         if stage.last:
             held += tokens * ((FP32 + e) * m.hidden_size / sp + e * m.hidden_size)  # final norm
-            logits_saved += tokens * FP32 * m.vocab_size / p.tp * flights  # log-softmax output
         # Measured with torch 2.13: after a pipelined step the first stage still holds most of one microbatch's
         # saved activations (not freed by gc) until the next step replaces them; count one more microbatch.
         activations_saved += held * (flights + (1 if stage.first and p.pp > 1 else 0))
-    last = any(s.last for s in stages)
-    logits_transient = tokens * (e + (FP32 if e == 2 else 0)) * m.vocab_size / p.tp if last else 0.0
+    return activations_saved, max(rebuilt, default=0.0)
 
+
+def logits_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights: float) -> tuple[float, float]:
+    """(the log-softmax outputs kept for backward, the logits while the loss runs) on the rank of the last stage."""
+    m, p = cfg.model, cfg.parallelism
+    e = element_bytes(cfg.training.dtype)
+    if not any(s.last for s in stages):
+        return 0.0, 0.0
+    saved = tokens * FP32 * m.vocab_size / p.tp * flights
+    return saved, tokens * (e + (FP32 if e == 2 else 0)) * m.vocab_size / p.tp
+
+
+def communication_buffer_bytes(cfg: Config, tokens: int, largest_layer: int, embedding_extra: float) -> float:
+    """Collectives' buffers and transients besides the pipeline's: one layer's gradient reduction, the sequence
+    all-gather / reduce-scatter, attention's transients, the expert all-to-all."""
+    m, p = cfg.model, cfg.parallelism
+    e = element_bytes(cfg.training.dtype)
     buffers = largest_layer * (FP32 + e)  # one layer's unsharded gradient and its fp32 reduce-scatter input
-    buffers += 0 if full_grads else embedding_grad_extra
+    buffers += embedding_extra
     buffers += 2 * tokens * m.hidden_size * e if p.tp > 1 else 0  # sequence all-gather / reduce-scatter
     buffers += attention_transient_bytes(cfg, tokens)
     if p.ep > 1 and m.moe.enabled:  # the all-to-all's received tokens and the outputs sent back
         buffers += 2 * m.moe.top_k * tokens * m.hidden_size * e
-    pipeline_buffers = 0.0
-    if p.pp > 1:  # torch's pipeline stage allocates receive buffers for every microbatch up front
-        receives = sum((not s.first) + (not s.last) for s in stages)
-        pipeline_buffers = receives * n_micro * tokens / sp * m.hidden_size * e
-    buffers += pipeline_buffers
+    return buffers
+
+
+def pipeline_buffer_bytes(cfg: Config, stages: list[StageShape], tokens: int) -> float:
+    """torch's pipeline stage allocates receive buffers for every microbatch up front."""
+    m, p = cfg.model, cfg.parallelism
+    if p.pp == 1:
+        return 0.0
+    e = element_bytes(cfg.training.dtype)
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    receives = sum((not s.first) + (not s.last) for s in stages)
+    return receives * cfg.training.grad_accum_steps * tokens / sp * m.hidden_size * e
+
+
+def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
+    """Bytes per part for the worst rank of pipeline rank `pp_rank` (tp and dp coordinate 0: the largest
+    chunks), plus "activations_saved" (what autograd holds: the measured quantity) and "total"."""
+    p, t = cfg.parallelism, cfg.training
+    tokens = t.micro_batch_size * t.seq_len // p.cp  # this cp rank's part of each sequence
+    stages = rank_stages(cfg, pp_rank)
+    weights = rank_weights(cfg, stages)
+    full_grads = keeps_full_gradients(cfg)
+    embedding_extra = embedding_gradient_extra(cfg, stages)
+    flights = in_flight(cfg, pp_rank)
+    activations_saved, recompute_transient = activation_bytes(cfg, stages, tokens, flights)
+    logits_saved, logits_transient = logits_bytes(cfg, stages, tokens, flights)
+    pipeline_buffers = pipeline_buffer_bytes(cfg, stages, tokens)
+    # The embedding's whole-vocabulary gradient: a gradient while they stay unsharded, else its reduction's buffer.
+    buffers = communication_buffer_bytes(cfg, tokens, weights.largest_layer, 0 if full_grads else embedding_extra)
     parts = {
-        "params": FP32 * sharded,
-        "grads": FP32 * tp_local + embedding_grad_extra if full_grads else FP32 * sharded,
-        "optimizer": 2 * FP32 * sharded + FP32 * tensors,
-        "working": working,
+        "params": FP32 * weights.sharded,
+        "grads": FP32 * weights.tp_local + embedding_extra if full_grads else FP32 * weights.sharded,
+        "optimizer": 2 * FP32 * weights.sharded + FP32 * weights.tensors,
+        "working": working_copy_bytes(cfg, stages, weights),
         "activations": activations_saved + recompute_transient,
         "logits": logits_saved + logits_transient,
-        "buffers": buffers,
+        "buffers": buffers + pipeline_buffers,
     }
     return {
         **parts,

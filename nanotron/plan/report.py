@@ -59,7 +59,8 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     by_mode = []
     for mode, matmuls in RECOMPUTE_CHOICES:
         other = copy.deepcopy(cfg)
-        other.parallelism.recompute, other.parallelism.selective_matmuls = mode, matmuls
+        other.parallelism.recompute = mode
+        other.parallelism.selective_matmuls = matmuls
         label = recompute_label(other.parallelism, every=False)
         by_mode.append(f"{stage_memory(other, pp_rank)['activations'] / GIB:.2f} GiB {label}")
     every = f" (on every {p.recompute_every}th layer)" if p.recompute_every > 1 else ""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -55,12 +54,22 @@ def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp
                     for ep in expert_degrees(base, dp * cp):
                         # Only parallelism and training differ between candidates: the other sections (the model
                         # among them, already resolved) are shared, not deep-copied (thousands of candidates).
-                        cfg = replace(base, parallelism=copy.copy(base.parallelism), training=copy.copy(base.training))
-                        p, t = cfg.parallelism, cfg.training
-                        p.dp, p.cp, p.tp, p.pp, p.zero_stage, p.dp_shard = dp, cp, tp, pp, zero, dp_shard
-                        p.recompute, p.recompute_every = recompute, 1
-                        p.selective_matmuls = matmuls
-                        t.micro_batch_size, t.grad_accum_steps, p.ep = micro, 0, ep
+                        parallelism = replace(
+                            base.parallelism,
+                            dp=dp,
+                            cp=cp,
+                            tp=tp,
+                            pp=pp,
+                            ep=ep,
+                            dp_shard=dp_shard,
+                            zero_stage=zero,
+                            recompute=recompute,
+                            recompute_every=1,
+                            selective_matmuls=matmuls,
+                        )
+                        # grad_accum_steps 0: validate derives it from the global batch.
+                        training = replace(base.training, micro_batch_size=micro, grad_accum_steps=0)
+                        cfg = replace(base, parallelism=parallelism, training=training)
                         try:
                             validate(cfg, world)
                         except ConfigError:

@@ -140,91 +140,154 @@ def ring_gb(bytes_: float, group: int, all_reduce: bool = False) -> float:
 
 
 def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) -> StepEstimate:
+    """Step time of the layout at `efficiency` of the GPU's peak: compute (recompute and pipeline bubble included),
+    plus each dimension's traffic less what overlaps compute."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
-    world, n_micro, shard = cfg.world_size, t.grad_accum_steps, cfg.fsdp_shard_size
-    e = element_bytes(t.dtype)
+    world = cfg.world_size
     peak = peak_tflops(cfg, gpu)[1] * 1e12
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
     modes = [recompute_mode(cfg, i) for i in range(m.num_layers)]
-    full, selective = modes.count("full"), modes.count("selective")
-    recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
-    if p.selective_matmuls == "every_other":  # selective reruns the k, o and up projections too
-        rerun_matmuls = 2 * m.hidden_size * (m.num_kv_heads * m.head_dim + m.hidden_size + m.intermediate_size)
-        recompute_flops += tokens_step * selective * rerun_matmuls
-    flops = model_flops + recompute_flops
-    bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, n_micro, p.pp_stages_per_rank)
-    # Selective recompute reruns element-wise ops only: memory-bound, charged at the GPU's memory bandwidth.
-    rerun_s = tokens_step / world * selective * elementwise_rerun_bytes(cfg) / (gpu.device.hbm_gbps * 1e9)
-    compute_s = (flops / world / (peak * efficiency) + rerun_s) * (1 + bubble)
-    achieved = world * peak * efficiency
-    parts = {"compute": model_flops / achieved, "recompute": recompute_flops / achieved + rerun_s}
-    parts["bubble"] = compute_s - parts["compute"] - parts["recompute"]
-
-    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
-    nvlink, ib = ("NVLink", gpu.device.nvlink_gbps), ("InfiniBand", gpu.device.ib_gbps)
-    layers_per_rank = m.num_layers / p.pp
-    comm: dict[str, Transfer] = {}
-    # TP: per layer, forward and backward each move 4 activations (2 all-gathers + 2 reduce-scatters, or 2
-    # all-reduces); a fully recomputed forward repeats the forward's share, a selective one its 2 all-gathers
-    # (sequence parallel; it keeps the reduced outputs), and under sequence parallelism (eager) a layer that is
-    # not recomputed gathers its attention and dense MLP inputs again in backward; plus embedding and head.
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
-    units = 8 * m.num_layers + 4 * full + (2 * selective if sp > 1 else 0)
-    if sp > 1 and not t.compile:  # nanotron.parallel.regather
-        units += sum(1 + (not is_moe_layer(m, i)) for i, mode in enumerate(modes) if mode == "none")
-    tp_bytes = n_micro * (units / p.pp + 2) * tokens_micro * m.hidden_size * e
-    comm["tp"] = Transfer(ring_gb(tp_bytes, p.tp), *(nvlink if p.tp <= gpus_per_node else ib))
-    # PP: each microbatch's activation forward and its gradient backward cross a stage boundary (this tp rank's
-    # sequence shard under sequence parallelism).
-    pp_bytes = 2 * n_micro * tokens_micro / sp * m.hidden_size * e if p.pp > 1 else 0
-    comm["pp"] = Transfer(pp_bytes / 1e9, *(nvlink if world <= gpus_per_node else ib))
-    # CP: per layer, forward passes this rank's K/V on cp-1 times; backward passes K/V cp-1 times and their
-    # fp32 gradients cp times; the recomputed forward repeats the forward's.
-    kv_block = 2 * tokens_micro * m.num_kv_heads * m.head_dim / p.tp
-    forward = (p.cp - 1) * kv_block * e
-    cp_layer = 2 * forward + p.cp * kv_block * FP32
-    cp_bytes = n_micro * (layers_per_rank * cp_layer + (full + selective) / p.pp * forward) if p.cp > 1 else 0
-    comm["cp"] = Transfer(cp_bytes / 1e9, *(nvlink if p.cp * p.tp <= gpus_per_node else ib))
-    # EP: per MoE layer, the token all-to-all there and back in forward, twice again in backward (and once more
-    # for a recomputed forward, full or selective): top_k copies of each token, (ep-1)/ep leave the rank. Not hidden.
-    moe = [is_moe_layer(m, i) for i in range(m.num_layers)]
-    moe_units = sum(4 * is_moe + 2 * (is_moe and mode != "none") for is_moe, mode in zip(moe, modes)) / p.pp
-    routed = m.moe.top_k * tokens_micro * m.hidden_size * e * (p.ep - 1) / p.ep
-    ep_bytes = n_micro * moe_units * routed if p.ep > 1 else 0
-    comm["ep"] = Transfer(ep_bytes / 1e9, *(nvlink if p.ep * p.tp <= gpus_per_node else ib))
-    # ... hidden under the attention blocks' own compute (4·seq·hidden forward FLOPs per token, 3x with backward)
-    attention_s = 3 * 4 * t.seq_len * m.hidden_size * tokens_step * m.num_layers / world / (peak * efficiency)
-    # DP: the worst pipeline rank's tp-local parameters (gathered) and gradients (reduced).
+    compute_s, parts = compute_time(cfg, gpu, modes, model_flops, peak, efficiency)
+    # DP moves the worst pipeline rank's tp-local parameters (gathered) and gradients (reduced).
     tp_local = max(_tp_local(cfg, r) for r in range(p.pp))
-    if p.zero_stage == 0:
-        link = nvlink if p.dp * p.cp * p.tp <= gpus_per_node else ib
-        comm["dp"] = Transfer(ring_gb(FP32 * tp_local, p.dp * p.cp, all_reduce=True), *link)
-    else:
-        gathers = 2 * n_micro if p.zero_stage == 3 else 1
-        reductions = n_micro if p.zero_stage >= 2 else 1
-        link = nvlink if shard * p.tp <= gpus_per_node else ib
-        comm["dp"] = Transfer(ring_gb((gathers * e + reductions * FP32) * tp_local, shard), *link)
-        if cfg.dp_shard_size < p.dp:  # HSDP: the shards' gradients are all-reduced across replicas
-            replicated = reductions * FP32 * tp_local / shard
-            comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // cfg.dp_shard_size, all_reduce=True), *ib)
+    comm = traffic(cfg, gpu, gpus_per_node, modes, tp_local)
     overlapped = sum(comm[k].seconds for k in ("dp", "dp_replicate") if k in comm)
-    # What no prefetch hides: the first FSDP unit's gather before any compute of a pass (ZeRO-3 frees and
-    # re-gathers for every microbatch's forward and backward; stages 1/2 keep the gathered parameters for the
-    # step) and the last unit's gradient reduction after the step's compute, one layer's worth each.
-    unit = tp_local / max(1.0, layers_per_rank)
-    if p.zero_stage == 0:
-        floor_gb = ring_gb(FP32 * unit, p.dp * p.cp, all_reduce=True)
-    else:
-        floor_gb = (2 * n_micro if p.zero_stage == 3 else 1) * ring_gb(e * unit, shard) + ring_gb(FP32 * unit, shard)
-    floor_s = floor_gb / comm["dp"].gbps
+    floor_s = unhidden_dp_gb(cfg, tp_local) / comm["dp"].gbps
     data_parallel_s = max(compute_s + floor_s, overlapped)
+    # CP's K/V ring hides under the attention blocks' own compute (4·seq·hidden forward FLOPs per token, 3x with
+    # backward).
+    attention_s = 3 * 4 * t.seq_len * m.hidden_size * tokens_step * m.num_layers / world / (peak * efficiency)
     exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
     step_s = data_parallel_s + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds
     parts |= {"tp": comm["tp"].seconds, "pp": comm["pp"].seconds, "cp": exposed_cp, "ep": comm["ep"].seconds}
     parts["dp"] = data_parallel_s - compute_s
     mfu = model_flops / (step_s * world * peak)
     return StepEstimate(step_s, compute_s, tokens_step / step_s, mfu, comm, parts)
+
+
+def compute_time(
+    cfg: Config, gpu: Gpu, modes: list[str], model_flops: float, peak: float, efficiency: float
+) -> tuple[float, dict[str, float]]:
+    """(seconds of compute per step, pipeline bubble included; its parts: compute for the model's FLOPs,
+    recompute for the extra forward memory forced, bubble). `modes`: each layer's recompute mode."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    world = cfg.world_size
+    tokens_step = t.global_batch_size * t.seq_len
+    full = modes.count("full")
+    selective = modes.count("selective")
+    recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
+    if p.selective_matmuls == "every_other":  # selective reruns the k, o and up projections too
+        rerun_matmuls = 2 * m.hidden_size * (m.num_kv_heads * m.head_dim + m.hidden_size + m.intermediate_size)
+        recompute_flops += tokens_step * selective * rerun_matmuls
+    flops = model_flops + recompute_flops
+    bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, t.grad_accum_steps, p.pp_stages_per_rank)
+    # Selective recompute reruns element-wise ops only: memory-bound, charged at the GPU's memory bandwidth.
+    rerun_s = tokens_step / world * selective * elementwise_rerun_bytes(cfg) / (gpu.device.hbm_gbps * 1e9)
+    compute_s = (flops / world / (peak * efficiency) + rerun_s) * (1 + bubble)
+    achieved = world * peak * efficiency
+    parts = {"compute": model_flops / achieved, "recompute": recompute_flops / achieved + rerun_s}
+    parts["bubble"] = compute_s - parts["compute"] - parts["recompute"]
+    return compute_s, parts
+
+
+def traffic(cfg: Config, gpu: Gpu, gpus_per_node: int, modes: list[str], tp_local: int) -> dict[str, Transfer]:
+    """What each parallel dimension moves per step, over NVLink where its group fits in a node, else InfiniBand."""
+    p = cfg.parallelism
+    nvlink = ("NVLink", gpu.device.nvlink_gbps)
+    ib = ("InfiniBand", gpu.device.ib_gbps)
+
+    def link(ranks: int) -> tuple[str, float]:
+        return nvlink if ranks <= gpus_per_node else ib
+
+    comm = {
+        "tp": Transfer(tp_gb(cfg, modes), *link(p.tp)),
+        "pp": Transfer(pp_gb(cfg), *link(cfg.world_size)),
+        "cp": Transfer(cp_gb(cfg, modes), *link(p.cp * p.tp)),
+        "ep": Transfer(ep_gb(cfg, modes), *link(p.ep * p.tp)),
+    }
+    e = element_bytes(cfg.training.dtype)
+    n_micro = cfg.training.grad_accum_steps
+    shard = cfg.fsdp_shard_size
+    if p.zero_stage == 0:
+        comm["dp"] = Transfer(ring_gb(FP32 * tp_local, p.dp * p.cp, all_reduce=True), *link(p.dp * p.cp * p.tp))
+    else:
+        gathers = 2 * n_micro if p.zero_stage == 3 else 1
+        reductions = n_micro if p.zero_stage >= 2 else 1
+        comm["dp"] = Transfer(ring_gb((gathers * e + reductions * FP32) * tp_local, shard), *link(shard * p.tp))
+        if cfg.dp_shard_size < p.dp:  # HSDP: the shards' gradients are all-reduced across replicas
+            replicated = reductions * FP32 * tp_local / shard
+            comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // cfg.dp_shard_size, all_reduce=True), *ib)
+    return comm
+
+
+def tp_gb(cfg: Config, modes: list[str]) -> float:
+    """TP: per layer, forward and backward each move 4 activations (2 all-gathers + 2 reduce-scatters, or 2
+    all-reduces); a fully recomputed forward repeats the forward's share, a selective one its 2 all-gathers
+    (sequence parallel; it keeps the reduced outputs), and under sequence parallelism (eager) a layer that is
+    not recomputed gathers its attention and dense MLP inputs again in backward; plus embedding and head."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    e = element_bytes(t.dtype)
+    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    units = 8 * m.num_layers + 4 * modes.count("full") + (2 * modes.count("selective") if sp > 1 else 0)
+    if sp > 1 and not t.compile:  # nanotron.parallel.regather
+        units += sum(1 + (not is_moe_layer(m, i)) for i, mode in enumerate(modes) if mode == "none")
+    tp_bytes = t.grad_accum_steps * (units / p.pp + 2) * tokens_micro * m.hidden_size * e
+    return ring_gb(tp_bytes, p.tp)
+
+
+def pp_gb(cfg: Config) -> float:
+    """PP: each microbatch's activation forward and its gradient backward cross a stage boundary (this tp rank's
+    sequence shard under sequence parallelism)."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    e = element_bytes(t.dtype)
+    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
+    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    pp_bytes = 2 * t.grad_accum_steps * tokens_micro / sp * m.hidden_size * e if p.pp > 1 else 0
+    return pp_bytes / 1e9
+
+
+def cp_gb(cfg: Config, modes: list[str]) -> float:
+    """CP: per layer, forward passes this rank's K/V on cp-1 times; backward passes K/V cp-1 times and their fp32
+    gradients cp times; the recomputed forward repeats the forward's."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    e = element_bytes(t.dtype)
+    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
+    recomputed = modes.count("full") + modes.count("selective")
+    kv_block = 2 * tokens_micro * m.num_kv_heads * m.head_dim / p.tp
+    forward = (p.cp - 1) * kv_block * e
+    cp_layer = 2 * forward + p.cp * kv_block * FP32
+    layers_per_rank = m.num_layers / p.pp
+    cp_bytes = t.grad_accum_steps * (layers_per_rank * cp_layer + recomputed / p.pp * forward) if p.cp > 1 else 0
+    return cp_bytes / 1e9
+
+
+def ep_gb(cfg: Config, modes: list[str]) -> float:
+    """EP: per MoE layer, the token all-to-all there and back in forward, twice again in backward (and once more
+    for a recomputed forward, full or selective): top_k copies of each token, (ep-1)/ep leave the rank. Not
+    hidden."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    e = element_bytes(t.dtype)
+    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
+    moe = [is_moe_layer(m, i) for i in range(m.num_layers)]
+    moe_units = sum(4 * is_moe + 2 * (is_moe and mode != "none") for is_moe, mode in zip(moe, modes)) / p.pp
+    routed = m.moe.top_k * tokens_micro * m.hidden_size * e * (p.ep - 1) / p.ep
+    ep_bytes = t.grad_accum_steps * moe_units * routed if p.ep > 1 else 0
+    return ep_bytes / 1e9
+
+
+def unhidden_dp_gb(cfg: Config, tp_local: int) -> float:
+    """What no prefetch hides: the first FSDP unit's gather before any compute of a pass (ZeRO-3 frees and
+    re-gathers for every microbatch's forward and backward; stages 1/2 keep the gathered parameters for the
+    step) and the last unit's gradient reduction after the step's compute, one layer's worth each."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.training
+    e = element_bytes(t.dtype)
+    shard = cfg.fsdp_shard_size
+    unit = tp_local / max(1.0, m.num_layers / p.pp)
+    if p.zero_stage == 0:
+        return ring_gb(FP32 * unit, p.dp * p.cp, all_reduce=True)
+    return (2 * t.grad_accum_steps if p.zero_stage == 3 else 1) * ring_gb(e * unit, shard) + ring_gb(FP32 * unit, shard)
 
 
 def elementwise_rerun_bytes(cfg: Config) -> float:

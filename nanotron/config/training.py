@@ -1,0 +1,65 @@
+"""The [training] section (steps, batch, sequence, dtype, device) and the [optimizer] it steps with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanotron.config.option import opt
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = opt(300, "optimizer steps", min=1)
+    micro_batch_size: int = opt(8, "samples per microbatch per data-parallel rank", min=1)
+    grad_accum_steps: int = opt(
+        1, "microbatches per step per dp rank (= pipeline microbatches); 0 derives it from global_batch_size", min=0
+    )
+    global_batch_size: int = opt(
+        0, "samples per optimizer step across all ranks; 0 = micro_batch_size * grad_accum_steps * dp", min=0
+    )
+    seq_len: int = opt(128, "tokens per sample", min=1)
+    dtype: str = opt(
+        "float32",
+        "compute dtype (bfloat16: FSDP mixed precision, bf16 compute with fp32 master weights and reductions)",
+        ("float32", "bfloat16"),
+    )
+    clip_grad: float = opt(1.0, "max global grad norm; 0 disables clipping", min=0.0)
+    max_skipped_steps: int = opt(
+        0, "steps with a non-finite loss or gradient skipped (not applied) before the run stops", min=0
+    )
+    eval_interval: int = opt(50, "steps between validation passes; 0 disables", min=0)
+    eval_steps: int = opt(4, "global batches per validation pass", min=1)
+    compile: bool = opt(False, "torch.compile each decoder layer")
+    tf32: bool = opt(True, "on CUDA, float32 matmuls on TF32 tensor cores (MFU vs the TF32 peak); false = full fp32")
+    device: str = opt("auto", "auto (cuda if available), cuda or cpu", ("auto", "cuda", "cpu"))
+    preflight: bool = opt(
+        False,
+        "run nanotron doctor's checks (compute, links, checkpoint disk, clocks) before step 1; bad nodes stop "
+        "the job with exit code 75",
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = opt(3e-3, "peak learning rate", min=0.0)
+    min_lr: float = opt(3e-4, "learning rate at the end of decay", min=0.0)
+    warmup_steps: int = opt(20, "linear warmup steps", min=0)
+    decay_style: str = opt("cosine", "decay after warmup", ("cosine", "linear", "1-sqrt", "constant"))
+    decay_steps: int = opt(0, "steps of decay after warmup; 0 = until training.steps", min=0)
+    weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norms and embeddings)", min=0.0)
+    weight_decay_mode: str = opt(
+        "coupled",
+        "µP: coupled (AdamW's lr x weight_decay with each matrix's µP LR, so wider matrices decay less per step) "
+        "or independent (weight_decay x each matrix's width LR divisor, so lr x weight_decay does not shrink "
+        "with width: microsoft/mup's MuAdam and CompleteP's reference code)",
+        ("coupled", "independent"),
+    )
+    betas: list[float] = opt([0.9, 0.95], "AdamW betas")
+    eps: float = opt(1e-8, "AdamW epsilon", min=0.0)
+    eps_mode: str = opt(
+        "scaled",
+        "µP: scaled (CompleteP's rule: eps / m for the embedding, head and final norm, eps / (m r^alpha) for "
+        "each layer's parameters, following their gradients' scale) or fixed (eps everywhere)",
+        ("scaled", "fixed"),
+    )
+    fused: bool = opt(True, "fused AdamW kernel where the device has one")
