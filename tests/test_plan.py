@@ -3,6 +3,8 @@ the launcher refusing what does not fit before it waits in a queue."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -40,9 +42,20 @@ LLAMA_70B = [
 
 
 def plan(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    """`nanotron plan ARGV` from the repository root: in this process (no interpreter and torch start-up per call),
+    except `--check`, which builds every rank on a fake process group and so runs in a process of its own."""
     cmd = [sys.executable, "-m", "nanotron", "plan", *argv]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if "--check" in argv:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    stdout, stderr, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = plan_main(list(argv))
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(cmd, code, stdout.getvalue(), stderr.getvalue())
 
 
 def table_rows(stdout: str, header_start: str) -> list[list[str]]:
