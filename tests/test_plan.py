@@ -428,41 +428,46 @@ def test_search_offers_expert_parallel_layouts_for_a_moe_model():
     assert {cfg.parallelism.ep for cfg in layouts(dense, 8, 8)} == {1}
 
 
-def test_calibration_set_plans_every_published_run_and_solves_its_efficiency():
-    """benchmarks/calibration/published.csv: every row is a layout nanotron can express, and the efficiency the
-    calibration reports reproduces the published tokens/s per GPU (what the per-GPU defaults will come from)."""
+@pytest.fixture(scope="module")
+def calibration() -> tuple[list[dict], list[tuple[dict, float]]]:
+    """benchmarks/calibration/published.csv's rows, and each speed row with the efficiency that reproduces it
+    (a bisection of ~50 plans per row: solved once for the tests below)."""
     import csv
 
-    from benchmarks.plan_calibration import CASES, config, matching_efficiency, planned_per_gpu, speed_cases
+    from benchmarks.plan_calibration import CASES, matching_efficiency, speed_cases
 
     with open(CASES, newline="") as f:
         cases = list(csv.DictReader(f))
-    assert len(speed_cases(cases)) >= 16 and len(cases) >= 36
+    return cases, [(c, matching_efficiency(c, float(c["tokens_per_s_per_gpu"]))) for c in speed_cases(cases)]
+
+
+def test_calibration_set_plans_every_published_run_and_solves_its_efficiency(calibration):
+    """benchmarks/calibration/published.csv: every row is a layout nanotron can express, and the efficiency the
+    calibration reports reproduces the published tokens/s per GPU (what the per-GPU defaults will come from)."""
+    from benchmarks.plan_calibration import config, planned_per_gpu
+
+    cases, solved = calibration
+    assert len(solved) >= 16 and len(cases) >= 36
     for case in cases:
         cfg = config(case)
         assert cfg.world_size == int(case["world"]) and cfg.fsdp_shard_size == int(case["fsdp"]) * int(case["cp"])
         assert cfg.training.micro_batch_size * cfg.training.grad_accum_steps == int(case["local_batch"])
-    for case in speed_cases(cases):
-        published = float(case["tokens_per_s_per_gpu"])
-        efficiency = matching_efficiency(case, published)
+    for case, efficiency in solved:
         assert 0.05 < efficiency < 0.95
-        assert planned_per_gpu(case, efficiency) == pytest.approx(published, rel=1e-3)
+        assert planned_per_gpu(case, efficiency) == pytest.approx(float(case["tokens_per_s_per_gpu"]), rel=1e-3)
 
 
-def test_each_gpus_default_efficiency_and_its_range_are_the_calibration_sets():
+def test_each_gpus_default_efficiency_and_its_range_are_the_calibration_sets(calibration):
     """The planner's H100 (and H200) and A100 efficiencies are derived from the published runs, not chosen: the
     median and range of the efficiencies that reproduce that GPU's runs, and the largest error at the median.
     Adding a row that moves them fails here until re-derived."""
-    import csv
     import statistics
 
-    from benchmarks.plan_calibration import CASES, matching_efficiency, planned_per_gpu, speed_cases
+    from benchmarks.plan_calibration import planned_per_gpu
 
-    with open(CASES, newline="") as f:
-        cases = speed_cases(list(csv.DictReader(f)))
     for gpu in ("h100", "a100"):
-        runs = [c for c in cases if c["gpu"] == gpu]
-        solved = [matching_efficiency(c, float(c["tokens_per_s_per_gpu"])) for c in runs]
+        runs = [c for c, _ in calibration[1] if c["gpu"] == gpu]
+        solved = [efficiency for c, efficiency in calibration[1] if c["gpu"] == gpu]
         efficiency = parse_gpu(gpu).efficiency
         assert efficiency.default == round(statistics.median(solved), 2), gpu
         assert (efficiency.low, efficiency.high) == (round(min(solved), 2), round(max(solved), 2)), gpu
