@@ -51,6 +51,14 @@ def tiny_data(tmp_path_factory) -> TinyData:
     return data
 
 
+@pytest.fixture(scope="session")
+def references(request, tmp_path_factory):
+    """Each layout-matrix family's 1-process run (tests/matrix.py), made on first use and shared by the session."""
+    from matrix import References
+
+    return References(request, tmp_path_factory)
+
+
 def tiny_task(path: Path, n_items: int = 7, seed: int = 5) -> Path:
     """Multiple-choice items in the native layout: 7, with 3 and 4 choices (25 rows: no dp divides them),
     and one context longer than a 16-token row (cut from the left)."""

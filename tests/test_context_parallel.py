@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import re
 import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TINY_MODEL, activation_stats, read_metrics, run_train, train_losses
-from test_parallel import RTOL, STATS, STEPS, eval_losses, weights
+from conftest import TINY_MODEL, run_train, train_losses
+from matrix import DOCUMENTS, Layout, assert_matches
 
 from nanotron.models.attention import DotProductAttention, document_ids
 from nanotron.parallel import context
@@ -128,72 +127,22 @@ def test_one_rank_attention_with_documents_equals_the_naive_reference():
 
 # ---- the layout matrix: document masking on, every cp layout held to one process ---------------------------
 
-CP_LAYOUTS = [  # (dp, cp, tp, pp, extra)
-    (1, 2, 1, 1, []),
-    (2, 2, 1, 1, ["--parallelism.zero_stage=3"]),
-    (1, 2, 2, 1, ["--parallelism.tp_mode=reduce_scatter"]),
-    (1, 2, 1, 2, ["--parallelism.pp_engine=1f1b"]),
-    (1, 2, 2, 2, ["--parallelism.recompute=full"]),
+CP_LAYOUTS = [
+    Layout(cp=2),
+    Layout(dp=2, cp=2, flags=("--parallelism.zero_stage=3",)),
+    Layout(cp=2, tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
+    Layout(cp=2, pp=2, flags=("--parallelism.pp_engine=1f1b",)),
+    Layout(cp=2, tp=2, pp=2, flags=("--parallelism.recompute=full",)),
 ]
 
 
-def cp_layout_id(layout) -> str:
-    dp, cp, tp, pp, extra = layout
-    return f"dp{dp}-cp{cp}-tp{tp}-pp{pp}" + "".join("-" + e.split(".")[-1] for e in extra)
-
-
-def train_documents(data, out: Path, name: str, nproc: int, extra: list[str]) -> Path:
-    run_train(
-        [
-            *TINY_MODEL,
-            *data.overrides(),
-            f"--job.out_dir={out}",
-            f"--job.name={name}",
-            f"--training.steps={STEPS}",
-            f"--training.eval_interval={STEPS}",
-            "--training.eval_steps=1",
-            "--checkpoint.save_final=true",
-            "--model.attention=document",
-            STATS,
-            *extra,
-        ],
-        nproc=nproc,
-    )
-    return out / name
-
-
-@pytest.fixture(scope="module")
-def document_reference(short_docs_data, tmp_path_factory):
-    run_dir = train_documents(short_docs_data, tmp_path_factory.mktemp("docref"), "ref", 1, [])
-    return train_losses(run_dir), eval_losses(run_dir), weights(run_dir), activation_stats(run_dir), run_dir
-
-
-def grad_norms(run_dir: Path) -> list[float]:
-    return [r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", CP_LAYOUTS, ids=cp_layout_id)
-def test_cp_layout_matches_one_process(layout, document_reference, short_docs_data, tmp_path):
-    dp, cp, tp, pp, extra = layout
-    sizes = [f"--parallelism.dp={dp}", f"--parallelism.cp={cp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}"]
-    run_dir = train_documents(short_docs_data, tmp_path, "run", dp * cp * tp * pp, [*sizes, *extra])
-    ref_losses, ref_evals, ref_weights, ref_stats, _ = document_reference
-    losses, evals = train_losses(run_dir), eval_losses(run_dir)
-    assert len(losses) == STEPS and len(evals) == 2
-    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=0)
-    assert evals == pytest.approx(ref_evals, rel=RTOL, abs=0)
-    # the global gradient norm (over FSDP shards spanning dp x cp), before clipping
-    assert grad_norms(run_dir) == pytest.approx(grad_norms(document_reference[4]), rel=RTOL, abs=0)
-    stats = activation_stats(run_dir)
-    assert sorted(stats) == sorted(ref_stats) == [2, 4]
-    for step, ref in ref_stats.items():
-        assert stats[step] == pytest.approx(ref, rel=RTOL, abs=0), step
-    final = weights(run_dir)
-    diff = torch.cat([(final[n] - ref).flatten() for n, ref in ref_weights.items()])
-    total = torch.cat([ref.flatten() for ref in ref_weights.values()])
-    print(f"{cp_layout_id(layout)}: weights rel diff {(diff.norm() / total.norm()).item():.2e}")
-    assert (diff.norm() / total.norm()).item() <= RTOL
+@pytest.mark.parametrize("layout", CP_LAYOUTS, ids=str)
+def test_cp_layout_matches_one_process(layout, references, short_docs_data, tmp_path):
+    ref = references[DOCUMENTS]
+    run = DOCUMENTS.run(short_docs_data, tmp_path, "run", layout)
+    assert len(ref.series("eval_loss")) == 2 and sorted(ref.stats) == [2, 4]
+    print(f"{layout}: {assert_matches(run, ref, DOCUMENTS)}")
 
 
 @pytest.mark.slow

@@ -7,30 +7,17 @@ from __future__ import annotations
 import os
 import re
 import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TINY_MODEL, activation_stats, read_metrics, run_train, train_losses
-from test_parallel import RTOL, STATS, STEPS, eval_losses, weights
+from conftest import TINY_MODEL, run_train, train_losses
+from matrix import EXPERTS, MOE, Layout, assert_matches, weights
 
 from nanotron.models.moe import GroupedExperts, LocalDispatch
 from nanotron.parallel.expert import AllToAllDispatch
 
-# Shared experts, a dense first layer, DeepSeek-V3's sigmoid router with bias balancing and the sequence-wise
-# balance loss: every MoE feature at once, on the tiny model.
-MOE = [
-    "--model.moe.num_experts=8",
-    "--model.moe.top_k=2",
-    "--model.moe.moe_intermediate_size=32",
-    "--model.moe.num_shared_experts=1",
-    "--model.moe.first_dense_layers=1",
-    "--model.moe.router=sigmoid",
-    "--model.moe.bias_update_rate=0.01",
-    "--model.moe.aux_loss_coef=0.01",
-]
 E, H, INTER = 8, 12, 16
 
 
@@ -104,102 +91,33 @@ def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks(c
 
 # ---- the layout matrix ----------------------------------------------------------------------------------------
 
-EP_LAYOUTS = [  # (dp, tp, pp, ep, extra)
-    (2, 1, 1, 2, []),
-    (2, 2, 1, 2, ["--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective"]),
-    (2, 1, 2, 2, ["--parallelism.pp_engine=zero_bubble", "--training.micro_batch_size=1"]),
-    (4, 1, 1, 4, ["--parallelism.zero_stage=3"]),
-    (
-        4,
-        1,
-        2,
-        2,
-        [  # HSDP: experts split within each dp_shard group of 2, replicated across the 2 groups
+EP_LAYOUTS = [
+    Layout(dp=2, ep=2),
+    Layout(dp=2, tp=2, ep=2, flags=("--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective")),
+    Layout(dp=2, pp=2, ep=2, flags=("--parallelism.pp_engine=zero_bubble", "--training.micro_batch_size=1")),
+    Layout(dp=4, ep=4, flags=("--parallelism.zero_stage=3",)),
+    Layout(  # HSDP: experts split within each dp_shard group of 2, replicated across the 2 groups
+        dp=4,
+        pp=2,
+        ep=2,
+        flags=(
             "--parallelism.zero_stage=2",
             "--parallelism.dp_shard=2",
             "--parallelism.pp_engine=interleaved_1f1b",
             "--training.micro_batch_size=1",
-        ],
+        ),
     ),
 ]
 
 
-def ep_layout_id(layout) -> str:
-    dp, tp, pp, ep, extra = layout
-    return f"dp{dp}-tp{tp}-pp{pp}-ep{ep}" + "".join("-" + e.split(".")[-1] for e in extra)
-
-
-def train_moe(data, out: Path, name: str, nproc: int, extra: list[str]) -> Path:
-    run_train(
-        [
-            *TINY_MODEL,
-            *MOE,
-            *data.overrides(),
-            f"--job.out_dir={out}",
-            f"--job.name={name}",
-            f"--training.steps={STEPS}",
-            f"--training.eval_interval={STEPS}",
-            "--training.eval_steps=1",
-            "--logging.log_interval=1",
-            "--checkpoint.save_final=true",
-            STATS,
-            *extra,
-        ],
-        nproc=nproc,
-    )
-    return out / name
-
-
-def moe_metrics(run_dir: Path) -> list[dict[str, float]]:
-    return [
-        {k: v for k, v in r.items() if k.startswith("moe/")}
-        for r in read_metrics(run_dir)
-        if "moe/load_max_over_mean" in r
-    ]
-
-
-def grad_norms(run_dir: Path) -> list[float]:
-    return [r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r]
-
-
-@pytest.fixture(scope="module")
-def moe_reference(tiny_data, tmp_path_factory):
-    run_dir = train_moe(tiny_data, tmp_path_factory.mktemp("moeref"), "ref", 1, [])
-    return run_dir, weights(run_dir)
-
-
-def biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t for name, t in state.items() if name.endswith("expert_bias")}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", EP_LAYOUTS, ids=ep_layout_id)
-def test_ep_layout_matches_one_process(layout, moe_reference, tiny_data, tmp_path):
-    dp, tp, pp, ep, extra = layout
-    sizes = [f"--parallelism.dp={dp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}", f"--parallelism.ep={ep}"]
-    run_dir = train_moe(tiny_data, tmp_path, "run", dp * tp * pp, [*sizes, *extra])
-    ref_dir, ref_weights = moe_reference
-    losses = train_losses(run_dir)
-    assert len(losses) == STEPS
-    assert losses == pytest.approx(train_losses(ref_dir), rel=RTOL, abs=0)
-    assert eval_losses(run_dir) == pytest.approx(eval_losses(ref_dir), rel=RTOL, abs=0)
-    assert grad_norms(run_dir) == pytest.approx(grad_norms(ref_dir), rel=RTOL, abs=0)
-    stats, ref_stats = activation_stats(run_dir), activation_stats(ref_dir)
-    assert sorted(stats) == sorted(ref_stats) == [2, 4]
-    for step, ref in ref_stats.items():
-        assert stats[step] == pytest.approx(ref, rel=RTOL, abs=0), step
-    metrics, ref_metrics = moe_metrics(run_dir), moe_metrics(ref_dir)
-    assert len(metrics) == STEPS and set(metrics[0]) == set(ref_metrics[0])
-    for got, want in zip(metrics, ref_metrics):
-        assert got == pytest.approx(want, rel=RTOL, abs=1e-12)
-    final = weights(run_dir)
-    assert set(final) == set(ref_weights)
-    for name, bias in biases(ref_weights).items():  # integer loads: the same decisions give the same bias
-        assert bias.abs().sum() > 0 and torch.equal(final[name], bias), name
-    diff = torch.cat([(final[n] - ref).flatten() for n, ref in ref_weights.items()])
-    total = torch.cat([ref.flatten() for ref in ref_weights.values()])
-    print(f"{ep_layout_id(layout)}: weights rel diff {(diff.norm() / total.norm()).item():.2e}")
-    assert (diff.norm() / total.norm()).item() <= RTOL
+@pytest.mark.parametrize("layout", EP_LAYOUTS, ids=str)
+def test_ep_layout_matches_one_process(layout, references, tiny_data, tmp_path):
+    ref = references[EXPERTS]
+    run = EXPERTS.run(tiny_data, tmp_path, "run", layout)
+    assert len(ref.moe) == EXPERTS.steps and sorted(ref.stats) == [2, 4]
+    assert any(name.endswith("expert_bias") for name in ref.weights)  # the balancing bias is compared
+    print(f"{layout}: {assert_matches(run, ref, EXPERTS)}")
 
 
 @pytest.mark.slow
@@ -215,8 +133,9 @@ def test_ep2_checkpoint_resumes_at_ep1_dp2_like_an_uninterrupted_run(tiny_data, 
     assert len(reference) == 4 and len(resumed) == 2
     assert resumed == pytest.approx(reference[2:], rel=1e-7, abs=0)
     ref, second = weights(tmp_path / "reference", step=4), weights(tmp_path / "second", step=4)
-    for name, bias in biases(ref).items():
-        assert torch.equal(second[name], bias), name
+    for name, bias in ref.items():
+        if name.endswith("expert_bias"):
+            assert bias.abs().sum() > 0 and torch.equal(second[name], bias), name
 
 
 @pytest.mark.parametrize(

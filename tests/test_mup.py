@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_MODEL, TINY_MUP, activation_stats, read_metrics, run_train, train_losses
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from conftest import TINY_MODEL
+from matrix import MUP, RTOL, Layout, Run, assert_matches
 
 from nanotron.checkpoint import OptimizerState
 from nanotron.config import load_config, parse_overrides
@@ -28,15 +27,6 @@ from nanotron.models.parametrization import (
 from nanotron.optim import build_optimizer, set_lr
 from nanotron.parallel.init import init_weights
 
-# TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
-MUP = [
-    *TINY_MUP,
-    "--optimizer.decay_steps=4",  # the schedule does not depend on a leg's training.steps (resume test)
-    "--logging.activation_stats_interval=2",
-]
-STEPS = 6
-RTOL = 1e-5
-
 
 def config(*extra: str):
     return load_config(*parse_overrides([*TINY_MODEL, *extra]))
@@ -44,7 +34,7 @@ def config(*extra: str):
 
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
 def test_mup_rules_per_parameter(alpha):
-    m = config(*MUP, f"--model.mup_depth_exponent={alpha}").model  # m = 2, r = 2, base head dim 16 / 4 = 4
+    m = config(*MUP.flags, f"--model.mup_depth_exponent={alpha}").model  # m = 2, r = 2, base head dim 16 / 4 = 4
     assert asdict(m.mup_base) == dict(hidden=16, intermediate=32, heads=4, kv_heads=2, head_dim=4, layers=2)
     std, lr = (lambda name: param_init_std(m, name)), (lambda name: param_lr_scale(m, name))
     assert std("model.embed_tokens.weight") == std("lm_head.weight") == 0.02
@@ -98,7 +88,7 @@ def test_eps_and_weight_decay_follow_completep_and_the_weight_decay_mode(alpha):
     """eps / m outside the layers and eps / (m r^alpha) inside (CompleteP); weight decay x m_in under
     `independent`, so lr x weight_decay is the same at every width; coupled and fixed leave the config's."""
     extra = ("--optimizer.weight_decay_mode=independent", f"--model.mup_depth_exponent={alpha}")
-    cfg = config(*MUP, *extra)  # m = 2, r = 2
+    cfg = config(*MUP.flags, *extra)  # m = 2, r = 2
     m, eps, wd = cfg.model, cfg.optimizer.eps, cfg.optimizer.weight_decay
     model = LlamaForCausalLM(m)
     optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), m)
@@ -110,7 +100,7 @@ def test_eps_and_weight_decay_follow_completep_and_the_weight_decay_mode(alpha):
         assert group["weight_decay"] == pytest.approx(wd * 2 if matrix else (wd if name == "lm_head.weight" else 0))
         if matrix:  # the decay per step, lr x lr_scale x weight_decay, does not shrink with width
             assert group["lr_scale"] * group["weight_decay"] == pytest.approx(wd * 2 ** (alpha - 1))
-    plain = config(*MUP, "--optimizer.eps_mode=fixed").model
+    plain = config(*MUP.flags, "--optimizer.eps_mode=fixed").model
     assert param_eps_scale(plain, "model.layers.0.mlp.up_proj.weight", "fixed") == 1.0
     assert param_weight_decay_scale(m, "model.layers.0.mlp.up_proj.weight", "coupled") == 1.0
     standard = config().model
@@ -142,7 +132,7 @@ def test_mup_at_its_base_shape_is_standard_parametrization_bit_for_bit(tied):
 def test_the_first_adam_step_moves_each_weight_by_its_scaled_learning_rate():
     """Adam's first step moves every weight with a gradient by lr x its group's lr_scale (|m/sqrt(v)| = 1):
     the factors reach the update, not only the param groups."""
-    cfg = config(*MUP, "--optimizer.weight_decay=0", "--optimizer.eps=1e-30")
+    cfg = config(*MUP.flags, "--optimizer.weight_decay=0", "--optimizer.eps=1e-30")
     model = LlamaForCausalLM(cfg.model)
     init_weights(model, cfg.job.seed)
     optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
@@ -177,7 +167,7 @@ def test_mup_misconfigurations_name_the_key(overrides, expected):
 
 def test_resumed_param_groups_take_lr_scale_weight_decay_and_eps_from_the_config():
     """Torch would copy each group's settings from the checkpoint; the config's must win (like the LR)."""
-    cfg = config(*MUP)
+    cfg = config(*MUP.flags)
     model = LlamaForCausalLM(cfg.model)
     optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
     state = OptimizerState([model], [optimizer])
@@ -197,88 +187,40 @@ def test_resumed_param_groups_take_lr_scale_weight_decay_and_eps_from_the_config
 # ---- every layout against one process (slow: real process groups) -------------------------------------------
 
 
-def train(tiny_data, out: Path, name: str, layout: list[str], steps: int = STEPS, extra: list[str] = ()) -> Path:
-    nproc = 1
-    for arg in layout:
-        key, _, value = arg.partition("=")
-        nproc *= int(value) if key in ("--parallelism.dp", "--parallelism.tp", "--parallelism.pp") else 1
-    run_train(
-        [
-            *TINY_MODEL,
-            *MUP,
-            *tiny_data.overrides(),
-            f"--job.out_dir={out}",
-            f"--job.name={name}",
-            f"--training.steps={steps}",
-            "--checkpoint.save_final=true",
-            *layout,
-            *extra,
-        ],
-        nproc=nproc,
-    )
-    return out / name
-
-
-def final_weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
-    target = run_dir / "weights.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{step}", target)
-    return torch.load(target, weights_only=True)["model"]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_data, tmp_path_factory) -> Path:
-    return train(tiny_data, tmp_path_factory.mktemp("mup_reference"), "ref", [])
-
-
-def assert_same_activations(run_dir: Path, ref_dir: Path, steps: list[int]) -> None:
-    ours, ref = activation_stats(run_dir), activation_stats(ref_dir)
-    assert sorted(ours) == steps and len(ref[steps[0]]) == 1 + 3 * 4 + 2  # embed, 4 layers, norm, logits
+def assert_same_activations(run: Run, ref: Run, steps: list[int]) -> None:
+    assert sorted(run.stats) == steps and len(ref.stats[steps[0]]) == 1 + 3 * 4 + 2  # embed, 4 layers, norm, logits
     for step in steps:
-        for name, value in ref[step].items():
-            assert ours[step][name] == pytest.approx(value, rel=RTOL, abs=0), (step, name)
+        assert run.stats[step] == pytest.approx(ref.stats[step], rel=RTOL, abs=0), step
 
 
 # µP at 3D. The activation statistics at every other layout, both tp modes included, are checked under
 # standard parametrization in test_parallel.py (the statistics do not depend on the parametrization).
-LAYOUTS = {
-    "dp2-tp2-pp2-zero3-recompute": [
-        "--parallelism.dp=2",
-        "--parallelism.tp=2",
-        "--parallelism.pp=2",
-        "--parallelism.zero_stage=3",
-        "--parallelism.recompute=full",
-    ],
-}
+LAYOUTS = [Layout(dp=2, tp=2, pp=2, flags=("--parallelism.zero_stage=3", "--parallelism.recompute=full"))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_mup_training_and_activation_stats_match_one_process(layout, reference, tiny_data, tmp_path):
-    run_dir = train(tiny_data, tmp_path, "run", layout)
-    losses, ref_losses = train_losses(run_dir), train_losses(reference)
-    assert len(losses) == STEPS
-    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=0)
-    final, ref = final_weights(run_dir), final_weights(reference)
-    diff = torch.cat([(final[n] - w).flatten() for n, w in ref.items()]).norm()
-    assert (diff / torch.cat([w.flatten() for w in ref.values()]).norm()).item() <= RTOL
-    assert_same_activations(run_dir, reference, [2, 4, 6])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_mup_training_and_activation_stats_match_one_process(layout, references, tiny_data, tmp_path):
+    ref = references[MUP]
+    run = MUP.run(tiny_data, tmp_path, "run", layout)
+    assert sorted(ref.stats) == [2, 4, 6] and len(ref.stats[2]) == 1 + 3 * 4 + 2  # embed, 4 layers, norm, logits
+    print(f"{layout}: {assert_matches(run, ref, MUP)}")
 
 
 @pytest.mark.slow
-def test_mup_resume_at_another_layout_is_exact(reference, tiny_data, tmp_path):
+def test_mup_resume_at_another_layout_is_exact(references, tiny_data, tmp_path):
     """Saved at dp2 x pp2 (zero 1) after 3 steps, resumed at tp2: the losses and activations of the
     uninterrupted 1-process run, so model, optimizer state (every group's lr_scale too) and data position all
     resharded."""
-    saved = train(
-        tiny_data, tmp_path, "saved", ["--parallelism.dp=2", "--parallelism.pp=2", "--parallelism.zero_stage=1"], 3
-    )
-    step3 = saved / "checkpoints" / "step-3"
-    resumed = train(tiny_data, tmp_path, "resumed", ["--parallelism.tp=2"], extra=[f"--checkpoint.resume_from={step3}"])
-    ref_losses = train_losses(reference)
-    assert train_losses(saved) == pytest.approx(ref_losses[:3], rel=RTOL, abs=0)
-    assert train_losses(resumed) == pytest.approx(ref_losses[3:], rel=RTOL, abs=0)
-    assert_same_activations(resumed, reference, [4, 6])
-    first = next(r for r in read_metrics(resumed) if "loss" in r)
+    ref = references[MUP]
+    saved_layout = Layout(dp=2, pp=2, flags=("--parallelism.zero_stage=1",))
+    saved = Run(MUP.train(tiny_data, tmp_path, "saved", saved_layout, steps=3), 3)
+    step3 = saved.dir / "checkpoints" / "step-3"
+    resumed = MUP.run(tiny_data, tmp_path, "resumed", Layout(tp=2), f"--checkpoint.resume_from={step3}")
+    assert saved.losses == pytest.approx(ref.losses[:3], rel=RTOL, abs=0)
+    assert resumed.losses == pytest.approx(ref.losses[3:], rel=RTOL, abs=0)
+    assert_same_activations(resumed, ref, [4, 6])
+    first = next(r for r in resumed.metrics if "loss" in r)
     assert (first["step"], first["consumed_samples"]) == (4, 32)  # the data continues at global sample 24
     state = json.loads((step3 / "trainer_state.json").read_text())
     assert state["layout"] == {"dp": 2, "cp": 1, "ep": 1, "tp": 1, "pp": 2, "zero_stage": 1}

@@ -1,15 +1,15 @@
-"""Same math at any layout: every (dp, tp, pp) run reproduces the 1-process losses, evaluation losses,
-activation statistics and final weights, starting from the same initial weights."""
+"""Same math at any layout: every (dp, tp, pp) run of the dense family reproduces its 1-process run (tests/matrix.py:
+losses, evaluation losses and scores, gradient norms, activation statistics and final weights), starting from the
+same initial weights."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODEL, activation_stats, item_log_likelihoods, read_metrics, run_train, train_losses
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from conftest import TINY_MODEL, run_train, train_losses
+from matrix import COMPILE, DENSE, RTOL, Layout, assert_matches, relative_difference, weights
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.models.llama import LlamaForCausalLM
@@ -20,132 +20,45 @@ from nanotron.parallel.mesh import destroy_distributed, init_distributed
 from nanotron.parallel.pipeline import build_schedule, split_layers, split_model
 from nanotron.parallel.runner import microbatch_loss
 
-STEPS = 5
-RTOL = 1e-5
-STATS = "--logging.activation_stats_interval=2"  # act/* at steps 2 and 4 (not with compile: a config error)
-
-# (dp, tp, pp, extra overrides): every tp_mode, pp_engine, zero stage, HSDP, and recompute none/selective, keeping
-# all matmul outputs or every other one (full in the cp, ep and µP matrices).
+# Every tp_mode, pp_engine, zero stage, HSDP, and recompute none/selective, keeping all matmul outputs or every
+# other one (full in the cp, ep and µP matrices).
 LAYOUTS = [
-    (2, 1, 1, []),
-    (2, 1, 1, ["--parallelism.zero_stage=3"]),
-    (4, 1, 1, ["--parallelism.dp_shard=2", "--parallelism.zero_stage=3"]),
-    (2, 1, 2, ["--parallelism.pp_engine=zero_bubble", "--parallelism.zero_stage=2"]),
-    (1, 2, 1, ["--parallelism.tp_mode=reduce_scatter"]),
-    (1, 2, 1, ["--parallelism.tp_mode=all_reduce"]),
-    (1, 1, 2, ["--parallelism.pp_engine=1f1b"]),
-    (2, 2, 1, ["--parallelism.zero_stage=3", "--parallelism.recompute=selective"]),  # sequence parallel
-    (2, 1, 2, ["--parallelism.pp_engine=afab", "--parallelism.zero_stage=1"]),
-    (
-        1,
-        2,
-        2,
-        [
+    Layout(dp=2),
+    Layout(dp=2, flags=("--parallelism.zero_stage=3",)),
+    Layout(dp=4, flags=("--parallelism.dp_shard=2", "--parallelism.zero_stage=3")),
+    Layout(dp=2, pp=2, flags=("--parallelism.pp_engine=zero_bubble", "--parallelism.zero_stage=2")),
+    Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
+    Layout(tp=2, flags=("--parallelism.tp_mode=all_reduce",)),
+    Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",)),
+    Layout(dp=2, tp=2, flags=("--parallelism.zero_stage=3", "--parallelism.recompute=selective")),  # sequence parallel
+    Layout(dp=2, pp=2, flags=("--parallelism.pp_engine=afab", "--parallelism.zero_stage=1")),
+    Layout(
+        tp=2,
+        pp=2,
+        flags=(
             "--parallelism.pp_engine=interleaved_1f1b",
             "--parallelism.recompute=selective",
             "--parallelism.selective_matmuls=every_other",  # torchtitan's op-level policy
             "--parallelism.recompute_every=2",
             "--parallelism.tp_mode=all_reduce",
-        ],
+        ),
     ),
-    (1, 1, 2, ["--parallelism.pp_engine=zero_bubble"]),
-    (1, 1, 2, ["--parallelism.pp_engine=zbv"]),
-    (2, 2, 2, ["--parallelism.zero_stage=3"]),
-    (1, 1, 4, ["--parallelism.pp_engine=1f1b"]),
-    (2, 2, 1, ["--parallelism.cp=2", "--parallelism.dp_shard=1", "--parallelism.zero_stage=2"]),  # causal CP, HSDP
+    Layout(pp=2, flags=("--parallelism.pp_engine=zero_bubble",)),
+    Layout(pp=2, flags=("--parallelism.pp_engine=zbv",)),
+    Layout(dp=2, tp=2, pp=2, flags=("--parallelism.zero_stage=3",)),
+    Layout(pp=4, flags=("--parallelism.pp_engine=1f1b",)),
+    Layout(dp=2, cp=2, tp=2, flags=("--parallelism.dp_shard=1", "--parallelism.zero_stage=2")),  # causal CP, HSDP
 ]
 
 
-def world(dp: int, tp: int, pp: int, extra: list[str]) -> int:
-    cp = next((int(e.split("=")[1]) for e in extra if e.startswith("--parallelism.cp=")), 1)
-    return dp * cp * tp * pp
-
-
-def layout_id(layout) -> str:
-    dp, tp, pp, extra = layout
-    return f"dp{dp}-tp{tp}-pp{pp}" + "".join("-" + e.split(".")[-1] for e in extra)
-
-
-def train(tiny_data, out: Path, name: str, nproc: int, extra: list[str]) -> Path:
-    stats = [] if "--training.compile=true" in extra else [STATS]
-    run_train(
-        [
-            *TINY_MODEL,
-            *tiny_data.overrides(),
-            f"--job.out_dir={out}",
-            f"--job.name={name}",
-            f"--training.steps={STEPS}",
-            f"--training.eval_interval={STEPS}",  # evaluates before the first step and after the last
-            "--training.eval_steps=1",
-            "--checkpoint.save_final=true",
-            f"--evaluation.tasks={tiny_data.task}",  # downstream scores at steps 0 and 5, every item written
-            "--evaluation.write_items=true",
-            *stats,
-            *extra,
-        ],
-        nproc=nproc,
-    )
-    return out / name
-
-
-def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
-    target = run_dir / f"weights-{step}.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{step}", target)
-    return torch.load(target, weights_only=True)["model"]
-
-
-def eval_losses(run_dir: Path) -> list[float]:
-    return [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_data, tmp_path_factory) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    run_dir = train(tiny_data, tmp_path_factory.mktemp("reference"), "ref", 1, [])
-    stats, items = activation_stats(run_dir), item_log_likelihoods(run_dir, STEPS)
-    return train_losses(run_dir), eval_losses(run_dir), weights(run_dir), stats, items
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
-def test_layout_matches_one_process(layout, reference, tiny_data, tmp_path):
-    dp, tp, pp, extra = layout
-    run_dir = train(
-        tiny_data,
-        tmp_path,
-        "run",
-        world(dp, tp, pp, extra),
-        [f"--parallelism.dp={dp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}", *extra],
-    )
-    ref_losses, ref_evals, ref_weights, ref_stats, ref_items = reference
-    losses, evals = train_losses(run_dir), eval_losses(run_dir)
-    assert len(losses) == STEPS and len(evals) == len(ref_evals) == 2
-    assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0), (losses, ref_losses)
-    assert torch.allclose(torch.tensor(evals), torch.tensor(ref_evals), rtol=RTOL, atol=0), (evals, ref_evals)
-    # Downstream evaluation on the layout: every (item, choice) log-likelihood, items split over dp unevenly.
-    items = item_log_likelihoods(run_dir, STEPS)
-    assert len(items) == len(ref_items) == 25  # 7 items of 3 and 4 choices
-    assert torch.allclose(torch.tensor(items), torch.tensor(ref_items), rtol=RTOL, atol=0), (items, ref_items)
-    # The activation statistics, reduced from each rank's shards: embed, 4 layers x 3, norm, logits per step.
-    stats = activation_stats(run_dir)
-    assert sorted(stats) == sorted(ref_stats) == [2, 4] and len(ref_stats[2]) == 1 + 3 * 4 + 2
-    for step, ref in ref_stats.items():
-        assert stats[step] == pytest.approx(ref, rel=RTOL, abs=0), step
-    final = weights(run_dir)
-    assert final.keys() == ref_weights.keys()
-    diff = torch.cat([(final[n] - ref).flatten() for n, ref in ref_weights.items()])
-    total = torch.cat([ref.flatten() for ref in ref_weights.values()])
-    per_tensor = {n: ((final[n] - ref).norm() / ref.norm()).item() for n, ref in ref_weights.items()}
-    worst = max(per_tensor, key=per_tensor.get)
-    print(
-        f"{layout_id(layout)}: max loss rel diff "
-        f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)):.2e}, eval loss rel diff "
-        f"{max(abs(a - b) / abs(b) for a, b in zip(evals, ref_evals)):.2e}, weights rel diff "
-        f"{(diff.norm() / total.norm()).item():.2e} (worst tensor {worst}: {per_tensor[worst]:.2e})"
-    )
-    # All weights together within RTOL; one tensor alone may drift more: Adam turns reduction-order noise in
-    # near-zero gradient entries into full-size updates (m / sqrt(v) ~ +-1), so allow 10x per tensor.
-    assert (diff.norm() / total.norm()).item() <= RTOL
-    assert per_tensor[worst] <= 10 * RTOL, f"{worst}: relative difference {per_tensor[worst]:.2e}"
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_layout_matches_one_process(layout, references, tiny_data, tmp_path):
+    ref = references[DENSE]
+    run = DENSE.run(tiny_data, tmp_path, "run", layout)
+    assert len(ref.series("eval_loss")) == 2 and len(ref.items) == 25  # steps 0 and 5; 7 items of 3 and 4 choices
+    assert sorted(ref.stats) == [2, 4] and len(ref.stats[2]) == 1 + 3 * 4 + 2  # embed, 4 layers x 3, norm, logits
+    print(f"{layout}: {assert_matches(run, ref, DENSE)}")
 
 
 # torch.compile (inductor) under TP, where the vocab-parallel embedding's output (an AsyncCollectiveTensor)
@@ -156,32 +69,25 @@ def test_layout_matches_one_process(layout, reference, tiny_data, tmp_path):
 # same gap as without TP). Compile takes 1-3 minutes per run on 2 busy cores: keep this list short (both
 # tp modes, pipelining, FSDP and bf16 each appear once).
 COMPILED_LAYOUTS = [
-    (1, 2, 2, ["--parallelism.tp_mode=all_reduce"]),
-    (2, 2, 1, ["--training.dtype=bfloat16", "--parallelism.zero_stage=3"]),
+    Layout(tp=2, pp=2, flags=("--parallelism.tp_mode=all_reduce",)),
+    Layout(dp=2, tp=2, flags=("--training.dtype=bfloat16", "--parallelism.zero_stage=3")),
 ]
 COMPILE_RTOL = {"float32": (RTOL, RTOL), "bfloat16": (2e-4, 1e-2)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", COMPILED_LAYOUTS, ids=layout_id)
-def test_compiled_layout_matches_its_eager_twin(layout, reference, tiny_data, tmp_path):
-    dp, tp, pp, extra = layout
-    args = [f"--parallelism.dp={dp}", f"--parallelism.tp={tp}", f"--parallelism.pp={pp}", *extra]
-    compiled = train(tiny_data, tmp_path, "compiled", dp * tp * pp, [*args, "--training.compile=true"])
-    dtype = "bfloat16" if "--training.dtype=bfloat16" in extra else "float32"
-    if dtype == "float32":
-        ref_losses, ref_evals, ref_weights, *_ = reference
-    else:
-        eager = train(tiny_data, tmp_path, "eager", dp * tp * pp, args)
-        ref_losses, ref_evals, ref_weights = train_losses(eager), eval_losses(eager), weights(eager)
-    losses, evals, final = train_losses(compiled), eval_losses(compiled), weights(compiled)
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses + evals, ref_losses + ref_evals))
-    diff = torch.cat([(final[n] - ref).flatten() for n, ref in ref_weights.items()])
-    weight_diff = (diff.norm() / torch.cat([ref.flatten() for ref in ref_weights.values()]).norm()).item()
-    print(f"{layout_id(layout)} compiled vs eager: losses {loss_diff:.2e}, weights {weight_diff:.2e}")
-    assert len(losses) == STEPS and len(evals) == 2
+@pytest.mark.parametrize("layout", COMPILED_LAYOUTS, ids=str)
+def test_compiled_layout_matches_its_eager_twin(layout, references, tiny_data, tmp_path):
+    compiled = DENSE.run(tiny_data, tmp_path, "compiled", layout, COMPILE)
+    dtype = "bfloat16" if "--training.dtype=bfloat16" in layout.flags else "float32"
+    ref = references[DENSE] if dtype == "float32" else DENSE.run(tiny_data, tmp_path, "eager", layout)
+    losses, ref_losses = compiled.losses + compiled.series("eval_loss"), ref.losses + ref.series("eval_loss")
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    weight_diff = relative_difference(compiled.weights, ref.weights)
+    print(f"{layout} compiled vs eager: losses {loss_diff:.2e}, weights {weight_diff:.2e}")
+    assert len(compiled.losses) == DENSE.steps and len(compiled.series("eval_loss")) == 2
     loss_rtol, weight_rtol = COMPILE_RTOL[dtype]
-    assert loss_diff <= loss_rtol, (losses, ref_losses, evals, ref_evals)
+    assert loss_diff <= loss_rtol, (losses, ref_losses)
     assert weight_diff <= weight_rtol
 
 
@@ -204,9 +110,9 @@ def test_initial_weights_equal_one_process_init_at_dp2_tp2_pp2(tiny_data, tmp_pa
     """Each rank draws its shards of the same full tensors: the step-0 checkpoint of a 3D layout equals the
     1-process init bit for bit. Under µP, whose init std differs per parameter (the sharding is the same)."""
     parametrization = INIT_PARAMETRIZATIONS["mup"]
-    layout = ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.zero_stage=3"]
+    layout = Layout(dp=2, tp=2, pp=2, flags=("--parallelism.zero_stage=3",))
     args = ["--training.steps=1", "--checkpoint.save_initial_state=true", "--checkpoint.save_final=false"]
-    run_dir = train(tiny_data, tmp_path, "init", 8, [*layout, *args, *parametrization])
+    run_dir = DENSE.train(tiny_data, tmp_path, "init", layout, *args, *parametrization)
     sharded = weights(run_dir, step=0)
     cfg = load_config(*parse_overrides([*TINY_MODEL, *tiny_data.overrides(), *parametrization]))
     model = LlamaForCausalLM(cfg.model)

@@ -1,0 +1,200 @@
+"""The layout matrix, one harness for every model family.
+
+A family is a model with its run settings and the data it trains on. Its 1-process reference run is made once per
+session, on first use (the `references` fixture), and shared by every layout and every test that compares against
+it. A layout is data: the mesh sizes and the flags that choose engines, ZeRO stages and recompute.
+`assert_matches` holds a run to its reference in everything the family logs: losses, evaluation losses and
+downstream log-likelihoods, gradient norms, activation statistics, MoE statistics and the final weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_MODEL, TINY_MUP, activation_stats, item_log_likelihoods, read_metrics, run_train, train_losses
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+RTOL = 1e-5
+STATS = "--logging.activation_stats_interval=2"  # act/* every other step (not with compile: a config error)
+COMPILE = "--training.compile=true"
+SIZES = ("dp", "cp", "tp", "pp", "ep")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1  # experts split over ep ranks of dp x cp: not a factor of the world size
+    flags: tuple[str, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    def args(self) -> list[str]:
+        return [f"--parallelism.{size}={getattr(self, size)}" for size in SIZES] + list(self.flags)
+
+    def __str__(self) -> str:  # the test id: dp2-tp2-pp1-zero_stage=3
+        shown = [size for size in SIZES if getattr(self, size) > 1 or size in ("dp", "tp", "pp")]
+        sizes = [f"{size}{getattr(self, size)}" for size in shown]
+        return "-".join(sizes) + "".join("-" + flag.split(".")[-1] for flag in self.flags)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    data: str  # the session fixture of tests/conftest.py it trains on
+    flags: tuple[str, ...]
+    steps: int = 5
+    tasks: bool = False  # downstream scores at the first and last step, every item's log-likelihood written
+    tensor_rtol: float | None = None  # also bound each weight tensor alone (not only all of them together)
+
+    def train(self, data, out: Path, name: str, layout: Layout = Layout(), *extra: str, steps: int = 0) -> Path:
+        flags = [flag for flag in self.flags if not (COMPILE in extra and flag == STATS)]
+        tasks = [f"--evaluation.tasks={data.task}", "--evaluation.write_items=true"] if self.tasks else []
+        run_train(
+            [
+                *TINY_MODEL,
+                *data.overrides(),
+                f"--job.out_dir={out}",
+                f"--job.name={name}",
+                f"--training.steps={steps or self.steps}",
+                "--checkpoint.save_final=true",
+                *flags,
+                *tasks,
+                *layout.args(),
+                *extra,
+            ],
+            nproc=layout.world,
+        )
+        return out / name
+
+    def run(self, data, out: Path, name: str, layout: Layout = Layout(), *extra: str) -> Run:
+        return Run(self.train(data, out, name, layout, *extra), self.steps)
+
+
+EVALUATE = ("--training.eval_interval=5", "--training.eval_steps=1")  # before the first step and after the last
+DENSE = Family("dense", "tiny_data", (*EVALUATE, STATS), tasks=True, tensor_rtol=10 * RTOL)
+# Document masking: several EOS tokens in most samples, documents crossing the cp chunks.
+DOCUMENTS = Family("documents", "short_docs_data", (*EVALUATE, "--model.attention=document", STATS))
+# Shared experts, a dense first layer, DeepSeek-V3's sigmoid router with bias balancing and the sequence-wise
+# balance loss: every MoE feature at once, on the tiny model.
+MOE = (
+    "--model.moe.num_experts=8",
+    "--model.moe.top_k=2",
+    "--model.moe.moe_intermediate_size=32",
+    "--model.moe.num_shared_experts=1",
+    "--model.moe.first_dense_layers=1",
+    "--model.moe.router=sigmoid",
+    "--model.moe.bias_update_rate=0.01",
+    "--model.moe.aux_loss_coef=0.01",
+)
+EXPERTS = Family("experts", "tiny_data", (*MOE, *EVALUATE, "--logging.log_interval=1", STATS))
+# TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
+MUP = Family(
+    "mup",
+    "tiny_data",
+    (*TINY_MUP, "--optimizer.decay_steps=4", STATS),  # decay_steps: the schedule is a resume leg's too
+    steps=6,
+)
+
+
+class Run:
+    """What a run dir logged, read once."""
+
+    def __init__(self, run_dir: Path, step: int):
+        self.dir, self.step = run_dir, step
+
+    @cached_property
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.dir)
+
+    @cached_property
+    def losses(self) -> list[float]:
+        return train_losses(self.dir)
+
+    def series(self, key: str) -> list[float]:
+        return [r[key] for r in self.metrics if key in r]
+
+    @cached_property
+    def stats(self) -> dict[int, dict[str, float]]:
+        return activation_stats(self.dir)
+
+    @cached_property
+    def moe(self) -> list[dict[str, float]]:
+        records = [r for r in self.metrics if "moe/load_max_over_mean" in r]
+        return [{k: v for k, v in r.items() if k.startswith("moe/")} for r in records]
+
+    @cached_property
+    def items(self) -> list[float]:
+        return item_log_likelihoods(self.dir, self.step) if (self.dir / "evaluation").is_dir() else []
+
+    @cached_property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return weights(self.dir, self.step)
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The model's full tensors in a checkpoint (DCP shards of any layout joined)."""
+    target = run_dir / f"weights-{step}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{step}", target)
+    return torch.load(target, weights_only=True)["model"]
+
+
+class References:
+    """Each family's 1-process run, trained on first use and kept for the session."""
+
+    def __init__(self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+        self.request, self.tmp_path_factory, self.runs = request, tmp_path_factory, {}
+
+    def __getitem__(self, family: Family) -> Run:
+        if family.name not in self.runs:
+            data = self.request.getfixturevalue(family.data)
+            out = self.tmp_path_factory.mktemp(f"{family.name}_reference")
+            self.runs[family.name] = family.run(data, out, "ref")
+        return self.runs[family.name]
+
+
+def relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    diff = torch.cat([(got[name] - tensor).flatten() for name, tensor in want.items()])
+    return (diff.norm() / torch.cat([tensor.flatten() for tensor in want.values()]).norm()).item()
+
+
+def assert_matches(run: Run, ref: Run, family: Family) -> str:
+    """Every quantity the reference logged, within RTOL; returns a line of the measured differences."""
+    assert len(run.losses) == len(ref.losses) == family.steps
+    assert run.losses == pytest.approx(ref.losses, rel=RTOL, abs=0)
+    for key in ("eval_loss", "grad_norm"):  # grad_norm: the global norm over every shard, before clipping
+        assert len(run.series(key)) == len(ref.series(key)), key
+        assert run.series(key) == pytest.approx(ref.series(key), rel=RTOL, abs=0), key
+    # Downstream evaluation on the layout: every (item, choice) log-likelihood, items split over dp unevenly.
+    assert run.items == pytest.approx(ref.items, rel=RTOL, abs=0)
+    # The activation statistics, reduced from each rank's shards.
+    assert sorted(run.stats) == sorted(ref.stats)
+    for step, stats in ref.stats.items():
+        assert run.stats[step] == pytest.approx(stats, rel=RTOL, abs=0), step
+    assert len(run.moe) == len(ref.moe)
+    for got, want in zip(run.moe, ref.moe):
+        assert got == pytest.approx(want, rel=RTOL, abs=1e-12)
+    assert run.weights.keys() == ref.weights.keys()
+    for name, bias in ref.weights.items():  # the routers' balancing bias: integer loads, the same decisions
+        if name.endswith("expert_bias"):
+            assert bias.abs().sum() > 0 and torch.equal(run.weights[name], bias), name
+    together = relative_difference(run.weights, ref.weights)
+    losses = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses))
+    line = f"max loss rel diff {losses:.2e}, weights rel diff {together:.2e}"
+    assert together <= RTOL, line
+    if family.tensor_rtol is not None:
+        # One tensor alone may drift more: Adam turns reduction-order noise in near-zero gradient entries into
+        # full-size updates (m / sqrt(v) ~ +-1).
+        each = {name: relative_difference({name: run.weights[name]}, {name: w}) for name, w in ref.weights.items()}
+        worst = max(each, key=each.get)
+        line += f" (worst tensor {worst}: {each[worst]:.2e})"
+        assert each[worst] <= family.tensor_rtol, line
+    return line
