@@ -271,6 +271,7 @@ def test_the_width_stage_at_the_base_models_best_lr_at_its_own_horizon(tmp_path,
     assert "1000 steps at the base's best lr 2^-7" in summary
 
 
+@pytest.mark.slow
 def test_the_sweeps_summary_is_rewritten_from_its_csv_with_added_runs(tmp_path, monkeypatch):
     """--replot --sweep-only re-analyses mup_transfer_sweep.csv (a width's runs appended from a later invocation)
     into the same table as a sweep that ran them all, without training."""

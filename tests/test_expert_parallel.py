@@ -63,6 +63,7 @@ def _dispatch_worker(rank: int, port: int, queue, case: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [0, 1], ids=["rank-sends-nothing", "experts-receive-nothing"])
 def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks(case):
     ctx = mp.get_context("spawn")

@@ -110,6 +110,7 @@ def test_the_rendezvous_port_stays_out_of_the_ephemeral_range(tmp_path, job_id):
     assert 1024 <= port < 65536 and port not in EPHEMERAL_PORTS
 
 
+@pytest.mark.slow
 def test_nccl_defaults_apply_unless_the_user_set_them(tmp_path):
     assert run_script(tmp_path, env=job_env(tmp_path)).returncode == 0
     env = srun_env(tmp_path)

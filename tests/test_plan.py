@@ -355,6 +355,7 @@ def test_cp_divides_activations_and_adds_the_kv_ring_to_the_step():
     assert step[2].comm["cp"].gb == pytest.approx(n_micro * m.num_layers * (4 * kv + 4 * kv + 2 * 4 * kv) / 1e9)
 
 
+@pytest.mark.slow
 def test_a_search_reuses_each_ranks_stages_without_changing_a_result(monkeypatch):
     """--search builds each rank's stages once per (model, sequence, pipeline split, rank) while it plans one
     model: every candidate's memory and step equal those planned without that reuse (interleaved, so a rank
@@ -441,6 +442,7 @@ def calibration() -> tuple[list[dict], list[tuple[dict, float]]]:
     return cases, [(c, matching_efficiency(c, float(c["tokens_per_s_per_gpu"]))) for c in speed_cases(cases)]
 
 
+@pytest.mark.slow
 def test_calibration_set_plans_every_published_run_and_solves_its_efficiency(calibration):
     """benchmarks/calibration/published.csv: every row is a layout nanotron can express, and the efficiency the
     calibration reports reproduces the published tokens/s per GPU (what the per-GPU defaults will come from)."""
@@ -457,6 +459,7 @@ def test_calibration_set_plans_every_published_run_and_solves_its_efficiency(cal
         assert planned_per_gpu(case, efficiency) == pytest.approx(float(case["tokens_per_s_per_gpu"]), rel=1e-3)
 
 
+@pytest.mark.slow
 def test_each_gpus_default_efficiency_and_its_range_are_the_calibration_sets(calibration):
     """The planner's H100 (and H200) and A100 efficiencies are derived from the published runs, not chosen: the
     median and range of the efficiencies that reproduce that GPU's runs, and the largest error at the median.

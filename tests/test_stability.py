@@ -322,6 +322,7 @@ def test_at_dp2_pp2_a_transient_fault_names_its_rank_and_a_poisoned_step_is_roll
     assert train_losses(run_dir)[-(STEPS - 24) :] == pytest.approx(reference[24:], rel=1e-6, abs=0)
 
 
+@pytest.mark.slow
 def test_a_transient_fault_stops_the_job_with_the_node_fault_exit_code(poisoned, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOTRON_FAULT", "rank:0,step:14,kind:loss_spike:50")
     run_dir, proc = train(poisoned, tmp_path, "run", ["--training.steps=16"], check=False)

@@ -292,6 +292,7 @@ def test_imports_only_go_down_the_layers():
     assert not upward_imports(import_graph())
 
 
+@pytest.mark.slow
 def test_a_training_process_loads_only_what_trains():
     """A fresh interpreter that imports the trainer's entry point holds no command it does not run."""
     code = "import sys, nanotron.train; print('\\n'.join(sorted(sys.modules)))"
