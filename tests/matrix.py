@@ -151,7 +151,9 @@ class References:
     """Each family's 1-process run, trained on first use and kept for the session."""
 
     def __init__(self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-        self.request, self.tmp_path_factory, self.runs = request, tmp_path_factory, {}
+        self.request = request
+        self.tmp_path_factory = tmp_path_factory
+        self.runs: dict[str, Run] = {}
 
     def __getitem__(self, family: Family) -> Run:
         if family.name not in self.runs:

@@ -31,7 +31,8 @@ class Evaluator:
         self.training, self.corpus, self.ctx, self.runner, self.on_phase = cfg.training, corpus, ctx, runner, on_phase
         self.validation_interval = cfg.training.eval_interval
         self.downstream_interval = cfg.evaluation.interval or cfg.training.eval_interval
-        self.downstream, self.task_facts = None, {}
+        self.downstream = None
+        self.task_facts: dict[str, float] = {}
         if cfg.evaluation.tasks:  # tokenized once, each rank its own share of the rows
             tokenizer = load_tokenizer(cfg.data.tokenizer)
             self.downstream = DownstreamEval(load_tasks(cfg), cfg, runner, tokenizer)

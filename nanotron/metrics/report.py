@@ -116,6 +116,11 @@ def plots(data: dict[str, dict[int, float]], found: list[dict]) -> list[Plot]:
     return [plot for plot in out if plot.lines]
 
 
+def standard_error(accuracy: float, items: float) -> float:
+    """The binomial standard error of an accuracy over `items` items: sqrt(p (1 - p) / n)."""
+    return math.sqrt(accuracy * (1 - accuracy) / items)
+
+
 def _downstream(data: dict[str, dict[int, float]]) -> Plot:
     """Each task's acc and acc_norm with binomial standard errors sqrt(p (1 - p) / items), and its chance level."""
     tasks = sorted({key.split("/")[1] for key in data if key.startswith("eval/") and key.count("/") == 2})
@@ -124,7 +129,7 @@ def _downstream(data: dict[str, dict[int, float]]) -> Plot:
         items = data.get(f"eval/{task}/items", {})
         for metric in ("acc", "acc_norm"):
             if points := data.get(f"eval/{task}/{metric}"):
-                errors = {s: math.sqrt(p * (1 - p) / items[s]) for s, p in points.items() if items.get(s)}
+                errors = {s: standard_error(p, items[s]) for s, p in points.items() if items.get(s)}
                 lines.append(Line(f"{task} {metric}", points, errors))
         if chance := data.get(f"eval/{task}/chance"):
             levels.append((f"chance ({task})", chance[max(chance)]))
@@ -238,7 +243,7 @@ def summary(
         line = f"- {key}: best {points[best]:.3f} at step {best}, last {points[last]:.3f}"
         items, chance = data.get(f"eval/{task}/items", {}).get(last), data.get(f"eval/{task}/chance", {}).get(last)
         if items and chance is not None:
-            error = math.sqrt(points[last] * (1 - points[last]) / items)
+            error = standard_error(points[last], items)
             line += f" (± {error:.3f} s.e., {items:.0f} items; chance {chance:.3f})"
         lines.append(line)
     if speed := data.get("tokens_per_sec"):

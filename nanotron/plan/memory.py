@@ -42,6 +42,19 @@ class Param:
     expert: bool = False  # a stacked expert weight: ep splits dim 0, FSDP then dim 1 over dp x cp / ep
 
 
+def sequence_shards(cfg: Config) -> int:
+    """How many ranks split the sequence between tensor-parallel regions: tp under sequence parallelism
+    (tp_mode = "reduce_scatter"), else 1."""
+    p = cfg.parallelism
+    return p.tp if p.tp_mode == "reduce_scatter" else 1
+
+
+def micro_tokens(cfg: Config) -> int:
+    """The tokens of one microbatch on one rank: this cp rank's part of each sequence."""
+    t = cfg.training
+    return t.micro_batch_size * t.seq_len // cfg.parallelism.cp
+
+
 def layer_params(m: ModelConfig, index: int) -> list[Param]:
     prefix = f"model.layers.{index}."
     return [
@@ -203,7 +216,7 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
     tp = p.tp
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    sp = sequence_shards(cfg)
     h = m.hidden_size
     kv = m.num_kv_heads * m.head_dim
     i = m.intermediate_size
@@ -323,7 +336,7 @@ def activation_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights
     """(what autograd holds for backward at the schedule's peak, what rebuilding a recomputed layer adds)."""
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    sp = sequence_shards(cfg)
     saved = {i: layer_activation_bytes(cfg, tokens, i) for s in stages for i in s.layer_indices}
     # Backward of a recomputed layer rebuilds what it did not keep: one layer's worth at a time.
     rebuilt = [
@@ -376,7 +389,7 @@ def pipeline_buffer_bytes(cfg: Config, stages: list[StageShape], tokens: int) ->
     if p.pp == 1:
         return 0.0
     e = element_bytes(cfg.training.dtype)
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    sp = sequence_shards(cfg)
     receives = sum((not s.first) + (not s.last) for s in stages)
     return receives * cfg.training.grad_accum_steps * tokens / sp * m.hidden_size * e
 
@@ -384,8 +397,7 @@ def pipeline_buffer_bytes(cfg: Config, stages: list[StageShape], tokens: int) ->
 def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     """Bytes per part for the worst rank of pipeline rank `pp_rank` (tp and dp coordinate 0: the largest
     chunks), plus "activations_saved" (what autograd holds: the measured quantity) and "total"."""
-    p, t = cfg.parallelism, cfg.training
-    tokens = t.micro_batch_size * t.seq_len // p.cp  # this cp rank's part of each sequence
+    tokens = micro_tokens(cfg)
     stages = rank_stages(cfg, pp_rank)
     weights = rank_weights(cfg, stages)
     full_grads = keeps_full_gradients(cfg)

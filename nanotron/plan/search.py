@@ -99,10 +99,11 @@ def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: f
             if layout in chosen and not chosen[layout].tight:
                 continue
             pp_rank, memory = worst_stage(cfg)
-            if memory["total"] > usable_bytes(gpu) or (layout in chosen and is_tight(memory["total"], gpu)):
-                continue
+            tight = is_tight(memory["total"], gpu)
+            if memory["total"] > usable_bytes(gpu) or (layout in chosen and tight):
+                continue  # does not fit, or no better than the tight mode already chosen
             step = estimate_step(cfg, gpu, gpus_per_node, efficiency)
-            chosen[layout] = Candidate(cfg, pp_rank, memory, step, is_tight(memory["total"], gpu))
+            chosen[layout] = Candidate(cfg, pp_rank, memory, step, tight)
     # Equal step times (communication hidden under compute) rank by what is measurable beyond them: the traffic
     # each GPU sends per step (hidden collectives still contend for links and SMs), then the memory headroom.
     fitting = sorted(

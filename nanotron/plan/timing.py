@@ -17,7 +17,7 @@ from nanotron.errors import ConfigError
 from nanotron.gpu import GPUS, Device, math_mode
 from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
 from nanotron.parallel.recompute import recompute_mode
-from nanotron.plan.memory import FP32, coordinate_zero_split, rank_stages
+from nanotron.plan.memory import FP32, coordinate_zero_split, micro_tokens, rank_stages, sequence_shards
 
 UNCALIBRATED_EFFICIENCY = 0.55  # a GPU without published runs in the calibration set
 
@@ -228,8 +228,8 @@ def tp_gb(cfg: Config, modes: list[str]) -> float:
     not recomputed gathers its attention and dense MLP inputs again in backward; plus embedding and head."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
-    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    tokens_micro = micro_tokens(cfg)
+    sp = sequence_shards(cfg)
     units = 8 * m.num_layers + 4 * modes.count("full") + (2 * modes.count("selective") if sp > 1 else 0)
     if sp > 1 and not t.compile:  # nanotron.parallel.regather
         units += sum(1 + (not is_moe_layer(m, i)) for i, mode in enumerate(modes) if mode == "none")
@@ -242,8 +242,8 @@ def pp_gb(cfg: Config) -> float:
     sequence shard under sequence parallelism)."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
-    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    tokens_micro = micro_tokens(cfg)
+    sp = sequence_shards(cfg)
     pp_bytes = 2 * t.grad_accum_steps * tokens_micro / sp * m.hidden_size * e if p.pp > 1 else 0
     return pp_bytes / 1e9
 
@@ -253,7 +253,7 @@ def cp_gb(cfg: Config, modes: list[str]) -> float:
     gradients cp times; the recomputed forward repeats the forward's."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
-    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
+    tokens_micro = micro_tokens(cfg)
     recomputed = modes.count("full") + modes.count("selective")
     kv_block = 2 * tokens_micro * m.num_kv_heads * m.head_dim / p.tp
     forward = (p.cp - 1) * kv_block * e
@@ -269,7 +269,7 @@ def ep_gb(cfg: Config, modes: list[str]) -> float:
     hidden."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
-    tokens_micro = t.micro_batch_size * t.seq_len // p.cp  # per rank
+    tokens_micro = micro_tokens(cfg)
     moe = [is_moe_layer(m, i) for i in range(m.num_layers)]
     moe_units = sum(4 * is_moe + 2 * (is_moe and mode != "none") for is_moe, mode in zip(moe, modes)) / p.pp
     routed = m.moe.top_k * tokens_micro * m.hidden_size * e * (p.ep - 1) / p.ep
@@ -297,7 +297,7 @@ def elementwise_rerun_bytes(cfg: Config) -> float:
     estimate: these kernels are memory-bound; their FLOPs are not in the model's."""
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
-    sp = p.tp if p.tp_mode == "reduce_scatter" else 1
+    sp = sequence_shards(cfg)
     norms = 2 * (8 * FP32 + 4 * e) * m.hidden_size / sp
     rope = 10 * e * (m.hidden_size + m.num_kv_heads * m.head_dim) / p.tp
     swiglu = 5 * e * m.intermediate_size / p.tp
