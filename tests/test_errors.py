@@ -10,15 +10,18 @@ import pytest
 from conftest import REPO, train_env
 
 WORKER = """
-import sys
+import os
 
 import torch.distributed as dist
 
+from nanotron.config.parse import load_config
 from nanotron.errors import DataError, exit_process, run_command
+from nanotron.parallel.mesh import init_distributed
 
 
 def main(argv):
-    dist.init_process_group("gloo")
+    world = os.environ["WORLD_SIZE"]
+    init_distributed(load_config(None, [("parallelism.dp", world)], world_size=int(world)))  # as a command joins
     rank, mode = dist.get_rank(), argv[0]
     if mode == "all" or (mode == "one" and rank == 1):
         raise DataError(f"the token cache is not visible on this node ({mode})")
@@ -85,3 +88,28 @@ def test_a_dead_launcher_store_is_given_up_at_once_and_quietly(monkeypatch, capf
         errors._store.cache_clear()
     assert time.monotonic() - started < 5
     assert capfd.readouterr().err == "error: [rank ?] the token cache is gone\n"
+
+
+def test_no_rank_can_fail_before_every_peer_has_connected_to_every_group(monkeypatch):
+    """A gloo peer still connecting to a group when a rank leaves prints a C++ error line ("Gloo
+    connectFullMesh failed ... remote worker crashing") beside that rank's one-line error (CI, 2026-12-05: a
+    rank that failed right after joining). Joining ends with a barrier over the world after the last group is
+    built, so no rank's own code runs before every peer has connected."""
+    import torch.distributed as dist
+
+    from nanotron.config.parse import load_config
+    from nanotron.parallel import mesh
+    from nanotron.parallel.torch_private import fake_process_group
+
+    events = []
+    for name in ("build_mesh", "expert_mesh"):
+        original = getattr(mesh, name)
+        monkeypatch.setattr(mesh, name, lambda *a, _f=original, _n=name, **k: events.append(_n) or _f(*a, **k))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: events.append("barrier"))
+    cfg = load_config(None, [("parallelism.dp", "2"), ("parallelism.tp", "2")], world_size=4)
+    fake_process_group(rank=1, world_size=4)
+    try:
+        mesh.init_distributed(cfg)
+    finally:
+        dist.destroy_process_group()
+    assert events[-1] == "barrier" and {"build_mesh", "expert_mesh"} <= set(events), events

@@ -129,6 +129,10 @@ def init_distributed(cfg: Config) -> ParallelContext:
         timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
     )
     set_timeout(context.groups(), startup)
+    if context.world_size > 1:
+        # No rank's own code runs (and may fail) before every peer has connected to every group: a gloo peer
+        # still connecting when a rank leaves prints a C++ error line beside that rank's one-line error.
+        dist.barrier()
     return context
 
 
