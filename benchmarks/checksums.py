@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import RESULTS_DIR, bench_parser, write_table
-from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, integrity
+from nanotron.checkpoint import integrity
+from nanotron.checkpoint.manager import CheckpointManager
+from nanotron.checkpoint.state import ModelState, OptimizerState
 from nanotron.config import CheckpointConfig, load_config
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.shapes import num_params

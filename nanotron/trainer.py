@@ -16,9 +16,10 @@ from typing import NoReturn
 
 import torch
 
-from nanotron.checkpoint import CheckpointManager, ModelState, OptimizerState, resolve_source
 from nanotron.checkpoint.layout import committed_steps, latest_checkpoint
+from nanotron.checkpoint.manager import CheckpointManager, resolve_source
 from nanotron.checkpoint.resume_policy import check_resume
+from nanotron.checkpoint.state import ModelState, OptimizerState
 from nanotron.config import Config, to_toml
 from nanotron.console import say
 from nanotron.data import build_train_loader, loader_batches, open_corpus

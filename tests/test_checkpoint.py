@@ -31,18 +31,10 @@ from conftest import (
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from nanotron.checkpoint import (
-    CheckpointManager,
-    committed_steps,
-    latest_checkpoint,
-    layout,
-    load_dcp,
-    read_metadata,
-    read_model_weights,
-    resolve_source,
-    verified_checkpoint,
-)
-from nanotron.checkpoint.safe_io import dcp_errors
+from nanotron.checkpoint import layout
+from nanotron.checkpoint.layout import committed_steps, latest_checkpoint
+from nanotron.checkpoint.manager import CheckpointManager, resolve_source
+from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, read_model_weights, verified_checkpoint
 from nanotron.config import CheckpointConfig, load_config, parse_overrides
 from nanotron.errors import CheckpointError
 from nanotron.optim import lr_at

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from conftest import TINY_MODEL, TINY_MUP, run_train, train_losses
 from safetensors.torch import load_file
 
-from nanotron.checkpoint import integrity, read_metadata
+from nanotron.checkpoint import integrity
 from nanotron.checkpoint.full_model import load_model
 from nanotron.checkpoint.manager import check_model_shapes
+from nanotron.checkpoint.safe_io import read_metadata
 from nanotron.commands.convert import main as convert_main
 from nanotron.commands.generate import main as generate_main
 from nanotron.config import load_config, parse_overrides, toml_text

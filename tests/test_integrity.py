@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_MODEL, run_train, train_env
 
-from nanotron.checkpoint import read_metadata
 from nanotron.checkpoint.integrity import CHECKSUM_FILE
+from nanotron.checkpoint.safe_io import read_metadata
 
 
 @pytest.fixture(scope="module")

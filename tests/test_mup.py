@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import TINY_MODEL
 from matrix import MUP, RTOL, Layout, Run, assert_matches
 
-from nanotron.checkpoint import OptimizerState
+from nanotron.checkpoint.state import OptimizerState
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM

@@ -23,7 +23,7 @@ from conftest import (
     worker_pids,
 )
 
-from nanotron.checkpoint import latest_checkpoint
+from nanotron.checkpoint.layout import latest_checkpoint
 
 
 def start(tiny_data, tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:

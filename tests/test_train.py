@@ -22,7 +22,8 @@ from conftest import (
     train_losses,
 )
 
-from nanotron.checkpoint import committed_steps, latest_checkpoint, read_model_weights
+from nanotron.checkpoint.layout import committed_steps, latest_checkpoint
+from nanotron.checkpoint.safe_io import read_model_weights
 from nanotron.config import OptimizerConfig
 from nanotron.optim import lr_at
 

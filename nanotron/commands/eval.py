@@ -18,7 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from nanotron.checkpoint import ModelState, find_checkpoint, load_states
+from nanotron.checkpoint.layout import find_checkpoint
+from nanotron.checkpoint.manager import load_states
+from nanotron.checkpoint.state import ModelState
 from nanotron.commands.args import Parser
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError, run_as_main, run_command

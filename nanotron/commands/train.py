@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from nanotron.checkpoint import check_writable
+from nanotron.checkpoint.layout import check_writable
 from nanotron.config import help_text, load_config, parse_overrides
 from nanotron.data import open_corpus
 from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
@@ -19,7 +19,6 @@ from nanotron.lock import lock_run
 from nanotron.parallel.mesh import destroy_distributed, launched_world_size
 from nanotron.parallel.overlap import max_connections
 from nanotron.signals import stop_with_launcher
-from nanotron.trainer import Trainer
 
 
 def _main(argv: list[str]) -> int:
@@ -39,6 +38,8 @@ def _main(argv: list[str]) -> int:
     # One run per run dir: global rank 0 holds the lock for the run's lifetime (peers follow its fate).
     owns_run_dir = int(os.environ.get("RANK", "0")) == 0
     stop_with_launcher()
+    from nanotron.trainer import Trainer  # here: a launcher of local ranks (above) needs none of it
+
     try:
         with lock_run([cfg.run_dir, cfg.checkpoint_dir]) if owns_run_dir else contextlib.nullcontext():
             trainer = Trainer(cfg)

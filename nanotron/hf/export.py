@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from nanotron.checkpoint import read_model_weights, verified_checkpoint
 from nanotron.checkpoint.full_model import expected_shapes, tokenizer_source
+from nanotron.checkpoint.safe_io import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
 from nanotron.errors import CheckpointError, UserError
 from nanotron.hf import mixtral
