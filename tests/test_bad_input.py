@@ -171,8 +171,8 @@ def hf_export(saved, tmp_path_factory):
     "config, expected",
     [
         ([1, 2, 3], "config.json' is not a JSON object"),
-        ({"num_attention_heads": 0}, "model.num_heads: expected a value >= 1, got 0"),
-        ({"hidden_size": "wide"}, "lacks a usable Llama field"),
+        ({"num_attention_heads": 0}, "num_attention_heads: expected a value >= 1, got 0"),
+        ({"hidden_size": "wide"}, 'hidden_size: expected an integer, got "wide"'),
     ],
 )
 def test_malformed_hf_configs_are_one_line(hf_export, tmp_path, capsys, config, expected):
@@ -216,6 +216,85 @@ def test_a_fifo_in_an_hf_index_is_refused_without_hanging(hf_export, tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and "is not a regular file" in proc.stderr, proc.stderr
+
+
+def own_hf_config(**changes) -> dict:
+    """config.json as the project's own `to-hf` writes it for TINY_MODEL's shape, with `changes` on top."""
+    import torch
+
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.hf.llama import hf_config
+
+    model = load_config(*parse_overrides(TINY_MODEL)).model
+    return hf_config(model, torch.float32, None, False) | changes
+
+
+def refused_hf_config(tmp_path, capsys, config: dict) -> str:
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert nanotron.commands.convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 2
+    line = one_line(capsys)
+    assert f"'{tmp_path / 'hf' / 'config.json'}'" in line and not (tmp_path / "imported").exists(), line
+    return line
+
+
+MIXTRAL = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"num_hidden_layers": True}, "num_hidden_layers: expected an integer, got true"),
+        ({"hidden_size": 128.7}, "hidden_size: expected an integer, got 128.7"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps: expected a number, got NaN"),
+        ({"rope_theta": -1, "rope_parameters": None}, "rope_theta: expected a value >= 1.0, got -1.0"),
+        (
+            {"rope_parameters": {"rope_theta": float("inf")}},
+            "rope_parameters.rope_theta: expected a number, got Infinity",
+        ),
+        ({"rope_theta": 500000.0}, "rope_theta=500000.0 and rope_parameters.rope_theta=10000.0 disagree"),
+        ({"tie_word_embeddings": "false"}, 'tie_word_embeddings: expected true or false, got "false"'),
+        ({"attention_bias": "no"}, 'attention_bias: expected true or false, got "no"'),
+        ({"num_key_value_heads": 0}, "num_key_value_heads: expected a value >= 1, got 0"),
+        ({"vocab_size": "512"}, 'vocab_size: expected an integer, got "512"'),
+        ({"num_attention_heads": None}, "num_attention_heads: missing"),
+        ({"head_dim": 8.5}, "head_dim: expected an integer, got 8.5"),
+        ({**MIXTRAL, "num_local_experts": 4.5}, "num_local_experts: expected an integer, got 4.5"),
+        ({**MIXTRAL, "num_experts_per_tok": False}, "num_experts_per_tok: expected an integer, got false"),
+    ],
+)
+def test_hf_config_fields_of_the_wrong_type_or_range_are_one_line_naming_the_field(tmp_path, capsys, changes, expected):
+    """A foreign config.json is untrusted: a bool is no layer count, a fraction no width, NaN no epsilon."""
+    assert expected in refused_hf_config(tmp_path, capsys, own_hf_config(**changes))
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"rope_scaling": LLAMA3_SCALING}, 'rope_scaling: RoPE scaling "llama3"'),  # beside to-hf's rope_parameters
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, 'rope_scaling: RoPE scaling "linear"'),
+        ({"rope_parameters": {**LLAMA3_SCALING, "rope_theta": 5e5}}, 'rope_parameters: RoPE scaling "llama3"'),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters.factor"),
+        ({"rope_scaling": [8.0]}, "rope_scaling: expected a mapping, got [8.0]"),
+    ],
+)
+def test_rope_scaling_in_an_hf_config_is_refused_naming_the_key(tmp_path, capsys, changes, key):
+    """nanotron's RoPE is unscaled: importing a scaled model would give it other positions than it was trained on."""
+    assert key in refused_hf_config(tmp_path, capsys, own_hf_config(**changes))
+
+
+def test_hf_configs_as_either_transformers_version_writes_them_are_read_alike():
+    """transformers 4 writes rope_theta (and rope_scaling: null), 5 writes rope_parameters; to-hf writes both."""
+    from nanotron.hf.llama import model_config_from_hf
+
+    own = own_hf_config(rope_theta=5e5, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    v4 = {k: v for k, v in own.items() if k != "rope_parameters"}
+    v5 = {k: v for k, v in own.items() if k not in ("rope_theta", "rope_scaling", "head_dim")}
+    models = [model_config_from_hf(config, Path("config.json")) for config in (own, v4, v5)]
+    assert models[0] == models[1] == models[2] and models[0].rope_theta == 5e5 and models[0].num_layers == 4
 
 
 # ---- the checkpoint dir fails mid-run (read-only or full: the same OSError path) ----

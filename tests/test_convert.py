@@ -220,7 +220,7 @@ def test_convert_errors_are_one_line_with_exit_code_2(tmp_path, trained, capsys)
     (source / "config.json").write_text(json.dumps({"model_type": "llama", "attention_bias": True}))
     assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "attention_bias/mlp_bias are set" in err
+    assert err.count("\n") == 1 and "attention_bias is true" in err
 
 
 # ---- generate -------------------------------------------------------------------------------------

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from nanotron.config import ModelConfig
+from nanotron.config.conversion import Source, show
 from nanotron.config.validate import resolve_model
 from nanotron.errors import CheckpointError, ConfigError
 from nanotron.hf import mixtral
@@ -45,48 +48,98 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None, tied: 
     }
 
 
+# [model] key -> (the config.json key it is read from, its type, the default when absent or null: None = required)
+FIELDS = {
+    "hidden_size": ("hidden_size", int, None),
+    "intermediate_size": ("intermediate_size", int, None),
+    "num_layers": ("num_hidden_layers", int, None),
+    "num_heads": ("num_attention_heads", int, None),
+    "vocab_size": ("vocab_size", int, None),
+    "max_seq_len": ("max_position_embeddings", int, 2048),
+    "rms_norm_eps": ("rms_norm_eps", float, 1e-6),
+    "tie_word_embeddings": ("tie_word_embeddings", bool, False),
+    "init_std": ("initializer_range", float, 0.02),
+}
+FIX = "correct config.json, or save the model again with transformers' save_pretrained"
+_ROPE_KEYS = {"rope_type", "type", "rope_theta"}  # all a table of default (unscaled) RoPE holds
+
+
 def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
-    """The nanotron [model] of an HF Llama config.json; anything our Llama can't express is an error."""
-
-    def unsupported(what: str) -> CheckpointError:
-        return CheckpointError(
-            f"'{where}': {what}; only plain Llama or Mixtral (no biases, SiLU, default RoPE) imports"
-        )
-
-    if config.get("model_type") not in ("llama", "mixtral"):
-        raise unsupported(f"model_type is {config.get('model_type')!r}, not 'llama' or 'mixtral'")
-    moe = mixtral.model_fields(config) if config["model_type"] == "mixtral" else {}
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise unsupported("attention_bias/mlp_bias are set")
-    if config.get("hidden_act", "silu") != "silu":
-        raise unsupported(f"hidden_act is {config.get('hidden_act')!r}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise unsupported(f"rope settings {rope!r} are not a table")
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise unsupported(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is set")
+    """The nanotron [model] of an HF Llama or Mixtral config.json. The file is untrusted input: every field read is
+    type-checked (a bool is no layer count, NaN no epsilon) and range-checked, each refusal one line in the file's
+    own keys; anything our Llama can't express (biases, scaled RoPE, sliding windows) is refused by name."""
+    src = Source(config, f"'{where}'")
     try:
-        heads = int(config["num_attention_heads"])
-        model = ModelConfig(
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            vocab_size=int(config["vocab_size"]),
-            max_seq_len=int(config.get("max_position_embeddings", 2048)),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            init_std=float(config.get("initializer_range", 0.02)),
-        )
-        for key, value in moe.items():
-            setattr(model.moe, key, value)
-        resolve_model(model)
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise CheckpointError(f"'{where}' lacks a usable Llama field ({type(error).__name__}: {error})") from None
+        read = _read_fields(src)
+        head_dim = src.get("head_dim", int)
     except ConfigError as error:
-        raise CheckpointError(f"'{where}' describes no valid Llama: {error}") from None
-    if config.get("head_dim") not in (None, model.head_dim):
-        raise unsupported(f"head_dim={config['head_dim']} differs from hidden_size/num_attention_heads")
+        raise ConfigError(f"{error}; {FIX}") from None
+    model = ModelConfig(**{key: value for key, (value, _) in read.items() if "." not in key})
+    for key, (value, _) in read.items():
+        if key.startswith("moe."):
+            setattr(model.moe, key.removeprefix("moe."), value)
+    try:
+        resolve_model(model)
+    except ConfigError as error:
+        message = str(error)
+        for key, (_, original) in read.items():  # model.num_kv_heads -> num_key_value_heads
+            message = re.sub(rf"(?<![\w.])model\.{re.escape(key)}(?!\w)", original, message)
+        raise ConfigError(f"{src.file}: {message}; {FIX}") from None
+    if head_dim not in (None, model.head_dim):
+        raise _unsupported(src, f"head_dim={head_dim} differs from hidden_size/num_attention_heads")
     return model
+
+
+def _unsupported(src: Source, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{src.file}: {what}; only plain Llama or Mixtral (no biases, SiLU, unscaled RoPE, full attention) imports"
+    )
+
+
+def _read_fields(src: Source) -> dict[str, tuple[Any, str]]:
+    """{[model] key: (value, the config.json key behind it)} for every field the import reads, each type-checked."""
+    model_type = src.get("model_type", str)
+    if model_type not in ("llama", "mixtral"):
+        raise _unsupported(src, f"model_type is {show(model_type)}, not 'llama' or 'mixtral'")
+    for key in ("attention_bias", "mlp_bias"):
+        if src.get(key, bool, False):
+            raise _unsupported(src, f"{key} is true")
+    if (act := src.get("hidden_act", str, "silu")) != "silu":
+        raise _unsupported(src, f"hidden_act is {show(act)}")
+    fields = FIELDS | (mixtral.FIELDS if model_type == "mixtral" else {})
+    if model_type == "mixtral":
+        mixtral.check_importable(src)
+    read = {}
+    for ours, (key, kind, default) in fields.items():
+        read[ours] = (src.get(key, kind, default), key)
+        if read[ours][0] is None:
+            raise ConfigError(f"{src.file}: {key}: missing; every {model_type} config.json states it")
+    read["num_kv_heads"] = (src.get("num_key_value_heads", int, read["num_heads"][0]), "num_key_value_heads")
+    read["rope_theta"] = _rope_theta(src)
+    return read
+
+
+def _rope_theta(src: Source) -> tuple[float, str]:
+    """RoPE's base and the key it was read from. transformers 4 writes rope_theta (and rope_scaling), 5 writes
+    rope_parameters, to-hf writes all three: where two state a base they must agree, and scaling in either table
+    is refused (nanotron's RoPE is unscaled: the model would see positions other than it was trained with)."""
+    found = {}
+    if (theta := src.get("rope_theta", float)) is not None:
+        found["rope_theta"] = theta
+    for table in ("rope_parameters", "rope_scaling"):
+        rope = src.get(table, dict)
+        if rope is None:
+            continue
+        kind = src.get(f"{table}.rope_type", str) or src.get(f"{table}.type", str, "default")
+        if kind != "default":
+            raise _unsupported(src, f"{table}: RoPE scaling {show(kind)} is set")
+        extra = sorted(key for key, value in rope.items() if key not in _ROPE_KEYS and value is not None)
+        if extra:
+            raise _unsupported(src, f"{table}.{extra[0]} is set (default RoPE takes only rope_theta)")
+        if (theta := src.get(f"{table}.rope_theta", float)) is not None:
+            found[f"{table}.rope_theta"] = theta
+    if len(set(found.values())) > 1:
+        stated = " and ".join(f"{key}={value}" for key, value in found.items())
+        raise ConfigError(f"{src.file}: {stated} disagree: the file states two RoPE bases")
+    key = next(iter(found), "rope_theta")
+    return found.get(key, 10000.0), key

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from nanotron.config import ModelConfig
+from nanotron.config.conversion import Source
 from nanotron.errors import CheckpointError
 
 _MOE = "mlp."
@@ -114,21 +115,20 @@ def from_hf(
     return out
 
 
-def model_fields(config: dict) -> dict:
-    """The [model.moe] settings of a Mixtral config.json (its intermediate_size is the experts' width)."""
-    if config.get("sliding_window") is not None:
+# [model] key -> (config.json key, type, default: None = required), beside Llama's (`llama.FIELDS`); Mixtral's
+# routing (softmax top-k, renormalised gates, no shared experts) is [model.moe]'s default
+FIELDS = {
+    "moe.num_experts": ("num_local_experts", int, None),
+    "moe.top_k": ("num_experts_per_tok", int, None),
+    "moe.moe_intermediate_size": ("intermediate_size", int, None),  # Mixtral's intermediate_size is the experts'
+}
+
+
+def check_importable(src: Source) -> None:
+    """Refuses, by name, the Mixtral settings nanotron's model lacks."""
+    window = src.get("sliding_window", int)
+    if window is not None:
         raise CheckpointError(
-            f"Mixtral config.json sets sliding_window={config['sliding_window']}; nanotron's attention is full causal"
+            f"{src.file}: sliding_window={window} is set; nanotron's attention is full causal (set it to null only "
+            "if the model never attends beyond that window)"
         )
-    try:
-        return {
-            "num_experts": int(config["num_local_experts"]),
-            "top_k": int(config["num_experts_per_tok"]),
-            "moe_intermediate_size": int(config["intermediate_size"]),
-            "router": "softmax_topk",
-            "renormalize": True,
-        }
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(
-            f"Mixtral config.json lacks a usable MoE field ({type(error).__name__}: {error})"
-        ) from None
