@@ -15,6 +15,7 @@ from conftest import REPO, TINY_MODEL, run_train, train_env
 
 import nanotron.commands.convert
 import nanotron.commands.generate
+import nanotron.hf.export
 import nanotron.train
 
 
@@ -295,6 +296,47 @@ def test_hf_configs_as_either_transformers_version_writes_them_are_read_alike():
     v5 = {k: v for k, v in own.items() if k not in ("rope_theta", "rope_scaling", "head_dim")}
     models = [model_config_from_hf(config, Path("config.json")) for config in (own, v4, v5)]
     assert models[0] == models[1] == models[2] and models[0].rope_theta == 5e5 and models[0].num_layers == 4
+
+
+def tiny_hf_folder(folder: Path) -> Path:
+    """A Hugging Face Llama folder of TINY_MODEL's shape (weights as to-hf writes them) without a tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        shapes = {
+            name: t.shape
+            for name, t in LlamaForCausalLM(load_config(*parse_overrides(TINY_MODEL)).model).state_dict().items()
+        }
+    folder.mkdir()
+    save_file({name: torch.zeros(shape) for name, shape in shapes.items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(own_hf_config()))
+    (folder / "tokenizer_config.json").write_text("{}")  # settings without the tokenizer itself
+    return folder
+
+
+def test_a_tokenizer_flag_naming_nothing_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """An import without tokenizer.json says so (the weights are still of use); a --tokenizer that names nothing is
+    refused before the checkpoint is read, where to-hf wrote an export without a tokenizer and exited 0."""
+    hf, ckpt, missing = tiny_hf_folder(tmp_path / "hf"), tmp_path / "ckpt", tmp_path / "nonexistent"
+    assert nanotron.commands.convert.main(["from-hf", str(hf), str(ckpt)]) == 0
+    err = capsys.readouterr().err
+    assert f"'{hf}' has no tokenizer.json" in err and "--data.tokenizer" in err and err.count("\n") == 1, err
+    assert not (ckpt / "tokenizer").exists()
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before --tokenizer was checked")
+
+    monkeypatch.setattr(nanotron.hf.export, "verified_checkpoint", no_work)
+    monkeypatch.setattr(nanotron.commands.generate, "load_model", no_work)
+    refusal = f"error: --tokenizer: '{missing}' does not exist"
+    assert nanotron.commands.convert.main(["to-hf", str(ckpt), str(tmp_path / "out"), "--tokenizer", str(missing)]) == 2
+    assert one_line(capsys).startswith(refusal) and not (tmp_path / "out").exists()
+    assert nanotron.commands.generate.main(["--checkpoint", str(ckpt), "--tokenizer", str(missing)]) == 2
+    assert one_line(capsys).startswith(refusal)
 
 
 # ---- the checkpoint dir fails mid-run (read-only or full: the same OSError path) ----

@@ -9,7 +9,7 @@ import torch
 
 from nanotron.checkpoint.safe_io import read_model_weights, verified_checkpoint
 from nanotron.config import ModelConfig, read_model_config
-from nanotron.errors import CheckpointError
+from nanotron.errors import CheckpointError, DataError
 from nanotron.models.llama import LlamaForCausalLM
 
 
@@ -42,3 +42,13 @@ def tokenizer_source(step_dir: Path, override: Path | None) -> str:
     """How errors name the tokenizer a checkpoint reader uses (export, generate): the command's own --tokenizer,
     or the checkpoint's copy; never train's data.tokenizer, an option these commands don't have."""
     return "--tokenizer" if override else f"the tokenizer saved in {step_dir}"
+
+
+def check_tokenizer_flag(override: Path | None) -> None:
+    """A --tokenizer that names nothing is refused before any work: export would otherwise ship no tokenizer, and
+    generate would load the model first."""
+    if override is not None and not override.exists():
+        raise DataError(
+            f"--tokenizer: '{override}' does not exist; pass a tokenizer.json file or a folder holding one, or leave "
+            "--tokenizer out to use the checkpoint's copy"
+        )

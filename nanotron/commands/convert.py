@@ -9,7 +9,8 @@ and writes config.json, model.safetensors (or shards plus model.safetensors.inde
 tokenizer saved with the checkpoint: `LlamaForCausalLM.from_pretrained(OUT_DIR)` loads it unchanged.
 A µP checkpoint's multipliers are folded into its weights (HF's Llama has none); a tied embedding whose
 logits have a multiplier is exported untied. from-hf always imports standard parametrization.
-from-hf writes a DCP checkpoint holding only model weights, its [model] config and the tokenizer; start
+from-hf writes a DCP checkpoint holding only model weights, its [model] config and the tokenizer (when the
+folder has a tokenizer.json; a warning says when not); every config.json field it reads is checked. Start
 training from it with `--checkpoint.init_from=CKPT_DIR` and the [model] settings of CKPT_DIR/config.toml,
 at any dp/tp/pp. Parameter names are the same on both sides (nanotron's model uses HF's names).
 """
@@ -17,6 +18,7 @@ at any dp/tp/pp. Parameter names are the same on both sides (nanotron's model us
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from nanotron.commands.args import UNVERIFIED_HELP, Parser
@@ -55,6 +57,12 @@ def _main(argv: list[str]) -> int:
         return 0
     from_hf(args.hf_dir, args.ckpt_dir)
     tokenizer = args.ckpt_dir / "tokenizer"
+    if not tokenizer.is_dir():
+        print(
+            f"warning: '{args.hf_dir}' has no tokenizer.json, so the import has no tokenizer: train with "
+            "--data.tokenizer=<this model's tokenizer.json>, and pass --tokenizer to generate and to-hf",
+            file=sys.stderr,
+        )
     print(
         f"imported {args.hf_dir} -> {args.ckpt_dir} (standard parametrization); train with "
         f"--checkpoint.init_from={args.ckpt_dir} and the [model] settings of {args.ckpt_dir / 'config.toml'}"

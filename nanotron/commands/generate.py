@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nanotron.checkpoint.full_model import load_model, tokenizer_source
+from nanotron.checkpoint.full_model import check_tokenizer_flag, load_model, tokenizer_source
 from nanotron.commands.args import UNVERIFIED_HELP, Parser
 from nanotron.errors import CheckpointError, UserError, run_command
 from nanotron.models.generate import generate
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_sampling(args)
+    check_tokenizer_flag(args.tokenizer)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
     device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"

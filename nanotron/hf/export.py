@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from nanotron.checkpoint.full_model import expected_shapes, tokenizer_source
+from nanotron.checkpoint.full_model import check_tokenizer_flag, expected_shapes, tokenizer_source
 from nanotron.checkpoint.safe_io import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
 from nanotron.errors import CheckpointError, UserError
@@ -66,6 +66,7 @@ def to_hf(
 ) -> Path:
     """Writes the HF folder `out` from a nanotron checkpoint; returns the step dir that was exported."""
     max_bytes = parse_size(max_shard_size)
+    check_tokenizer_flag(tokenizer)
     step_dir = verified_checkpoint(checkpoint, allow_unverified)
     model = read_model_config(step_dir / "config.toml")
     expected = expected_shapes(model)

@@ -112,7 +112,8 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
         (tmp / "config.toml").write_text(toml_text({"model": asdict(model)}))
-        copy_tokenizer(hf_dir, tmp / "tokenizer")
+        if (hf_dir / "tokenizer.json").is_file():  # its settings alone are no tokenizer here (see convert's note)
+            copy_tokenizer(hf_dir, tmp / "tokenizer")
         integrity.write(tmp, integrity.shard_checksums(tmp))
         publish(tmp, out)
     finally:
