@@ -408,7 +408,9 @@ def take_forever(loader):
 @pytest.mark.parametrize(
     "field, value, expected",
     [
-        ("dtype", "garbage", "'dtype' is 'garbage', expected an unsigned integer dtype name"),
+        ("dtype", "garbage", "'dtype' is 'garbage', expected 'uint16' or 'uint32'"),
+        ("dtype", "uint64", "'dtype' is 'uint64', expected 'uint16' or 'uint32'"),  # said "missing or unreadable"
+        ("dtype", "float16", "'dtype' is 'float16', expected 'uint16' or 'uint32'"),
         ("shards", "abc", "'shards' is 'abc', expected a list of shard records"),
         ("tokenizer", 5, "'tokenizer' is 5, expected a table with 'fingerprint' and 'path'"),
         ("eos_id", "x", "'eos_id' is 'x', expected an integer >= 0"),

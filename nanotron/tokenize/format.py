@@ -34,6 +34,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2" if vocab_size <= 1 << 16 else "<u4")
 
 
+TOKEN_DTYPES = tuple(token_dtype(vocab).name for vocab in (1, 1 << 17))  # all `nanotron tokenize` writes
+
+
 def shard_name(split: str, index: int, kind: str) -> str:
     """`train-00003.bin`: shards sort by name in document order."""
     return f"{split}-{index:05d}.{kind}"
@@ -88,7 +91,7 @@ def _check_fields(meta: dict[str, Any], where: str) -> None:
     input like any other: a hand edit or another tool's file must not become a TypeError deep in a reader)."""
     tokenizer = meta.get("tokenizer")
     checks = [
-        ("dtype", _is_dtype(meta.get("dtype")), "an unsigned integer dtype name such as 'uint16'"),
+        ("dtype", meta.get("dtype") in TOKEN_DTYPES, " or ".join(map(repr, TOKEN_DTYPES))),
         (
             "shards",
             isinstance(meta.get("shards"), list) and all(_is_shard(s) for s in meta["shards"]),
@@ -107,13 +110,6 @@ def _check_fields(meta: dict[str, Any], where: str) -> None:
             shown = repr(meta.get(field))
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
             raise DataError(f"{where}: field '{field}' is {shown}, expected {expected}; {RETOKENIZE}")
-
-
-def _is_dtype(value: Any) -> bool:
-    try:
-        return isinstance(value, str) and np.dtype(value).kind == "u"
-    except TypeError:
-        return False
 
 
 def check_files(directory: Path, files: dict[str, dict[str, Any]], itemsize: int, what: str) -> None:
