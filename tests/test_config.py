@@ -240,6 +240,19 @@ def test_a_config_nanotron_saved_before_keys_were_removed_still_loads(tmp_path):
         load_config(str(saved))
 
 
+def test_a_refused_resume_names_the_changed_keys_of_a_table_not_the_whole_table(tmp_path):
+    """A [model.moe] change is refused naming model.moe.top_k with both values, not both whole dicts (657 chars)."""
+    from nanotron.checkpoint.resume_policy import check_resume, config_changes
+
+    saved = load_config(f"{REPO}/configs/tiny.toml", [("model.moe.num_experts", "4")])
+    (tmp_path / "config.toml").write_text(to_toml(saved))
+    cfg = load_config(f"{REPO}/configs/tiny.toml", [("model.moe.num_experts", "4"), ("model.moe.top_k", "1")])
+    assert config_changes(to_toml(saved), cfg) == {"model.moe.top_k": (2, 1)}
+    with pytest.raises(ConfigError) as info:
+        check_resume(cfg, tmp_path)
+    assert "cannot honour model.moe.top_k 2 -> 1;" in str(info.value) and "{" not in str(info.value)
+
+
 def test_a_moe_layer_under_selective_recompute_is_recomputed_in_full():
     """torch 2.13's selective checkpoint fails on an MoE layer (its experts' FSDP hooks run more often in the
     rerun): those layers are recomputed in full, the dense ones as configured; recompute_every picks the layers."""

@@ -23,8 +23,16 @@ LAYOUT_SECTIONS = ("parallelism.",)
 LAYOUT_KEYS = {"training.micro_batch_size", "training.grad_accum_steps"}
 
 
-def _flat(tables: dict[str, Any]) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, table in tables.items() for key, value in table.items()}
+def _flat(tables: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"model.moe.top_k": 2, ...}: a table within a section ([model.moe]) by its own keys, so that a change
+    names the keys that changed, not the whole table twice."""
+    flat = {}
+    for key, value in tables.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def config_changes(saved_toml: str, cfg: Config) -> dict[str, tuple[Any, Any]]:
