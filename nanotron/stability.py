@@ -96,9 +96,10 @@ class SpikeDetector:
         return {"observed": self.observed, "stats": stats, "max_z": dict(self.max_z)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.observed = int(state["observed"])
-        self.stats = {name: RunningStats(*map(float, state["stats"][name])) for name in SIGNALS}
-        self.max_z = {name: float(state["max_z"][name]) for name in SIGNALS}
+        """`state` as checked by `records.TRAINER_STATE`: finite statistics, a variance >= 0."""
+        self.observed = state["observed"]
+        self.stats = {name: RunningStats(*state["stats"][name]) for name in SIGNALS}
+        self.max_z = {name: state["max_z"][name] for name in SIGNALS}
 
 
 @dataclass(frozen=True)
@@ -159,18 +160,14 @@ class Stability:
             "rollbacks": self.rollbacks,
         }
 
-    def load_state_dict(self, state: dict | None, where: Path) -> None:
-        """A checkpoint's state. Windows and rollbacks only grow: a rollback loads an older checkpoint than what
-        the run already knows."""
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's state (checked by `records.TRAINER_STATE`). Windows and rollbacks only grow: a rollback
+        loads an older checkpoint than what the run already knows."""
         if state is None:  # saved before stability existed: start observing afresh
             return
-        try:
-            self.detector.load_state_dict(state["detector"])
-            rollbacks = int(state["rollbacks"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"stability: {error!r}") from None
-        self.skips.update(SampleSkips.from_list(state.get("skipped_samples"), f"{where}: stability.skipped_samples"))
-        self.rollbacks = max(self.rollbacks, rollbacks)
+        self.skips.update(SampleSkips(state["skipped_samples"]))
+        self.detector.load_state_dict(state["detector"])
+        self.rollbacks = max(self.rollbacks, state["rollbacks"])
 
     def window(self, first_sample: int, global_batch_size: int, floor_sample: int) -> tuple[int, int]:
         """The data positions a rollback skips: those of the window_steps steps ending with the one that starts at
