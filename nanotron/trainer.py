@@ -84,7 +84,8 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state)
-        self.stability.load_state_dict(state.get("stability"))
+        where = f"the checkpoint of step {self.state.step}"
+        self.stability.load_state_dict(state.get("stability"), where, self.state.consumed_samples)
 
 
 class Trainer:
