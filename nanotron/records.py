@@ -79,16 +79,10 @@ class Optional:
     schema: Any
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """A JSON object of any keys, each value of `schema`."""
-
-    schema: Any
-
-
 COUNTER, POSITIVE = Integer(), Integer("an integer >= 1", minimum=1)
 FORECAST = (Real(), Real(), Real("a finite number >= 0", minimum=0.0))  # a signal's level, trend, error variance
 SIGNALS = {"loss": FORECAST, "grad_norm": FORECAST}
+LAYOUT = {name: Optional(POSITIVE) for name in ("dp", "cp", "ep", "tp", "pp")} | {"zero_stage": Optional(COUNTER)}
 
 TRAINER_STATE = {
     "step": COUNTER,
@@ -105,7 +99,7 @@ TRAINER_STATE = {
     # recorded for people and tools, never loaded: still checked, so that a value read by a tool is sound
     "global_batch_size": Optional(POSITIVE),
     "world_size": Optional(POSITIVE),
-    "layout": Optional(Mapping(POSITIVE)),
+    "layout": Optional(LAYOUT),
 }
 SKIPPED_WINDOWS = {"windows": [Window()]}
 WANDB_STATE = {"id": Text("a W&B run id (letters, digits, - and _)", r"[A-Za-z0-9_-]{1,128}")}
@@ -125,10 +119,6 @@ def problem(value: Any, schema: Any, field: str = "") -> str | None:
             if found := problem(value[key], inner.schema if isinstance(inner, Optional) else inner, name):
                 return found
         return None
-    if isinstance(schema, Mapping):
-        if not isinstance(value, dict):
-            return _refused(field, "a JSON object", value)
-        return next((p for key, v in value.items() if (p := problem(v, schema.schema, f"{field}.{key}"))), None)
     if isinstance(schema, (list, tuple)):
         if not isinstance(value, list) or (isinstance(schema, tuple) and len(value) != len(schema)):
             return _refused(field, f"a list of {len(schema)}" if isinstance(schema, tuple) else "a list", value)

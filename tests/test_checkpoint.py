@@ -39,6 +39,7 @@ from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, rea
 from nanotron.config import CheckpointConfig, load_config, parse_overrides
 from nanotron.errors import CheckpointError
 from nanotron.optim import lr_at
+from nanotron.parallel.layout import layout_sizes
 from nanotron.records import TRAINER_STATE
 from nanotron.stability import Stability
 from nanotron.trainer import Progress, TrainState
@@ -403,8 +404,9 @@ def test_async_save_keeps_the_state_as_of_the_save_while_training_changes_it(tmp
 
 def trainer_state(tmp_path: Path) -> dict:
     """trainer_state.json as a run saves it: the trainer's progress and the manager's record of the layout."""
-    progress = Progress(TrainState(step=4, consumed_samples=32), Stability(load_config(None, [])), tmp_path)
-    return progress.state_dict() | {"global_batch_size": 8, "world_size": 2, "layout": {"dp": 2, "tp": 1}}
+    cfg = load_config(None, [])
+    progress = Progress(TrainState(step=4, consumed_samples=32), Stability(cfg), tmp_path)
+    return progress.state_dict() | {"global_batch_size": 8, "world_size": 2, "layout": layout_sizes(cfg)}
 
 
 @pytest.mark.parametrize(
