@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from nanotron.checkpoint.layout import step_of
 from nanotron.config import Config, StabilityConfig
-from nanotron.data.skips import SampleSkips, read_run_skips
-from nanotron.errors import NodeFaultError, SpikeError, UserError
+from nanotron.data.skips import SKIPPED_SAMPLES, SampleSkips, read_run_skips
+from nanotron.errors import ConfigError, NodeFaultError, SpikeError, UserError
 
 # The standard deviation a z-score divides by is at least this much (in log space: a 1% change): a flat curve
 # (variance ~0) must not turn rounding noise into spikes.
@@ -96,9 +96,10 @@ class SpikeDetector:
         return {"observed": self.observed, "stats": stats, "max_z": dict(self.max_z)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.observed = int(state["observed"])
-        self.stats = {name: RunningStats(*map(float, state["stats"][name])) for name in SIGNALS}
-        self.max_z = {name: float(state["max_z"][name]) for name in SIGNALS}
+        """`state` as checked by `records.TRAINER_STATE`: finite statistics, a variance >= 0."""
+        self.observed = state["observed"]
+        self.stats = {name: RunningStats(*state["stats"][name]) for name in SIGNALS}
+        self.max_z = {name: state["max_z"][name] for name in SIGNALS}
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,12 @@ class Stability:
         self.cfg = cfg.stability
         self.global_batch_size = cfg.training.global_batch_size
         self.detector = SpikeDetector(cfg.stability)
-        self.skips = SampleSkips.parse(cfg.data.skip_samples)
-        self.skips.update(read_run_skips(cfg.run_dir))
+        # The windows this start adds to those a checkpoint holds, by where they come from.
+        self.added = {"data.skip_samples": SampleSkips.parse(cfg.data.skip_samples)}
+        self.added[str(cfg.run_dir / SKIPPED_SAMPLES)] = read_run_skips(cfg.run_dir)
+        self.skips = SampleSkips()
+        for skips in self.added.values():
+            self.skips.update(skips)
         self.rollbacks = 0
         self.last_z: dict[str, float] = {name: 0.0 for name in SIGNALS}
 
@@ -159,18 +164,33 @@ class Stability:
             "rollbacks": self.rollbacks,
         }
 
-    def load_state_dict(self, state: dict | None, where: Path) -> None:
-        """A checkpoint's state. Windows and rollbacks only grow: a rollback loads an older checkpoint than what
-        the run already knows."""
+    def load_state_dict(self, state: dict | None, where: str, consumed_samples: int) -> None:
+        """A checkpoint's state (checked by `records.TRAINER_STATE`), which had trained `consumed_samples`. Windows
+        and rollbacks only grow: a rollback loads an older checkpoint than what the run already knows."""
+        saved = SampleSkips(state["skipped_samples"]) if state is not None else SampleSkips()
+        self._check_added_windows(saved, where, consumed_samples)
+        self.skips.update(saved)
         if state is None:  # saved before stability existed: start observing afresh
             return
-        try:
-            self.detector.load_state_dict(state["detector"])
-            rollbacks = int(state["rollbacks"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"stability: {error!r}") from None
-        self.skips.update(SampleSkips.from_list(state.get("skipped_samples"), f"{where}: stability.skipped_samples"))
-        self.rollbacks = max(self.rollbacks, rollbacks)
+        self.detector.load_state_dict(state["detector"])
+        self.rollbacks = max(self.rollbacks, state["rollbacks"])
+
+    def _check_added_windows(self, saved: SampleSkips, where: str, consumed_samples: int) -> None:
+        """A window that the checkpoint did not skip may only lie ahead of the data position it trained to: one
+        behind it would move the positions of samples already trained, so that the next steps skip other samples,
+        which nobody named."""
+        if not consumed_samples:
+            return
+        last = saved.position(consumed_samples - 1)
+        for source, skips in self.added.items():
+            for start, end in skips.windows:
+                if SampleSkips([*saved.windows, (start, end)]).position(consumed_samples - 1) != last:
+                    raise ConfigError(
+                        f"{source}: window {start}:{end} lies behind the data position {last + 1} that {where} has "
+                        f"trained to ({consumed_samples} samples): skipping it now would shift the data order and "
+                        f"skip other, unnamed samples; give windows that start at or after {last + 1}, or resume from "
+                        "a checkpoint before the window"
+                    )
 
     def window(self, first_sample: int, global_batch_size: int, floor_sample: int) -> tuple[int, int]:
         """The data positions a rollback skips: those of the window_steps steps ending with the one that starts at

@@ -40,6 +40,7 @@ from nanotron.parallel.layout import layout_sizes
 from nanotron.parallel.mesh import ParallelContext, init_distributed
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.runner import MicrobatchRunner
+from nanotron.records import TRAINER_STATE
 from nanotron.signals import StopRequest
 from nanotron.stability import Decision, Observation, Replay, Stability, rank_values
 from nanotron.step_end import StepEnd, StepInfo, StepReport
@@ -65,11 +66,9 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """`state` as checked by `records.TRAINER_STATE`."""
         for f in fields(self):
-            value = state.get(f.name, 0)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"{f.name}: expected a non-negative integer, got {value!r}")
-            setattr(self, f.name, value)
+            setattr(self, f.name, state.get(f.name, 0))
 
 
 class Progress:
@@ -85,7 +84,8 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state)
-        self.stability.load_state_dict(state.get("stability"), self.checkpoint_dir)
+        where = f"the checkpoint of step {self.state.step}"
+        self.stability.load_state_dict(state.get("stability"), where, self.state.consumed_samples)
 
 
 class Trainer:
@@ -150,6 +150,7 @@ class Trainer:
             log=say,  # called on rank 0, the committing rank, at any pp
             device=self.ctx.device,
             on_phase=self.beat,
+            progress_schema=TRAINER_STATE,
         )
 
     # ---- one step -------------------------------------------------------------------------------

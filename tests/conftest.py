@@ -225,3 +225,16 @@ def shapes_of(step_dir: Path) -> dict:
     from nanotron.config import read_model_config
 
     return expected_shapes(read_model_config(step_dir / "config.toml"))
+
+
+class Box:
+    """The smallest stateful component: a dict of tensors (or of JSON values, for progress)."""
+
+    def __init__(self, **state):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)

@@ -8,15 +8,21 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY_MODEL, run_train, train_env
 
+import nanotron.checkpoint.integrity as integrity
 import nanotron.commands.convert
 import nanotron.commands.generate
 import nanotron.hf.export
 import nanotron.train
+from nanotron.config import load_config
+from nanotron.data.skips import SKIPPED_SAMPLES, read_run_skips
+from nanotron.errors import DataError
+from nanotron.metrics.wandb_run import STATE_FILE, WandbRun
 
 
 def one_line(capsys) -> str:
@@ -85,17 +91,59 @@ def test_binary_bytes_in_latest_fall_back_to_the_newest_committed_step(saved, tm
 @pytest.mark.parametrize(
     "change, expected",
     [
-        ({"step": -3}, "step: expected a non-negative integer, got -3"),
-        ({"consumed_samples": "many"}, "consumed_samples: expected a non-negative integer, got 'many'"),
-        ({"layout": 5, "step": [2]}, "step: expected a non-negative integer, got [2]"),
+        ({"step": -3}, "step: expected an integer >= 0, got -3"),
+        ({"consumed_samples": "many"}, "consumed_samples: expected an integer >= 0, got 'many'"),
+        ({"layout": 5, "step": [2]}, "step: expected an integer >= 0, got [2]"),
     ],
 )
 def test_a_trainer_state_with_wrong_values_is_one_line(saved, tmp_path, capsys, change, expected):
+    """Edited, then its checksum too (an edit alone is refused by the checksum)."""
     args, folder = copy_checkpoints(saved, tmp_path)
     state = folder / "step-2" / "trainer_state.json"
     state.write_text(json.dumps(json.loads(state.read_text()) | change))
+    integrity.write(state.parent, {})
     assert nanotron.train.main([*args, "--training.steps=3"]) == 2
-    assert f"'{state}' is unreadable or incomplete (ValueError: {expected})" in one_line(capsys)
+    assert f"'{state}': {expected}" in one_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("[1, 2]", "expected a JSON object, got [1, 2]"),
+        ('{"id": 5}', "id: expected a W&B run id"),
+        ('{"id": "../../x"}', "id: expected a W&B run id"),
+        ('{"id": "abc", ', "is not valid JSON"),
+    ],
+)
+def test_an_unusable_wandb_json_is_one_warning_and_a_new_wandb_run(tmp_path, capsys, monkeypatch, content, expected):
+    started = []
+    fake = types.SimpleNamespace(init=lambda **settings: started.append(settings["id"]), Settings=dict)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config(None, [("job.out_dir", str(tmp_path)), ("logging.wandb", "true")])
+    file = cfg.run_dir / STATE_FILE
+    file.parent.mkdir(parents=True)
+    file.write_text(content)
+    assert WandbRun.start(cfg) is not None
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and f"'{file}'" in warnings[0] and expected in warnings[0], warnings
+    assert warnings[0].endswith("a new W&B run is started")
+    assert json.loads(file.read_text()) == {"id": started[0]}
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('{"windows": [[5, 3]]}', "windows[0]: expected [start, end] with 0 <= start < end, got [5, 3]"),
+        ('{"windows": [[1, 18446744073709551616]]}', "windows[0]: expected [start, end] with 0 <= start < end"),
+        ("[]", "expected a JSON object, got []"),
+        ("{}", "windows: missing"),
+    ],
+)
+def test_an_unusable_skipped_samples_json_is_one_line(tmp_path, content, expected):
+    (tmp_path / SKIPPED_SAMPLES).write_text(content)
+    with pytest.raises(DataError) as raised:
+        read_run_skips(tmp_path)
+    assert str(raised.value).startswith(f"'{tmp_path / SKIPPED_SAMPLES}': {expected}")
 
 
 # ---- tokenizers ----------------------------------------------------------------------------------

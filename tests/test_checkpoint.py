@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import (
     TINY_MODEL,
+    Box,
     console_messages,
     popen_train,
     read_metrics,
@@ -38,6 +39,10 @@ from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, rea
 from nanotron.config import CheckpointConfig, load_config, parse_overrides
 from nanotron.errors import CheckpointError
 from nanotron.optim import lr_at
+from nanotron.parallel.layout import layout_sizes
+from nanotron.records import TRAINER_STATE
+from nanotron.stability import Stability
+from nanotron.trainer import Progress, TrainState
 
 STEPS = 30  # long enough that interruptions land mid-run; every 1-process test shares this reference
 
@@ -353,19 +358,6 @@ def test_keep_last_prunes_older_only_and_keeps_an_abandoned_future(tmp_path):
     assert [p.name for p in committed_steps(tmp_path)] == ["step-2", "step-3", "step-9"]
 
 
-class Box:
-    """The smallest stateful component: a dict of tensors (or of JSON values, for progress)."""
-
-    def __init__(self, **state):
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = dict(state)
-
-
 def test_manager_saves_and_loads_any_stateful_components_without_a_trainer(tmp_path):
     weights, progress = Box(w=torch.arange(6.0).reshape(2, 3)), Box(step=0)
     extras = []
@@ -408,3 +400,67 @@ def test_async_save_keeps_the_state_as_of_the_save_while_training_changes_it(tmp
         loaded = Box(w=torch.full((1000,), -1.0))
         CheckpointManager(tmp_path, CheckpointConfig(), {"model": loaded}, Box(step=0)).load(tmp_path / f"step-{step}")
         assert torch.all(loaded.state["w"] == value), step
+
+
+def trainer_state(tmp_path: Path) -> dict:
+    """trainer_state.json as a run saves it: the trainer's progress and the manager's record of the layout."""
+    cfg = load_config(None, [])
+    progress = Progress(TrainState(step=4, consumed_samples=32), Stability(cfg), tmp_path)
+    return progress.state_dict() | {"global_batch_size": 8, "world_size": 2, "layout": layout_sizes(cfg)}
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        (None, None, None),  # as saved: loads
+        (
+            "stability.detector.stats.loss.2",
+            float("nan"),
+            "stability.detector.stats.loss[2]: expected a finite number >= 0, got nan",
+        ),
+        (
+            "stability.detector.stats.grad_norm.0",
+            float("inf"),
+            "stability.detector.stats.grad_norm[0]: expected a finite number, got inf",
+        ),
+        (
+            "stability.detector.stats.loss.2",
+            -1.0,
+            "stability.detector.stats.loss[2]: expected a finite number >= 0, got -1.0",
+        ),
+        ("stability.rollbacks", -1, "stability.rollbacks: expected an integer >= 0, got -1"),
+        ("stability.detector.observed", 2.5, "stability.detector.observed: expected an integer >= 0, got 2.5"),
+        (
+            "stability.skipped_samples",
+            [[5, 3]],
+            "stability.skipped_samples[0]: expected [start, end] with 0 <= start < end",
+        ),
+        ("world_size", 0, "world_size: expected an integer >= 1, got 0"),
+        ("consumed_samples", "many", "consumed_samples: expected an integer >= 0, got 'many'"),
+        ("step", True, "step: expected an integer >= 0, got True"),
+        ("layout.dp", None, "layout.dp: expected an integer >= 1, got None"),
+    ],
+)
+def test_every_field_read_back_from_trainer_state_is_checked_for_type_and_range(tmp_path, field, value, expected):
+    """A value saved consistently (checksums and all) but of the wrong type or range is one line naming the file
+    and the field: NaN statistics would switch the spike guard off, a negative variance was a math domain error."""
+    state = trainer_state(tmp_path)
+    if field is not None:
+        *path, last = field.split(".")
+        record = state
+        for key in path:
+            record = record[key]
+        record[int(last) if isinstance(record, list) else last] = value
+    CheckpointManager(tmp_path, CheckpointConfig(), {"model": Box(w=torch.zeros(2))}, Box(**state)).save(4)
+    progress = Box()
+    loader = CheckpointManager(
+        tmp_path, CheckpointConfig(), {"model": Box(w=torch.zeros(2))}, progress, progress_schema=TRAINER_STATE
+    )
+    if expected is None:
+        loader.load(tmp_path / "step-4")
+        assert progress.state == json.loads(json.dumps(state))
+        return
+    with pytest.raises(CheckpointError) as raised:
+        loader.load(tmp_path / "step-4")
+    message = str(raised.value)
+    assert message.startswith(f"'{tmp_path / 'step-4' / 'trainer_state.json'}': {expected}") and "\n" not in message

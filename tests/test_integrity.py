@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, run_train, train_env
+import torch
+from conftest import REPO, TINY_MODEL, Box, run_train, train_env
 
 from nanotron.checkpoint.integrity import CHECKSUM_FILE
+from nanotron.checkpoint.manager import CheckpointManager
 from nanotron.checkpoint.safe_io import read_metadata
+from nanotron.config import CheckpointConfig
+from nanotron.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def test_every_file_of_a_checkpoint_has_a_checksum(saved):
     _, step = saved
     sums = json.loads((step / CHECKSUM_FILE).read_text())
     files = {p.relative_to(step).as_posix() for p in step.rglob("*") if p.is_file()}
-    assert files - set(sums) == {CHECKSUM_FILE, "trainer_state.json"}  # the commit marker is written after it
+    assert files - set(sums) == {CHECKSUM_FILE}  # the commit marker (trainer_state.json) included
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "config.toml", "tokenizer/tokenizer.json"} <= set(sums)
 
 
@@ -107,3 +112,54 @@ def test_a_checkpoint_whose_checksums_were_deleted_is_refused_unless_allowed(sav
     assert proc.returncode == 0, proc.stderr
     proc = command("nanotron", "generate", "--checkpoint", str(step), "--prompt", "the", "--allow_unverified")
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- the manifest lists exactly the files of a checkpoint ----------------------------------------------
+
+
+def save_one(folder: Path) -> Path:
+    """A checkpoint of a small model and progress, saved by the manager in this process."""
+    CheckpointManager(folder, CheckpointConfig(), {"model": Box(w=torch.arange(256.0))}, Box(step=1)).save(1)
+    return folder / "step-1"
+
+
+def load_progress(step: Path, **options) -> dict:
+    progress = Box(step=0)
+    manager = CheckpointManager(step.parent, CheckpointConfig(**options), {"model": Box(w=torch.zeros(256))}, progress)
+    manager.load(step)
+    return progress.state
+
+
+def test_a_manifest_that_leaves_out_a_file_or_a_file_it_does_not_list_is_refused(tmp_path):
+    """An empty checksums.json, one without a shard's entry (then rotted) or a file added beside the checkpoint's
+    are refused in one line naming the file; checkpoint.allow_unverified reads the unlisted files unchecked."""
+    step = save_one(tmp_path)
+    manifest = step / CHECKSUM_FILE
+    sums = json.loads(manifest.read_text())
+    assert set(sums) == {".metadata", "__0_0.distcp", "trainer_state.json"}
+    manifest.write_text("{}")
+    with pytest.raises(CheckpointError, match=re.escape(f"'{step / '.metadata'}' is not in its manifest")):
+        load_progress(step)
+    shard = step / "__0_0.distcp"
+    manifest.write_text(json.dumps({name: value for name, value in sums.items() if name != shard.name}))
+    flip_a_bit(shard)
+    with pytest.raises(CheckpointError, match=re.escape(f"'{shard}' is not in its manifest '{manifest}'")):
+        load_progress(step)
+    assert load_progress(step, allow_unverified=True)["step"] == 1  # asked for: read unchecked
+    flip_a_bit(shard)
+    manifest.write_text(json.dumps(sums))
+    (step / "notes.txt").write_text("a file the save did not write")
+    with pytest.raises(CheckpointError, match=re.escape(f"'{step / 'notes.txt'}' is not in its manifest")):
+        load_progress(step)
+    (step / "notes.txt").unlink()
+    manifest.write_text(json.dumps(sums | {"gone.bin": sums[shard.name]}))
+    with pytest.raises(CheckpointError, match=re.escape(f"'{step / 'gone.bin'}' is missing")):
+        load_progress(step)
+
+
+def test_an_edited_or_rotted_trainer_state_is_refused_by_its_checksum(tmp_path):
+    step = save_one(tmp_path)
+    state = step / "trainer_state.json"
+    state.write_text(state.read_text().replace('"step": 1', '"step": 7'))
+    with pytest.raises(CheckpointError, match=re.escape(f"'{state}' is corrupt")):
+        load_progress(step)

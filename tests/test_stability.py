@@ -84,6 +84,33 @@ def test_a_rollback_window_ends_with_the_spiking_step_and_never_reaches_before_t
     assert stability.window(40, 8, floor_sample=32) == (34, 50)  # the checkpoint rolled back to is at sample 32
 
 
+def resumed(windows: list[str], saved_windows: list[str], consumed_samples: int, where: Path) -> Stability:
+    """A run with data.skip_samples = `windows` resuming from a checkpoint that had `saved_windows` and had trained
+    `consumed_samples` samples."""
+    saved_cfg, cfg = load_config(None, []), load_config(None, [])
+    saved_cfg.data.skip_samples, cfg.data.skip_samples = saved_windows, windows
+    stability = Stability(cfg)
+    stability.load_state_dict(Stability(saved_cfg).state_dict(), where, consumed_samples)
+    return stability
+
+
+def test_a_skip_window_added_on_resume_behind_the_trained_position_is_refused(tmp_path):
+    """Trained samples 0..63 of a checkpoint that skipped 40:48 are positions 0..39 and 48..71: a window added now
+    may only lie at or after position 72 (or inside what was skipped already); one behind would shift the order
+    and skip other, unnamed samples."""
+    step = tmp_path / "step-8"
+    assert resumed(["40:48", "72:80"], ["40:48"], 64, step).skips.windows == [(40, 48), (72, 80)]
+    assert resumed(["42:46"], ["40:48"], 64, step).skips.windows == [(40, 48)]
+    for window in ("16:24", "64:72", "70:90"):
+        with pytest.raises(ConfigError) as raised:
+            resumed([window], ["40:48"], 64, step)
+        expected = (
+            f"data.skip_samples: window {window} lies behind the data position 72 that {step} has trained to "
+            "(64 samples)"
+        )
+        assert str(raised.value).startswith(expected)
+
+
 def warm_stability(overrides: list[tuple[str, str]], steps: int = 8) -> Stability:
     """A policy that has seen `steps` steps of a flat loss 4.0 and gradient norm 1.0 (warm-up 3): 40.0 is a spike."""
     stability = Stability(load_config(None, [("stability.warmup_steps", "3"), *overrides]))

@@ -223,6 +223,7 @@ LAYERS = [
         "nanotron.hashing",
         "nanotron.console",
         "nanotron.config",
+        "nanotron.records",
         "nanotron.step_end",  # what a step's end looks like to the services, whatever their layer
     ],
     ["nanotron.gpu", "nanotron.tokenize", "nanotron.models"],

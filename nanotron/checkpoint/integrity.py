@@ -70,21 +70,30 @@ def shard_checksums(folder: Path) -> dict[str, str]:
     return sums
 
 
+def checkpoint_files(folder: Path) -> list[str]:
+    """Every file under `folder` but the manifest itself, as sorted relative POSIX paths: one directory listing
+    (no stat per file), what the manifest must list exactly."""
+    names = []
+    for root, _, files in os.walk(folder):
+        names += [(Path(root) / name).relative_to(folder).as_posix() for name in files]
+    return sorted(name for name in names if name != CHECKSUM_FILE)
+
+
 def write(folder: Path, shard_sums: dict[str, str]) -> None:
-    """checksums.json: the shards' sums plus those of every other file now in `folder` (index, config,
-    tokenizer), hashed here."""
+    """checksums.json, the manifest: the shards' sums plus those of every other file now in `folder` (index,
+    config, tokenizer, trainer_state.json), hashed here."""
     sums = dict(shard_sums)
-    for file in sorted(folder.rglob("*")):
-        name = file.relative_to(folder).as_posix()
-        if file.is_file() and name not in sums and name != CHECKSUM_FILE:
-            sums[name] = file_checksum(file)
+    for name in checkpoint_files(folder):
+        if name not in sums:
+            sums[name] = file_checksum(folder / name)
     write_atomic(folder / CHECKSUM_FILE, json.dumps(sums, indent=1, sort_keys=True))
 
 
 def saved(folder: Path, allow_missing: bool = False, override: str = "") -> dict[str, str] | None:
-    """The checksums saved with `folder`. A checkpoint without them (written before checksums existed, made by
-    hand, or with the file deleted) is refused unless `allow_missing` (then None: its files go unchecked);
-    `override` names the option that allows it, for the message."""
+    """The checksums saved with `folder`, which must list every file in it (files it lists that are missing are
+    `verify`'s to find). A checkpoint without them (written before checksums existed, made by hand, or with the
+    file deleted), or with files they leave out, is refused unless `allow_missing` (then None, or the sums of the
+    files listed: the others go unchecked); `override` names the option that allows it, for the message."""
     file = folder / CHECKSUM_FILE
     if not file.is_file():
         if allow_missing:
@@ -99,6 +108,14 @@ def saved(folder: Path, allow_missing: bool = False, override: str = "") -> dict
         raise CheckpointError(f"'{file}' is unreadable ({type(error).__name__}); the checkpoint is damaged") from None
     if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
         raise CheckpointError(f"'{file}' is not a checksum table; the checkpoint is damaged")
+    unlisted = [name for name in checkpoint_files(folder) if name not in sums]
+    if unlisted and not allow_missing:
+        more = f" (nor are {len(unlisted) - 1} other files)" if len(unlisted) > 1 else ""
+        raise CheckpointError(
+            f"'{folder / unlisted[0]}' is not in its manifest '{file}'{more}, so it cannot be checked for corruption; "
+            f"remove it if it does not belong to the checkpoint, or read the checkpoint unchecked with "
+            f"{override or 'the allow_unverified option'}"
+        )
     return sums
 
 
@@ -121,3 +138,10 @@ def verify(folder: Path, expected: dict[str, str], names: list[str] | None = Non
     found = [p for p in (_gather({"problem": problem}) if shared else [{"problem": problem}]) if p["problem"]]
     if found:
         raise CheckpointError(found[0]["problem"] + "; use another checkpoint")
+
+
+def check(folder: Path, allow_missing: bool = False, override: str = "", alone: bool = False) -> None:
+    """Every file of `folder` against its manifest (see `saved` and `verify`): checked by this process `alone` (a
+    single-process reader), else by every rank its share (a collective)."""
+    if (sums := saved(folder, allow_missing, override)) is not None:
+        verify(folder, sums, names=sorted(sums) if alone else None)

@@ -1,13 +1,14 @@
 """The on-disk layout of a checkpoint folder, and the only code that changes it.
 
-    step-N/            committed checkpoint: DCP shards + .metadata, config.toml, tokenizer/, trainer_state.json
+    step-N/            committed checkpoint: DCP shards + .metadata, config.toml, tokenizer/, trainer_state.json,
+                       checksums.json (the manifest: every other file and its checksum)
     step-N.tmp/        a save in progress (or killed mid-way): never loaded, removed at the next start
     step-N.deleting/   an old checkpoint being removed: never loaded
     latest             names the newest committed step dir; replaced atomically
 
-A step dir counts as committed once its trainer_state.json exists; it is written last, after every rank's
-files, and the dir is then renamed from step-N.tmp, so a process killed at any moment leaves either the
-previous checkpoint or the new one.
+A step dir counts as committed once it is renamed from step-N.tmp with its trainer_state.json, which is written
+after every rank's files, followed by checksums.json, the manifest of every file; so a process killed at any
+moment leaves either the previous checkpoint or the new one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from nanotron.errors import CheckpointError
@@ -87,9 +89,12 @@ def clean_stale(folder: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def commit(tmp: Path, target: Path, progress: dict) -> None:
-    """Writes the commit marker, renames step-N.tmp to step-N and points `latest` at it."""
+def commit(tmp: Path, target: Path, progress: dict, write_manifest: Callable[[Path], None]) -> None:
+    """Writes the commit marker, then the manifest of every file (the marker's too: `integrity.write`, passed in so
+    that readers of the layout, such as the watcher, load no torch), renames step-N.tmp to step-N and points
+    `latest` at it."""
     write_atomic(tmp / COMMIT_FILE, json.dumps(progress, indent=1))
+    write_manifest(tmp)
     publish(tmp, target)
     write_atomic(target.parent / "latest", target.name + "\n")
 

@@ -9,10 +9,10 @@ tokenizer) and commits (see `layout`).
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,10 +25,13 @@ from torch.futures import Future
 
 import nanotron.checkpoint.integrity as integrity
 import nanotron.checkpoint.layout as layout
+from nanotron import records
 from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, short
 from nanotron.config import CheckpointConfig
 from nanotron.errors import CheckpointError, storage_errors
 from nanotron.step_end import StepInfo
+
+UNVERIFIED_OPTION = "checkpoint.allow_unverified=true"
 
 
 class Stateful(Protocol):
@@ -68,7 +71,8 @@ class CheckpointManager:
     """Saves `states` (DCP) and `progress` (JSON) to step dirs of `folder`; loads them back at any layout.
 
     `write_extras(step_dir)` runs on rank 0 before each commit (e.g. the resolved config and the tokenizer);
-    `meta` is recorded in trainer_state.json for people and tools (layout, batch size) and never loaded.
+    `meta` is recorded in trainer_state.json for people and tools (layout, batch size) and never loaded;
+    `progress_schema` checks the whole of trainer_state.json before `progress` gets it.
 
     Async saves copy the state to host memory in a background thread ("staging") into buffers kept from one
     save to the next (pinned, with non-blocking copies, when `device` is CUDA); the write to disk follows in
@@ -86,11 +90,13 @@ class CheckpointManager:
         log: Callable[[str], None] = print,
         device: torch.device | str = "cpu",
         on_phase: Callable[[str, int], None] = lambda phase, step: None,
+        progress_schema: Any = None,
     ):
         self.folder = folder
         self.options = options
         self.states = states
         self.progress = progress
+        self.progress_schema = progress_schema or {}  # what trainer_state.json must hold (`nanotron.records`)
         self.write_extras = write_extras
         self.meta = meta or {}
         self.log = log
@@ -182,8 +188,7 @@ class CheckpointManager:
                 ) from None
             with storage_errors("commit checkpoint", tmp, self._kept()):
                 self.write_extras(tmp)
-                integrity.write(tmp, shard_sums)
-                layout.commit(tmp, target, progress)
+                layout.commit(tmp, target, progress, partial(integrity.write, shard_sums=shard_sums))
             with storage_errors("prune old checkpoints in", self.folder, f"{target} is saved and latest"):
                 layout.prune(self.folder, layout.step_of(target), self.options.keep_last)
             size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file()) / 2**30
@@ -209,21 +214,22 @@ class CheckpointManager:
         """Loads into this rank's shards whatever the layout of the save; returns trainer_state.json's
         content (None with model_only, which loads the model alone, e.g. from an HF import)."""
         metadata = read_metadata(path)
+        integrity.check(path, self.options.allow_unverified, UNVERIFIED_OPTION)
         saved = None if model_only else self._read_progress(path)  # a bad one fails before the costly read
         names = ["model"] if model_only else list(self.states)
-        load_states(path, {name: self.states[name] for name in names}, self.options.allow_unverified, metadata)
+        _load_verified(path, {name: self.states[name] for name in names}, metadata)
         if model_only:
             return None
         self.last_saved_step = layout.step_of(path) if layout.STEP_DIR.match(path.name) else -1
         return saved
 
     def _read_progress(self, path: Path) -> dict[str, Any]:
-        """trainer_state.json, loaded into `progress` (which checks its values)."""
+        """trainer_state.json, checked against `progress_schema`, then loaded into `progress`."""
         file = path / layout.COMMIT_FILE
+        saved = records.read(file, self.progress_schema, CheckpointError, "use another checkpoint")
         try:
-            saved = json.loads(file.read_text(encoding="utf-8"))
             self.progress.load_state_dict(saved)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        except (ValueError, KeyError, TypeError, AttributeError) as error:  # a progress without a schema
             raise CheckpointError(f"'{file}' is unreadable or incomplete ({short(error)})") from None
         return saved
 
@@ -235,9 +241,11 @@ def load_states(
     layout, after every rank checked its share of the files' checksums. Also for readers of a saved model
     (`nanotron eval`), which need no manager."""
     metadata = metadata or read_metadata(path)
-    sums = integrity.saved(path, allow_unverified, "checkpoint.allow_unverified=true")
-    if sums is not None:
-        integrity.verify(path, sums)  # every rank checks its share; all agree before any read
+    integrity.check(path, allow_unverified, UNVERIFIED_OPTION)  # every rank checks its share; all agree
+    _load_verified(path, states, metadata)
+
+
+def _load_verified(path: Path, states: dict[str, Stateful], metadata: Metadata) -> None:
     state = {name: stateful.state_dict() for name, stateful in states.items()}
     check_model_shapes(path, metadata, state["model"])
     for name in states:

@@ -206,8 +206,7 @@ def verified_checkpoint(path: Path, allow_unverified: bool = False) -> Path:
     process: what a single-process reader (export, generate) calls before reading anything from it. Without
     checksums.json it is refused unless `allow_unverified` (their `--allow_unverified` flag)."""
     step_dir = find_checkpoint(path)
-    if (sums := integrity.saved(step_dir, allow_unverified, "--allow_unverified")) is not None:
-        integrity.verify(step_dir, sums, names=sorted(sums))
+    integrity.check(step_dir, allow_unverified, "--allow_unverified", alone=True)
     return step_dir
 
 

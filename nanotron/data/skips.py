@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nanotron import records
 from nanotron.config.validate import sample_windows
 from nanotron.errors import DataError
 from nanotron.io import write_atomic
@@ -55,18 +56,6 @@ class SampleSkips:
         return [[start, end] for start, end in self.windows]
 
     @classmethod
-    def from_list(cls, value: object, what: str) -> SampleSkips:
-        """From JSON (a checkpoint's trainer_state.json, skipped_samples.json): [[start, end], ...]."""
-        ok = isinstance(value, list) and all(
-            isinstance(w, list) and len(w) == 2 and all(type(x) is int for x in w) and 0 <= w[0] < w[1] for w in value
-        )
-        if not ok:
-            raise DataError(
-                f"{what}: expected a list of [start, end] sample windows with 0 <= start < end, got {value!r}"
-            )
-        return cls([(w[0], w[1]) for w in value])
-
-    @classmethod
     def parse(cls, entries: list[str]) -> SampleSkips:
         """`data.skip_samples` entries, START:END each (checked by the config's validation)."""
         return cls(sample_windows(entries))
@@ -77,13 +66,8 @@ def read_run_skips(run_dir: Path) -> SampleSkips:
     path = run_dir / SKIPPED_SAMPLES
     if not path.exists():
         return SampleSkips()
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise DataError(
-            f"{path}: unreadable ({error}); restore it or delete it to forget its skipped windows"
-        ) from None
-    return SampleSkips.from_list(value.get("windows") if isinstance(value, dict) else None, str(path))
+    hint = "restore it, or delete it to forget its skipped windows"
+    return SampleSkips(records.read(path, records.SKIPPED_WINDOWS, DataError, hint)["windows"])
 
 
 def write_run_skips(run_dir: Path, skips: SampleSkips) -> None:

@@ -24,8 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nanotron import records
 from nanotron.config import Config
 from nanotron.console import say
+from nanotron.errors import UserError
 from nanotron.io import write_atomic
 
 STATE_FILE = "wandb.json"
@@ -59,11 +61,11 @@ class WandbRun:
             return None
         path = cfg.run_dir / STATE_FILE
         try:
-            state = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError) as error:
-            say(f"warning: '{path}' is unreadable ({error}); a new W&B run is started")
+            state = records.read(path, records.WANDB_STATE, UserError) if path.exists() else {}
+        except UserError as error:
+            say(f"warning: {error}; a new W&B run is started")
             state = {}
-        run_id = state.get("id") or secrets.token_hex(6)  # W&B ids: lowercase letters and digits
+        run_id = state.get("id") or secrets.token_hex(6)  # ours: lowercase letters and digits
         write_atomic(path, json.dumps({"id": run_id}) + "\n", durable=False)
         try:
             run = wandb.init(
