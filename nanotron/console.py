@@ -4,8 +4,10 @@ the progress of long commands."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 FORMAT = "%(asctime)s %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -37,6 +39,17 @@ def console() -> logging.Logger:
 def say(message: str) -> None:
     """One line on the console, timestamped."""
     console().info(message)
+
+
+@contextlib.contextmanager
+def quiet_handler_errors() -> Iterator[None]:
+    """Within: a logging handler that fails to write (a library's own log file on a full disk) drops its record
+    instead of printing `--- Logging error ---` and a stack for each one (W&B's debug log: 9,185 lines)."""
+    previous, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        yield
+    finally:
+        logging.raiseExceptions = previous
 
 
 def format_duration(seconds: float) -> str:

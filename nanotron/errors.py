@@ -14,6 +14,7 @@ import errno
 import functools
 import hashlib
 import os
+import resource
 import socket
 import sys
 import traceback
@@ -101,8 +102,21 @@ def storage_errors(action: str, path: object, hint: str = ""):
             raise
         where = f" ({error.filename})" if error.filename and str(error.filename) != str(path) else ""
         raise StorageError(
-            f"cannot {action} '{path}'{where}: {error.strerror}" + (f"; {hint}" if hint else "")
+            f"cannot {action} '{path}'{where}: {os_reason(error)}" + (f"; {hint}" if hint else "")
         ) from None
+
+
+def os_reason(error: OSError) -> str:
+    """The OS's words for `error`; for EFBIG also the limit a person raises (it is per process, not the disk's)."""
+    if error.errno == errno.EFBIG and (limit := file_size_limit()) is not None:
+        return f"{error.strerror}, at this process's file-size limit of {limit} bytes: raise `ulimit -f`"
+    return str(error.strerror or error)
+
+
+def file_size_limit() -> int | None:
+    """RLIMIT_FSIZE (`ulimit -f`) in bytes, None when unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def run_command(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:

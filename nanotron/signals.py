@@ -53,6 +53,14 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def fail_writes_past_the_size_limit() -> None:
+    """A write past the file-size limit (`ulimit -f`) sends SIGXFSZ, whose default action kills the process (a core
+    dump, not a word, mid-save): ignored, the write fails with EFBIG, which the save names in one line with the last
+    checkpoint kept. CPython ignores it at start-up already; set here so that an embedding host or a library that
+    restored the default cannot undo that."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
 def stop_with_launcher() -> None:
     """Under a launcher (torchrun, nanotron.launch.torchrun), have the kernel send SIGTERM when it dies: a
     SIGKILLed launcher then leaves no orphaned workers training and writing checkpoints (they save and stop).

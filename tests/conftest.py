@@ -207,9 +207,17 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+WATCHER_COMMAND = b"\0nanotron\0watcher\0"
+
+
 def worker_pids(launcher: int) -> list[int]:
     """The training processes a launcher started (its children, less the node's watcher process)."""
-    return [pid for pid in child_pids(launcher) if b"\0nanotron\0watcher\0" not in _cmdline(pid)]
+    return [pid for pid in child_pids(launcher) if WATCHER_COMMAND not in _cmdline(pid)]
+
+
+def watcher_pids(launcher: int) -> list[int]:
+    """The node's watcher process a launcher started (one, once it runs)."""
+    return [pid for pid in child_pids(launcher) if WATCHER_COMMAND in _cmdline(pid)]
 
 
 def _cmdline(pid: int) -> bytes:

@@ -411,7 +411,9 @@ def test_a_checkpoint_write_that_hits_the_file_size_limit_names_the_file_and_the
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert re.search(
-        r"cannot save checkpoint '.*step-2.tmp': writing '.*/__0_\d+\.distcp' failed \(File too large\)", lines[0]
+        r"cannot save checkpoint '.*step-2.tmp': writing '.*/__0_\d+\.distcp' failed "
+        r"\(File too large, at this process's file-size limit of 200000 bytes",
+        lines[0],
     )
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, console_messages, read_metrics, train_env, train_losses
+from conftest import REPO, TINY_MODEL, console_messages, read_metrics, train_env, train_losses, watcher_pids
 
 from nanotron.config import WatchConfig
 from nanotron.errors import ConfigError, NodeFaultError
+from nanotron.launch.torchrun import KeptWatcher
 from nanotron.step_end import StepInfo
 from nanotron.watch import doctor
 from nanotron.watch.attribution import RankEvidence, attribute
@@ -482,3 +483,53 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line_and_the_details_are_file
     assert "Root Cause" in (incident / "summary.txt").read_text()
     assert {f.name for f in incident.glob("rank-*.traceback.txt")} == {f"rank-{r}.traceback.txt" for r in range(3)}
     assert "by peer" in (incident / "rank-0.traceback.txt").read_text()  # gloo: connection closed or reset
+
+
+@pytest.mark.slow
+def test_a_killed_watcher_is_restarted_and_a_later_hang_is_still_named(tiny_data, tmp_path):
+    """Issue 42 item 7: kill -9 of the node's watcher left the run unwatched without a word, and a hang then ended in
+    gloo's timeout (a traceback and a wrong cause). The launcher waits on its watcher and starts it again on the same
+    slots: one console line says so, and the hang at step 5 is named by the new watcher (exit 75)."""
+    args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--job.name=watched", *WATCH]
+    args += ["--parallelism.dp=2", "--training.steps=30", "--distributed.timeout_minutes=1"]
+    env = train_env() | {"NANOTRON_FAULT": "rank:1,step:5,kind:sleep"}
+    command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", "2", *args]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = time.time()
+    while not (watchers := watcher_pids(proc.pid)):
+        assert proc.poll() is None and time.time() - started < 60, proc.communicate()
+        time.sleep(0.2)
+    os.kill(watchers[0], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == NodeFaultError.exit_code, stderr[-3000:]
+    notes = [line for line in console_messages(stdout) if line.startswith("warning:")]
+    assert len(notes) == 1 and f"watcher (pid {watchers[0]}) was killed by signal 9 (SIGKILL)" in notes[0], stdout
+    assert "restarted it" in notes[0]
+    (hang,) = [line for line in stderr.splitlines() if line.startswith("hang:")]
+    assert hang.startswith(f"hang: rank 1 (node {os.uname().nodename}) stalled in data at step 5"), stderr[-3000:]
+    assert "Traceback" not in stdout + stderr
+
+
+def test_the_launchers_watcher_is_started_again_when_a_signal_kills_it_and_not_after_it_fails(tmp_path, capsys):
+    """The launcher's side of the test above, in one process: a watcher that SIGKILLs itself once is started
+    again (one line), stop() ends the new one and starts nothing more; one that exits 3 is left, with one line."""
+    once = f"import os, pathlib, signal, time; marker = pathlib.Path({str(tmp_path / 'killed')!r})\n"
+    once += "if not marker.exists(): marker.touch(); time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
+    watcher = KeptWatcher([sys.executable, "-c", once + "time.sleep(60)"])
+    first = watcher.process.pid
+    deadline = time.time() + 20
+    while "restarted" not in (out := capsys.readouterr().out) and time.time() < deadline:
+        time.sleep(0.1)
+    second = watcher.process
+    assert f"watcher (pid {first}) was killed by signal 9 (SIGKILL); restarted it (pid {second.pid})" in out, out
+    assert second.poll() is None
+    watcher.stop()
+    assert second.returncode == -signal.SIGKILL and watcher.process is second
+    time.sleep(0.3)
+    assert capsys.readouterr().out == ""  # the watcher stop() killed is not started again
+
+    failing = KeptWatcher([sys.executable, "-c", "raise SystemExit(3)"])
+    while "failed" not in (out := capsys.readouterr().out) and time.time() < deadline:
+        time.sleep(0.1)
+    assert f"watcher (pid {failing.process.pid}) failed (exit code 3); its ranks are unwatched" in out, out
+    failing.stop()

@@ -136,7 +136,7 @@ class CheckpointManager:
         _barrier()
         state = {name: component.state_dict() for name, component in self.states.items()}
         progress = {**self.progress.state_dict(), **self.meta}  # as of now, even if an async save commits later
-        with dcp_errors(tmp, "save"):
+        with dcp_errors(tmp, "save", self._kept):
             if asynchronous:
                 self._async_save(state, tmp, target, progress)
                 return
@@ -163,7 +163,7 @@ class CheckpointManager:
         """Returns once an async save has its copy of the state: the state may then change in place."""
         if self.staging is not None:
             staging, self.staging = self.staging, None
-            with dcp_errors(self.pending[1] if self.pending else self.folder, "save"):
+            with dcp_errors(self.pending[1] if self.pending else self.folder, "save", self._kept):
                 staging.result()
 
     def wait(self) -> None:
@@ -172,7 +172,7 @@ class CheckpointManager:
         if self.pending is not None:
             future, tmp, target, progress = self.pending
             self.pending = None
-            with dcp_errors(tmp, "save"):
+            with dcp_errors(tmp, "save", self._kept):
                 future.result()
             self._commit(tmp, target, progress)
 

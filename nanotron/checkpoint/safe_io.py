@@ -7,10 +7,11 @@ before anything is read, and a read that fails names its file.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from torch.futures import Future
 import nanotron.checkpoint.integrity as integrity
 from nanotron.checkpoint.layout import find_checkpoint
 from nanotron.checkpoint.torch_private import DCP_INDEX_PRIVATE_GLOBALS, set_element
-from nanotron.errors import CheckpointError
+from nanotron.errors import CheckpointError, file_size_limit, os_reason
 
 _DCP_INDEX_CLASSES = "Metadata MetadataIndex StorageMeta TensorProperties TensorStorageMetadata ChunkStorageMetadata"
 _ALLOWED_GLOBALS = {f"torch.distributed.checkpoint.metadata.{name}" for name in _DCP_INDEX_CLASSES.split()} | {
@@ -130,11 +131,15 @@ def _first_cause(error: BaseException) -> BaseException:
     return error
 
 
+SAVE_HINT = "free space or fix the permissions and limits of checkpoint.dir, then resume from the last checkpoint"
+
+
 @contextmanager
-def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
+def dcp_errors(path: Path, action: str = "load", hint: Callable[[], str] = lambda: SAVE_HINT) -> Iterator[None]:
     """Turns the DCP failures a user can fix into a CheckpointError naming `path` (or the file a safe read named):
-    the file system's (disk full, read-only, permissions, a file-size limit) and an unreadable file's. Anything else
-    is a bug in nanotron or torch: it stays a traceback (with the rank), so it gets reported, not worked around."""
+    the file system's (disk full, read-only, permissions, a file-size limit) and an unreadable file's; a failed
+    save's line ends with `hint()` (what is kept, what to do: asked only then). Anything else is a bug in nanotron
+    or torch: it stays a traceback (with the rank), so it gets reported, not worked around."""
     try:
         with warnings.catch_warnings():  # single-process use is intended, not a mistake to warn about
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -146,14 +151,13 @@ def dcp_errors(path: Path, action: str = "load") -> Iterator[None]:
         if isinstance(cause, CheckpointError):
             raise cause from None
         if action == "save" and _serializer_write_failed(cause):
-            cause = _probe_write(Path(path)) or cause  # torch's C++ writer hides the OS error: ask the OS again
+            cause = _hidden_os_error(Path(path)) or cause  # torch's C++ writer hides the OS error: find it
         if not isinstance(cause, USER_FIXABLE):
             raise
         if action == "save" and isinstance(cause, OSError):
             file = cause.filename or _file_being_written(path)
             raise CheckpointError(
-                f"cannot save checkpoint '{path}': writing '{file}' failed ({cause.strerror or cause}); free space "
-                "or fix the permissions and limits of checkpoint.dir, then resume from the last checkpoint"
+                f"cannot save checkpoint '{path}': writing '{file}' failed ({os_reason(cause)}); {hint()}"
             ) from None
         raise CheckpointError(f"cannot {action} checkpoint '{path}': {short(cause)}") from None
 
@@ -163,6 +167,15 @@ def _serializer_write_failed(error: BaseException) -> bool:
     inline_container.cc] unexpected pos", or "PytorchStreamWriter failed writing file"), with no OS error."""
     text = str(error)
     return isinstance(error, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text)
+
+
+def _hidden_os_error(folder: Path) -> OSError | None:
+    """What the OS refused to the save into `folder`: the file being written stopped at the file-size limit
+    (EFBIG, which a fresh probe file would not meet), or what a probe write gets now (a full disk: ENOSPC)."""
+    file, limit = _file_being_written(folder), file_size_limit()
+    if limit is not None and isinstance(file, Path) and file.is_file() and file.stat().st_size >= limit:
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(file))
+    return _probe_write(folder)
 
 
 def _probe_write(folder: Path) -> OSError | None:

@@ -18,7 +18,7 @@ from nanotron.launch.torchrun import pop_nproc, spawn_local
 from nanotron.lock import lock_run
 from nanotron.parallel.mesh import destroy_distributed, launched_world_size
 from nanotron.parallel.overlap import max_connections
-from nanotron.signals import stop_with_launcher
+from nanotron.signals import fail_writes_past_the_size_limit, stop_with_launcher
 
 
 def _main(argv: list[str]) -> int:
@@ -38,6 +38,7 @@ def _main(argv: list[str]) -> int:
     # One run per run dir: global rank 0 holds the lock for the run's lifetime (peers follow its fate).
     owns_run_dir = int(os.environ.get("RANK", "0")) == 0
     stop_with_launcher()
+    fail_writes_past_the_size_limit()
     from nanotron.trainer import Trainer  # here: a launcher of local ranks (above) needs none of it
 
     try:

@@ -23,6 +23,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,10 +124,7 @@ def _report_death(error, watch_dir: Path) -> int | None:
     if not killed:
         return None
     _, rank, failure = killed[0]
-    try:
-        name = signal.Signals(-failure.exitcode).name
-    except ValueError:
-        name = "an unknown signal"
+    name = _signal_name(-failure.exitcode)
     where = _last_heartbeat(watch_dir, rank)
     node = where.get("node") or node_name()
     line = f"rank {rank} (node {node}) died: killed by signal {-failure.exitcode} ({name})"
@@ -162,12 +160,56 @@ def _watcher(config: argparse.Namespace) -> Iterator[Path]:
         nnodes = int(str(config.nnodes).rpartition(":")[2])
         if nnodes > 1 and config.rdzv_endpoint and not config.standalone:
             command += ["--nnodes", str(nnodes), "--store", config.rdzv_endpoint]
-        watcher = subprocess.Popen(command, start_new_session=True)  # signals to the launch's group pass it by
+        watcher = KeptWatcher(command)
         try:
             yield Path(folder)
         finally:
-            watcher.kill()  # it ignores the stop signals, which are the ranks' to act on
-            watcher.wait()
+            watcher.stop()
+
+
+class KeptWatcher:
+    """The watcher process, started again when a signal kills it (kill -9, the OOM killer): the new one reads the
+    same slots, where the ranks keep their phases, times and learnt limits, so it picks up where the other left
+    off. A thread of the launcher waits on it: one blocked waitpid per node, nothing on the ranks or their steps.
+    A watcher that exits by itself is not started again: with 0 after its verdict, else after a crash's traceback,
+    with one line saying that the node is unwatched from then on."""
+
+    def __init__(self, command: list[str]):
+        self.command, self.stopping, self.lock = command, False, threading.Lock()
+        self.process = self._start()
+        threading.Thread(target=self._keep, name="nanotron-watcher-keeper", daemon=True).start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(self.command, start_new_session=True)  # signals to the launch's group pass it by
+
+    def _keep(self) -> None:
+        while (code := (dead := self.process).wait()) < 0:
+            with self.lock:
+                if self.stopping:
+                    return
+                self.process = self._start()
+            say(
+                f"warning: the node's watcher (pid {dead.pid}) was killed by signal {-code} ({_signal_name(-code)}); "
+                f"restarted it (pid {self.process.pid}) on the same ranks, hangs are still watched"
+            )
+        if code > 0 and not self.stopping:
+            say(
+                f"warning: the node's watcher (pid {dead.pid}) failed (exit code {code}); its ranks are unwatched "
+                "from now on: a hang ends at distributed.timeout_minutes"
+            )
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.process.kill()  # it ignores the stop signals, which are the ranks' to act on
+        self.process.wait()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "an unknown signal"
 
 
 def _forward_to_workers(signum: int, frame: object) -> None:

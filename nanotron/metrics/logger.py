@@ -1,14 +1,21 @@
 """The logging rank's sinks: the step line on the console (timestamped, `nanotron.console`), metrics.jsonl (every
-record with its wall-clock `time`), TensorBoard and (optionally) W&B; and what the run's summary line reports."""
+record with its wall-clock `time`), TensorBoard and (optionally) W&B; and what the run's summary line reports.
+
+metrics.jsonl is the record: a failure to write it stops the run in one line. TensorBoard and W&B are views of it:
+a tracker's failure (its disk full, its service gone) is one warning line, it gets nothing more, the run goes on."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nanotron.console import format_count, format_duration, say
+from nanotron.checkpoint.safe_io import short
+from nanotron.console import format_count, format_duration, quiet_handler_errors, say
 from nanotron.errors import storage_errors
 
 METRICS_HINT = "free space or fix the run dir (job.out_dir), then resume from the last checkpoint"
@@ -20,9 +27,8 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: Any = None):
         self.enabled = enabled
-        self.writer = None
         self.file = None
-        self.wandb = wandb  # a WandbRun, or None
+        self.trackers: dict[str, Any] = {}  # name -> TensorBoard or WandbRun: log(record), close()
         self.last: dict[str, tuple[int, float]] = {}  # key -> (step, value) of its latest record, for the summary
         self.best_eval: tuple[int, float] | None = None
         if not enabled:
@@ -31,10 +37,18 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         with storage_errors("write metrics", self.path, METRICS_HINT):
             self.file = open(self.path, "a")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        board = self._send("TensorBoard", partial(TensorBoard, run_dir / "tensorboard")) if tensorboard else None
+        self.trackers = {name: t for name, t in (("TensorBoard", board), ("W&B", wandb)) if t is not None}
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    def _send(self, tracker: str, action: Callable[[], Any]) -> Any:
+        """`action()`'s result; its failure is one warning line, and `tracker` gets nothing more (None)."""
+        try:
+            with quiet_handler_errors():
+                return action()
+        except Exception as error:  # noqa: BLE001 - a disk, a network, a service: none of them may stop the run
+            self.trackers.pop(tracker, None)
+            say(f"warning: {tracker} failed ({short(error)}); it gets nothing more, metrics.jsonl keeps every record")
+            return None
 
     def log(self, record: dict, line: str | None = None) -> None:
         if not self.enabled:
@@ -44,12 +58,8 @@ class MetricsLogger:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         scalars = {k: v for k, v in record.items() if k not in NOT_SCALARS and isinstance(v, (int, float))}
-        if self.writer is not None:
-            for key, value in scalars.items():
-                self.writer.add_scalar(key, value, record["step"])
-            self.writer.flush()
-        if self.wandb is not None:
-            self.wandb.log({"step": record["step"]} | scalars)
+        for name, tracker in list(self.trackers.items()):
+            self._send(name, partial(tracker.log, {"step": record["step"]} | scalars))
         self._remember(record["step"], scalars)
         if line:
             say(line)
@@ -65,8 +75,8 @@ class MetricsLogger:
 
     def resumed(self, step: int) -> None:
         """A resume from `step`'s checkpoint: W&B gets again what an earlier process may have lost (see wandb_run)."""
-        if self.wandb is not None and self.path.is_file():
-            self.wandb.resend(self.path, step)
+        if "W&B" in self.trackers and self.path.is_file():
+            self._send("W&B", partial(self.trackers["W&B"].resend, self.path, step))
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -93,10 +103,27 @@ class MetricsLogger:
                 self.file.close()
             except OSError:  # its buffered line failed to write: already reported by `log`
                 pass
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb is not None:
-            self.wandb.close()
+        for name, tracker in list(self.trackers.items()):
+            self._send(name, tracker.close)
+
+
+class TensorBoard:
+    """Every scalar of a record as a TensorBoard series in `folder`, the step as the axis."""
+
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        _drop_tensorboard_thread_errors()
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def log(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step":
+                self.writer.add_scalar(key, value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def step_line(r: dict, total_steps: int) -> str:
@@ -116,3 +143,18 @@ def _memory_detail(r: dict) -> str:
         return ""
     share = f"{r['memory_reserved_gib'] / r['memory_total_gib']:.0%} of {r['memory_total_gib']:.0f}GiB, "
     return f" ({share}reserved {r['memory_reserved_gib']:.2f}GiB, host {r['host_memory_gib']:.2f}GiB)"
+
+
+def _drop_tensorboard_thread_errors() -> None:
+    """TensorBoard's writer thread keeps its error and raises it again at the writer's next call, where it becomes
+    the one warning: the stack threading prints when that thread dies would be a second, longer report."""
+    printing = threading.excepthook
+    if getattr(printing, "drops_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not type(args.thread).__module__.startswith("tensorboard."):
+            printing(args)
+
+    hook.drops_tensorboard = True
+    threading.excepthook = hook

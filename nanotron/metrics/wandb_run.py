@@ -26,7 +26,7 @@ from typing import Any
 
 from nanotron import records
 from nanotron.config import Config
-from nanotron.console import say
+from nanotron.console import quiet_handler_errors, say
 from nanotron.errors import UserError
 from nanotron.io import write_atomic
 
@@ -68,14 +68,15 @@ class WandbRun:
         run_id = state.get("id") or secrets.token_hex(6)  # ours: lowercase letters and digits
         write_atomic(path, json.dumps({"id": run_id}) + "\n", durable=False)
         try:
-            run = wandb.init(
-                **init_settings(cfg),
-                name=cfg.job.name,
-                id=run_id,
-                resume="allow",
-                config=cfg.to_dict(),
-                settings=wandb.Settings(silent=True, init_timeout=60),
-            )
+            with quiet_handler_errors():  # its debug log on a full disk: a stack per record otherwise
+                run = wandb.init(
+                    **init_settings(cfg),
+                    name=cfg.job.name,
+                    id=run_id,
+                    resume="allow",
+                    config=cfg.to_dict(),
+                    settings=wandb.Settings(silent=True, init_timeout=60),
+                )
         except Exception as error:  # noqa: BLE001 - no network, bad credentials, a W&B server error
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             say(
