@@ -31,8 +31,9 @@ data: setup
 train: data
 	OMP_NUM_THREADS=1 $(PY) -m nanotron.train --nproc_per_node $(NPROC) --config configs/tiny.toml $(LAYOUT) $(TASKS) $(ARGS)
 
+# Two pytest workers (pytest-xdist) on the two cores; tests marked `exclusive` run alone (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -49,6 +50,24 @@ def tiny_data(tmp_path_factory) -> TinyData:
     data = tiny_data_of(root, docs, docs)
     data.task = tiny_task(root / "task.jsonl")
     return data
+
+
+@pytest.fixture(autouse=True)
+def _cpu_share(request, tmp_path_factory):
+    """Under `make test`'s two pytest-xdist workers: a test marked `exclusive` (it times ranks: hang and
+    straggler detection, the doctor, signals, Slurm jobs) runs alone, as on a quiet machine; the others run
+    two at a time. A readers-writer lock over the session's temp root, with a turnstile so that a waiting
+    exclusive test is not starved by the other worker's stream of shared ones."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    with open(root / "turnstile.lock", "a") as turnstile, open(root / "share.lock", "a") as share:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(share, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,7 @@ def test_startup_quick_times_fresh_and_resumed_first_steps(tmp_path, work_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # its doctor and hang rows time the ranks
 def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     """The GPU check's own smoke test on CPU: one device eager, dp2 with async saves, and a resume, each
     checked (finite falling losses, dp2 equal to one device, the resume equal to the uninterrupted run)."""

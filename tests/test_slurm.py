@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_MODEL, TinyData, read_metrics, run_train, train_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]  # a shared cluster and its timeouts
 
 CLUSTER_SCRIPTS = REPO / "tests" / "slurm"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

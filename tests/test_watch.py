@@ -31,6 +31,8 @@ from nanotron.watch.nodes import node_name
 from nanotron.watch.straggler import StragglerScores, lateness
 from nanotron.watch.watcher import Limits
 
+pytestmark = pytest.mark.exclusive  # hang and straggler detection and the doctor time the ranks
+
 SETTINGS = {"factor": 4.0, "floor_seconds": 8.0, "unseen_phase_seconds": 600.0, "startup_seconds": 1800.0}
 
 
