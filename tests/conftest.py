@@ -52,6 +52,13 @@ def tiny_data(tmp_path_factory) -> TinyData:
     return data
 
 
+def pytest_collection_modifyitems(config, items):
+    """Multi-process tests first, then the quick ones, then the `exclusive` ones: under two workers the
+    exclusive tests then wait for each other only, not for a long shared test on the other worker, and the
+    shared phase ends on short tests (stable: file order within each group)."""
+    items.sort(key=lambda item: (item.get_closest_marker("exclusive") is not None, not item.get_closest_marker("slow")))
+
+
 @pytest.fixture(autouse=True)
 def _cpu_share(request, tmp_path_factory):
     """Under `make test`'s two pytest-xdist workers: a test marked `exclusive` (it times ranks: hang and
