@@ -74,7 +74,7 @@ class LaunchError(UserError):
 
 
 class StorageError(UserError):
-    """The file system refused a write of a running job (read-only, full, over quota, permissions)."""
+    """The file system refused a write (read-only, full, over quota, permissions), or an output path can't be one."""
 
 
 # What a file system says that a person fixes (space, quota, permissions, a read-only or failing mount). Anything

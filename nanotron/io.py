@@ -1,9 +1,32 @@
-"""Crash-safe file writes: a reader sees the old file or the new one, never half of one."""
+"""Crash-safe file writes: a reader sees the old file or the new one, never half of one. And outputs checked before
+the work that fills them: a path that can't be written fails at once, not after the work."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+
+from nanotron.errors import StorageError
+
+
+def check_writable(key: str, folder: Path) -> None:
+    """Fails before any work (before any process group exists) if `folder`, named by `key` (a config key or a
+    flag), can't be made or written: one line with the reason, exit 2."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        reason = "a file is there" if folder.is_file() else error.strerror
+        raise StorageError(f"{key}: cannot write to '{folder}' ({reason}); choose a writable folder") from None
+
+
+def check_writable_file(key: str, path: Path) -> None:
+    """As `check_writable`, for the file `path` that the work ends by writing."""
+    if path.is_dir():
+        raise StorageError(f"{key}: '{path}' is a folder; give the path of a file to write")
+    check_writable(key, path.parent)
 
 
 def write_atomic(path: Path, content: str | bytes, durable: bool = True) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,12 @@ from typing import Any
 from nanotron.errors import UserError
 
 LARGEST = 2**63 - 1  # what a sample index or counter may reach: an int64
+
+
+def finite(value: Any) -> bool:
+    """A number a float holds: an int or float, not NaN nor Infinity nor an integer beyond the float range (whose
+    math.isfinite() is an OverflowError)."""
+    return type(value) in (int, float) and -sys.float_info.max <= value <= sys.float_info.max
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class Real(Check):
     minimum: float = -math.inf
 
     def accepts(self, value: Any) -> bool:
-        return type(value) in (int, float) and math.isfinite(value) and value >= self.minimum
+        return finite(value) and value >= self.minimum
 
 
 @dataclass(frozen=True)

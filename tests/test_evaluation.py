@@ -169,6 +169,25 @@ def test_eval_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     assert len(err) == 2 and "does not exist" in err[0] and "holds no committed checkpoint" in err[1]
 
 
+def test_eval_output_paths_are_checked_before_any_work(tmp_path, capsys):
+    """An --out or --items that can't be written failed only after loading and scoring everything."""
+    from nanotron.commands import eval as evaluate
+
+    step = tmp_path / "step-8"
+    step.mkdir()
+    (step / ".metadata").write_text("")  # a checkpoint to find: its config and weights are never read
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+    assert evaluate.main([str(step), "--tasks", "t.jsonl", "--out", str(tmp_path / "folder")]) == 2
+    items = ["--items", str(tmp_path / "file" / "items.jsonl"), "--out", str(tmp_path / "scores.json")]
+    assert evaluate.main([str(step), "--tasks", "t.jsonl", *items]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: --out: '{tmp_path / 'folder'}' is a folder; give the path of a file to write",
+        f"error: --items: cannot write to '{tmp_path / 'file'}' (a file is there); choose a writable folder",
+    ]
+
+
 def test_batches_score_like_length_rows_with_the_head_on_their_continuations_only(tiny_data):
     """Rows are batched by length and each batch carries one window of positions holding all of its targets:
     the head and the loss run there only (scores unchanged: the transformers comparison above)."""

@@ -180,3 +180,26 @@ def test_a_dir_without_metrics_is_one_line(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "has no metrics.jsonl" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_incident_with_an_empty_summary_is_listed_by_its_folder_name(tmp_path):
+    """An incident folder whose summary.txt is empty (a rank killed while writing it) was an IndexError."""
+    (tmp_path / "incidents" / "launch-7-0").mkdir(parents=True)
+    (tmp_path / "incidents" / "launch-7-0" / "summary.txt").write_text("")
+    (tmp_path / "incidents" / "launch-8-0").mkdir()
+    (tmp_path / "incidents" / "launch-8-0" / "summary.txt").write_text("rank 1 died: killed by signal 9\nstack\n")
+    text = metrics.summary(tmp_path, {}, [], [], None)
+    assert "- launch-7-0: launch-7-0\n- launch-8-0: rank 1 died: killed by signal 9\n" in text
+
+
+def test_an_out_that_is_a_file_is_one_line_before_drawing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    write_metrics(run_dir, [step(1, 5.0)])
+    (tmp_path / "taken").write_text("")
+    assert report.main([str(run_dir), "--out", str(tmp_path / "taken")]) == 2
+    assert report.main([str(run_dir), "--out", str(tmp_path / "taken" / "report")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: --out: cannot write to '{tmp_path / 'taken'}' (a file is there); choose a writable folder",
+        f"error: --out: cannot write to '{tmp_path / 'taken' / 'report'}' (Not a directory); choose a writable folder",
+    ]

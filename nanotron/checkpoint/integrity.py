@@ -104,7 +104,7 @@ def saved(folder: Path, allow_missing: bool = False, override: str = "") -> dict
         )
     try:
         sums = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:
         raise CheckpointError(f"'{file}' is unreadable ({type(error).__name__}); the checkpoint is damaged") from None
     if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
         raise CheckpointError(f"'{file}' is not a checksum table; the checkpoint is damaged")
@@ -124,20 +124,26 @@ def verify(folder: Path, expected: dict[str, str], names: list[str] | None = Non
     and `names` is None (every rank checks its share of all listed files, and all agree on the outcome)."""
     shared = names is None
     todo = _share(sorted(expected)) if shared else [n for n in names if n in expected]
-    problem = None
-    for name in todo:
-        file = folder / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            problem = f"'{folder}' lists a checksummed file outside its folder ({name!r}); refusing to read it"
-        elif not file.is_file():
-            problem = f"'{file}' is missing: the checkpoint '{folder}' is incomplete"
-        elif file_checksum(file) != expected[name]:
-            problem = f"'{file}' is corrupt (its {ALGORITHM} checksum differs from the one saved with it)"
-        if problem:
-            break
+    problem = next((p for name in todo if (p := _problem(folder, name, expected[name]))), None)
     found = [p for p in (_gather({"problem": problem}) if shared else [{"problem": problem}]) if p["problem"]]
     if found:
         raise CheckpointError(found[0]["problem"] + "; use another checkpoint")
+
+
+def _problem(folder: Path, name: str, checksum: str) -> str | None:
+    """What is wrong with the file `name` of `folder` against its `checksum`, if anything. The name is read from the
+    manifest, so untrusted: shown quoted (a newline in it stays on the line), refused outside the folder."""
+    file = folder / name
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        return f"'{folder}' lists a checksummed file outside its folder ({name!r}); refusing to read it"
+    try:
+        if not file.is_file():
+            return f"{str(file)!r} is missing: the checkpoint '{folder}' is incomplete"
+        if file_checksum(file) != checksum:
+            return f"{str(file)!r} is corrupt (its {ALGORITHM} checksum differs from the one saved with it)"
+    except OSError as error:  # a name too long, an I/O error
+        return f"{str(file)!r} is unreadable ({error.strerror})"
+    return None
 
 
 def check(folder: Path, allow_missing: bool = False, override: str = "", alone: bool = False) -> None:

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,18 +67,6 @@ def find_checkpoint(path: Path) -> Path:
         f"'{path}' holds no committed checkpoint (expected a step-N dir with .metadata, "
         "or a checkpoint/run dir containing one)"
     )
-
-
-def check_writable(key: str, folder: Path) -> None:
-    """Fails before any process group exists if `folder` (named by config `key`) can't be written."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise CheckpointError(
-            f"{key}: cannot write to '{folder}' ({error.strerror}); choose a writable folder"
-        ) from None
 
 
 def clean_stale(folder: Path) -> None:

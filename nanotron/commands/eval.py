@@ -26,7 +26,7 @@ from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError, run_as_main, run_command
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.gpu import set_matmul_precision
-from nanotron.io import write_atomic
+from nanotron.io import check_writable_file, write_atomic
 from nanotron.launch.torchrun import pop_nproc, spawn_local
 from nanotron.parallel.layout import layout_sizes
 from nanotron.parallel.mesh import destroy_distributed, init_distributed, launched_world_size
@@ -62,6 +62,10 @@ def _main(argv: list[str]) -> int:
     nproc = pop_nproc(argv)
     args, rest = _parser().parse_known_args(argv)
     step_dir = find_checkpoint(args.checkpoint)
+    out = args.out or Path(f"eval-{step_dir.name}.json")
+    for flag, file in (("--out", out), ("--items", args.items)):
+        if file is not None:  # before the work: a file that can't be written would fail only after scoring
+            check_writable_file(flag, file)
     if args.max_items < 0:
         raise ConfigError(f"--max_items: expected a non-negative integer, got {args.max_items}")
     path, overrides = parse_overrides(rest)
@@ -86,7 +90,6 @@ def _main(argv: list[str]) -> int:
     if result is not None and runner.is_logging_rank:
         scores, items = result
         print(scores_line(None, tasks, scores), flush=True)
-        out = args.out or Path(f"eval-{step_dir.name}.json")
         report = {
             "checkpoint": str(step_dir.absolute()),
             "layout": layout_sizes(cfg),

@@ -18,7 +18,7 @@ from pathlib import Path
 from nanotron.commands.args import Parser
 from nanotron.console import format_duration
 from nanotron.errors import DataError, run_command
-from nanotron.io import write_atomic
+from nanotron.io import check_writable, write_atomic
 from nanotron.metrics.report import duration, events, figures, read_records, series, summary
 
 
@@ -33,7 +33,7 @@ def _main(argv: list[str]) -> int:
     except ImportError:
         raise DataError("nanotron report draws with matplotlib: pip install '.[bench]' (or matplotlib)") from None
     out = args.out or args.run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable("--out", out)
     data, found, seconds = series(records), events(records), duration(records)
     caption = args.run_dir.resolve().name + (f", {format_duration(seconds)}" if seconds is not None else "")
     written = figures(data, found, out, caption)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 
-from nanotron.checkpoint.layout import check_writable
 from nanotron.config import help_text, load_config, parse_overrides
 from nanotron.data import open_corpus
 from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
 from nanotron.gpu import apply_env_defaults
+from nanotron.io import check_writable
 from nanotron.launch.torchrun import pop_nproc, spawn_local
 from nanotron.lock import lock_run
 from nanotron.parallel.mesh import destroy_distributed, launched_world_size

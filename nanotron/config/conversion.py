@@ -5,7 +5,6 @@ so that a config this project refuses is reported in the source's terms."""
 from __future__ import annotations
 
 import json
-import math
 import re
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from typing import Any
 
 from nanotron.config.parse import SECTIONS, load_config, toml_text
 from nanotron.errors import ConfigError
+from nanotron.records import finite
 
 KeyPath = tuple[str | int, ...]
 ANY = None  # in a table of known keys: no value of the key changes anything here
@@ -202,7 +202,7 @@ def _is(value: Any, kind: type) -> bool:
     if kind in (int, float) and isinstance(value, bool):
         return False
     if kind is float:
-        return isinstance(value, (int, float)) and math.isfinite(value)
+        return finite(value)
     return isinstance(value, kind)
 
 

@@ -60,7 +60,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 raise ValueError
             return [_coerce(f"{key}[{i}]" if is_dataclass(args[0]) else key, v, args[0]) for i, v in enumerate(items)]
         if is_dataclass(hint):
-            return _table(key, hint.from_text(value) if from_cli else value, hint)
+            spelled = from_cli and hasattr(hint, "from_text")  # a [[data.datasets]] entry as `path:weight`
+            return _table(key, hint.from_text(value) if spelled else value, hint)
         if hint is bool:
             if isinstance(value, bool):
                 return value
@@ -82,7 +83,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             if not isinstance(value, str):
                 raise ValueError
             return value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond any float
         pass
     else:
         raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - schema bug
@@ -98,7 +99,7 @@ def _table(key: str, value: Any, hint: type) -> Any:
     table = hint()
     for name, item in value.items():
         if name not in hints:
-            raise ConfigError(f"unknown key '{name}' in {key}{_suggest(name, list(hints))}")
+            raise ConfigError(f"unknown key {name!r} in {key}{_suggest(name, list(hints))}")
         setattr(table, name, _coerce(f"{key}.{name}", item, hints[name]))
     return table
 
@@ -106,9 +107,9 @@ def _table(key: str, value: Any, hint: type) -> Any:
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     section, _, key = dotted.partition(".")
     if section not in SECTIONS:
-        raise ConfigError(f"unknown section '{section}' in {where}{_suggest(section, list(SECTIONS))}")
+        raise ConfigError(f"unknown section {section!r} in {where}{_suggest(section, list(SECTIONS))}")
     if not key:
-        raise ConfigError(f"'{dotted}' in {where}: expected section.key, e.g. training.steps")
+        raise ConfigError(f"{dotted!r} in {where}: expected section.key, e.g. training.steps")
     obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(obj))
     table, _, sub = key.partition(".")
@@ -119,7 +120,7 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     if dotted in RETIRED:
         raise ConfigError(f"{dotted} was removed: {RETIRED[dotted]} ({where})")
     if key not in hints:
-        raise ConfigError(f"unknown key '{dotted}' in {where}{_suggest(key, list(hints))}")
+        raise ConfigError(f"unknown key {dotted!r} in {where}{_suggest(key, list(hints))}")
     if is_dataclass(hints[key]) and isinstance(value, dict):  # a [model.moe] table sets the keys it names
         for name, item in value.items():
             _set(cfg, f"{dotted}.{name}", item, where)
@@ -135,7 +136,7 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}': expected --section.key=value or --config FILE")
+            raise ConfigError(f"unexpected argument {arg!r}: expected --section.key=value or --config FILE")
         name, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and name != "config"):
@@ -173,7 +174,7 @@ def _read_tables(path: Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what}: '{path}' is not valid TOML ({e})") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"'{section}' in {path}: expected a [section] table{_suggest(section, list(SECTIONS))}")
+            raise ConfigError(f"{section!r} in {path}: expected a [section] table{_suggest(section, list(SECTIONS))}")
     return data
 
 

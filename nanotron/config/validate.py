@@ -10,6 +10,7 @@ from nanotron.config.model import PRESET_COMMON, PRESETS, ModelConfig
 from nanotron.config.mup import resolve_mup
 from nanotron.config.schema import Config
 from nanotron.errors import ConfigError
+from nanotron.records import LARGEST
 
 # A run name is one path component (the run dir under job.out_dir) and the Slurm job name: no separators, no "..",
 # nothing a shell or a file system treats specially.
@@ -279,10 +280,10 @@ def sample_windows(entries: list[str]) -> list[tuple[int, int]]:
             window = (int(start), int(end)) if colon else None
         except ValueError:
             window = None
-        if window is None or not 0 <= window[0] < window[1]:
+        if window is None or not 0 <= window[0] < window[1] <= LARGEST:
             raise ConfigError(
                 f"data.skip_samples[{i}]={entry!r}: expected START:END, two sample indices with 0 <= START < END "
-                "(END excluded), e.g. 4096:8192"
+                "< 2**63 (END excluded), e.g. 4096:8192"
             )
         windows.append(window)
     return windows

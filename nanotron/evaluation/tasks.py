@@ -21,14 +21,19 @@ log-likelihood divided by the choice's length in characters (lm-evaluation-harne
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanotron.config.conversion import show
 from nanotron.errors import DataError
 from nanotron.tokenize.tokenizer import Tokenizer
 
 FORMAT_HINT = 'one JSON object per line, e.g. {"context": "...", "choices": ["...", "..."], "gold": 0}'
+# What JSON's "\ud800" escapes decode to and no tokenizer (nor UTF-8) encodes: half of a UTF-16 pair, no text.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,10 @@ class Task:
         return sum(1 / len(item.choices) for item in self.items) / len(self.items)
 
 
+def _is_text(value: object) -> bool:
+    return isinstance(value, str) and not _LONE_SURROGATE.search(value)
+
+
 def _item(record: dict, where: str) -> Item:
     """One JSON record in any of the accepted layouts as an Item, or a DataError naming the line."""
     if "context" in record or "query" in record:
@@ -64,24 +73,40 @@ def _item(record: dict, where: str) -> Item:
     elif "ctx" in record and "endings" in record:  # HellaSwag
         context, choices, gold = record["ctx"], record["endings"], record.get("label")
     elif "question" in record and isinstance(record.get("choices"), dict):  # ARC
-        context = f"Question: {record['question']}\nAnswer:"
-        labels = record["choices"].get("label", [])
+        question, labels = record["question"], record["choices"].get("label", [])
+        context = f"Question: {question}\nAnswer:" if isinstance(question, str) else question
         choices = record["choices"].get("text")
         answer = record.get("answerKey")
-        gold = labels.index(answer) if answer in labels else answer
+        gold = labels.index(answer) if isinstance(labels, list) and answer in labels else answer
     else:
         raise DataError(f"{where}: no context/query/ctx/question field; expected {FORMAT_HINT}")
     if isinstance(gold, list) and len(gold) == 1:  # lighteval stores gold_index as a list
         gold = gold[0]
-    if isinstance(gold, str) and gold.strip().isdigit():
-        gold = int(gold)
-    if not isinstance(context, str):
-        raise DataError(f"{where}: the context must be a string, got {context!r}")
-    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
-        raise DataError(f"{where}: expected 'choices' to be a list of 2 or more non-empty strings, got {choices!r}")
+    if isinstance(gold, str):  # HellaSwag's "0"; anything int() does not read is refused below as it is
+        with contextlib.suppress(ValueError):
+            gold = int(gold)
+    if not _is_text(context):
+        raise DataError(f"{where}: expected the context to be text (a string, no lone surrogate), got {show(context)}")
+    if not isinstance(choices, list) or len(choices) < 2 or not all(_is_text(c) and c for c in choices):
+        raise DataError(
+            f"{where}: expected 'choices' to be a list of 2 or more non-empty strings of text, got {show(choices)}"
+        )
     if type(gold) is not int or not 0 <= gold < len(choices):
-        raise DataError(f"{where}: expected the gold index to be an integer in [0, {len(choices)}), got {gold!r}")
+        raise DataError(f"{where}: expected the gold index to be an integer in [0, {len(choices)}), got {show(gold)}")
     return Item(context, tuple(choices), gold)
+
+
+def _line_item(line: bytes, where: str) -> Item:
+    """One line of a task file as an Item, or a DataError naming the line."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start}); expected {FORMAT_HINT}") from None
+    except (ValueError, RecursionError) as e:  # also a number too long for int(), or nesting too deep
+        raise DataError(f"{where}: not JSON ({getattr(e, 'msg', e)}); expected {FORMAT_HINT}") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, {FORMAT_HINT}")
+    return _item(record, where)
 
 
 def load_task(name: str, path: str | Path, max_items: int = 0) -> Task:
@@ -91,18 +116,10 @@ def load_task(name: str, path: str | Path, max_items: int = 0) -> Task:
     if not path.is_file():
         raise DataError(f"{what}: no file at '{path}'; expected a JSONL file, {FORMAT_HINT}")
     items = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{what}: {path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not JSON ({e.msg}); expected {FORMAT_HINT}") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object, {FORMAT_HINT}")
-            items.append(_item(record, where))
+            if line.strip():
+                items.append(_line_item(line, f"{what}: {path}:{number}"))
             if max_items and len(items) == max_items:
                 break
     if not items:

@@ -82,7 +82,7 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
         raise CheckpointError(f"'{config_file}' not found: '{hf_dir}' is not a Hugging Face model dir")
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:
         raise CheckpointError(f"'{config_file}' is not valid JSON ({error})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"'{config_file}' is not a JSON object (found a {type(config).__name__})")

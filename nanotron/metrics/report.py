@@ -264,8 +264,8 @@ def summary(
     if incident_dir.is_dir():
         for entry in sorted(incident_dir.iterdir()):
             summary_file = entry / "summary.txt"
-            text = summary_file.read_text(errors="replace").splitlines()[0] if summary_file.is_file() else entry.name
-            incidents.append(f"- {entry.name}: {text}")
+            first = summary_file.read_text(errors="replace").splitlines()[:1] if summary_file.is_file() else []
+            incidents.append(f"- {entry.name}: {first[0] if first else entry.name}")
     lines += incidents or ["- none recorded"]
     lines += ["", "## Figures", "", f"Each also as {', '.join('.' + f for f in FORMATS[1:])} (text kept as text).", ""]
     lines += [f"![{name}]({name})" for name in written]

@@ -57,7 +57,7 @@ def read_meta(directory: Path, what: str) -> dict[str, Any]:
         )
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise DataError(f"{what}: '{meta_path}' is unreadable ({e}); {RETOKENIZE}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise DataError(
@@ -72,17 +72,18 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
+def _is_counts(value: Any) -> bool:
+    """A count per split, e.g. {"train": 3, "val": 1}."""
+    return isinstance(value, dict) and all(_is_count(value.get(split)) for split in SPLITS)
+
+
 def _is_shard(shard: Any) -> bool:
-    """A shard record as readers use it: token counts per split and the files with their byte sizes."""
-    if not isinstance(shard, dict) or not isinstance(shard.get("tokens"), dict):
+    """A shard record as readers use it: token counts per split and the files with their byte sizes and sha256."""
+    if not isinstance(shard, dict) or not _is_counts(shard.get("tokens")):
         return False
     files = shard.get("files")
-    return (
-        all(_is_count(shard["tokens"].get(split)) for split in SPLITS)
-        and isinstance(files, dict)
-        and all(
-            isinstance(name, str) and isinstance(f, dict) and _is_count(f.get("bytes")) for name, f in files.items()
-        )
+    return isinstance(files, dict) and all(
+        isinstance(f, dict) and _is_count(f.get("bytes")) and isinstance(f.get("sha256"), str) for f in files.values()
     )
 
 
@@ -104,6 +105,8 @@ def _check_fields(meta: dict[str, Any], where: str) -> None:
         ),
         ("eos_id", _is_count(meta.get("eos_id")), "an integer >= 0"),
         ("vocab_size", _is_count(meta.get("vocab_size")), "an integer >= 0"),
+        ("documents", _is_counts(meta.get("documents")), "an integer >= 0 per split ('train', 'val')"),
+        ("tokens", _is_counts(meta.get("tokens")), "an integer >= 0 per split ('train', 'val')"),
     ]
     for field, ok, expected in checks:
         if not ok:
@@ -123,7 +126,7 @@ def check_files(directory: Path, files: dict[str, dict[str, Any]], itemsize: int
         path = directory / name
         try:
             size = path.stat().st_size
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a name with a NUL byte or a lone surrogate
             raise DataError(f"{what}: token file '{path}' listed in {META} is missing; {RETOKENIZE}") from None
         if size != record["bytes"]:
             odd = f", not a whole number of {itemsize}-byte tokens" if name.endswith(".bin") and size % itemsize else ""
