@@ -31,9 +31,10 @@ data: setup
 train: data
 	OMP_NUM_THREADS=1 $(PY) -m nanotron.train --nproc_per_node $(NPROC) --config configs/tiny.toml $(LAYOUT) $(TASKS) $(ARGS)
 
-# Two pytest workers (pytest-xdist) on the two cores; tests marked `exclusive` run alone (tests/conftest.py).
+# Two pytest workers (pytest-xdist) on the two cores, handed two tests at a time so that the tests marked
+# `exclusive` (run alone, tests/conftest.py) stay at the end of the run; ARGS='-n 8' on a bigger machine.
 test: setup
-	$(PY) -m pytest -q -n 2 $(ARGS)
+	$(PY) -m pytest -q -n 2 --maxschedchunk 2 $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
