@@ -154,10 +154,14 @@ def sparse_dir(root: Path, samples: int, tokenizer_path: Path, shards: int) -> P
                 with open(out / name, "wb") as f:
                     f.truncate(size)  # sparse: no block is written
                 files[name] = {"bytes": size, "sha256": "not computed (sparse benchmark file)"}
-        records.append({"first_document": index, "documents": 1, "tokens": tokens, "files": files})
+        split_documents = {split: int(count > 0) for split, count in tokens.items()}
+        records.append({"first_document": index, "documents": 1, "split_documents": split_documents})
+        records[-1] |= {"tokens": tokens, "files": files}
     meta = {"format": FORMAT, "version": VERSION, "dtype": "uint16", "eos_id": tokenizer.eos_id}
     meta |= {"vocab_size": tokenizer.vocab_size, "tokenizer": {"fingerprint": tokenizer.fingerprint, "path": "bench"}}
-    meta |= {"shards": records}
+    documents = {split: sum(r["split_documents"][split] for r in records) for split in ("train", "val")}
+    totals = {split: sum(r["tokens"][split] for r in records) for split in ("train", "val")}
+    meta |= {"documents": documents, "tokens": totals, "shards": records}
     (out / "meta.json").write_text(json.dumps(meta))
     return out
 
