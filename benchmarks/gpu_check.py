@@ -18,6 +18,8 @@ Each row is checked, and the command exits 1 if any check fails:
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran.
 `--quick` runs a nano model on CPU (gloo for the 2-rank rows, no compile): the script's own smoke test.
+`--only rows` runs the training rows and the kernel checks, `--only watch` the doctor and hang checks (rerun one
+half after fixing it; the test suite runs the two halves separately, the watch half alone on the machine).
 Writes gpu_check.csv/.md to --out; speed is the median over the steps after --warmup.
 """
 
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per step, every row")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as hung")
     parser.add_argument("--quick", action="store_true", help="nano model on CPU: a smoke test of this script")
+    parser.add_argument("--only", choices=("rows", "watch"), help="the training rows and kernels, or the watch checks")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="folder for gpu_check.csv/.md")
     parser.add_argument("--work-dir", type=Path, default=REPO / ".cache" / "gpu_check", help="corpus and run dirs")
     settings = parser.parse_args(argv)
@@ -259,6 +262,20 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint.resume_from=none",
         *(["--logging.peak_tflops=1"] if settings.quick else []),
     ]
+    failed = False
+    if settings.only != "watch":
+        failed |= not training_checks(settings, common, device, name, peak, n_devices)
+    if settings.only != "rows":
+        failed |= not watch_checks(common, n_devices, settings)
+    for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
+        shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each
+    return 1 if failed else 0
+
+
+def training_checks(
+    settings: argparse.Namespace, common: list[str], device: str, name: str, peak: float | None, n_devices: int
+) -> bool:
+    """The training rows (gpu_check.csv/.md), then context parallelism's and the experts' kernels."""
     done: dict[str, dict] = {}
     rows, failed = [], False
     for check in checks(settings, n_devices):
@@ -281,10 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.moe import kernel_check
 
     failed |= not kernel_check(device)  # the experts' grouped GEMM against the loop
-    failed |= not watch_checks(common, n_devices, settings)
-    for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
-        shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each
-    return 1 if failed else 0
+    return not failed
 
 
 if __name__ == "__main__":

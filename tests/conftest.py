@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -55,22 +56,40 @@ def tiny_data(tmp_path_factory) -> TinyData:
 def pytest_collection_modifyitems(config, items):
     """Multi-process tests first, then the quick ones, then the `exclusive` ones: under two workers the
     exclusive tests then wait for each other only, not for a long shared test on the other worker, and the
-    shared phase ends on short tests (stable: file order within each group)."""
+    shared phase ends on short tests (stable: file order within each group). The shared `cluster` tests (one
+    at a time) are spread evenly over the multi-process ones, so that the two workers seldom want the
+    cluster at once."""
     items.sort(key=lambda item: (item.get_closest_marker("exclusive") is not None, not item.get_closest_marker("slow")))
+    spread = [item for item in items if item.get_closest_marker("cluster") and not item.get_closest_marker("exclusive")]
+    if not spread:
+        return
+    rest = [item for item in items if item not in spread]
+    n_slow = sum(1 for item in rest if item.get_closest_marker("slow") and not item.get_closest_marker("exclusive"))
+    step = max(n_slow // (len(spread) + 1), 1)
+    for k, item in enumerate(spread):
+        rest.insert(min((k + 1) * step + k, len(rest)), item)
+    items[:] = rest
 
 
 @pytest.fixture(autouse=True)
 def _cpu_share(request, tmp_path_factory):
     """Under `make test`'s two pytest-xdist workers: a test marked `exclusive` (it times ranks: hang and
-    straggler detection, the doctor, signals, Slurm jobs) runs alone, as on a quiet machine; the others run
-    two at a time. A readers-writer lock over the session's temp root, with a turnstile so that a waiting
-    exclusive test is not starved by the other worker's stream of shared ones."""
+    straggler detection, the doctor) runs alone, as on a quiet machine; the others run two at a time. A
+    readers-writer lock over the session's temp root, with a turnstile so that a waiting exclusive test is not
+    starved by the other worker's stream of shared ones. A test marked `cluster` (it submits to the local Slurm
+    cluster, whose nodes the jobs take whole) first takes the cluster's own lock: one such test at a time,
+    beside the other worker's shared tests (taken before the CPU locks, so the two never deadlock)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
     root = tmp_path_factory.getbasetemp().parent
     exclusive = request.node.get_closest_marker("exclusive") is not None
-    with open(root / "turnstile.lock", "a") as turnstile, open(root / "share.lock", "a") as share:
+    with contextlib.ExitStack() as held:
+        if request.node.get_closest_marker("cluster") is not None:
+            cluster = held.enter_context(open(root / "cluster.lock", "a"))
+            fcntl.flock(cluster, fcntl.LOCK_EX)
+        turnstile = held.enter_context(open(root / "turnstile.lock", "a"))
+        share = held.enter_context(open(root / "share.lock", "a"))
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(share, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)

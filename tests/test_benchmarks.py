@@ -21,8 +21,8 @@ def work_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bench_work")
 
 
-def run_benchmark(module: str, out: Path, work_dir: Path, timeout: float = 180) -> str:
-    cmd = [sys.executable, "-m", module, "--quick", "--out", str(out), "--work-dir", str(work_dir)]
+def run_benchmark(module: str, out: Path, work_dir: Path, timeout: float = 180, extra: tuple[str, ...] = ()) -> str:
+    cmd = [sys.executable, "-m", module, "--quick", "--out", str(out), "--work-dir", str(work_dir), *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -81,11 +81,11 @@ def test_startup_quick_times_fresh_and_resumed_first_steps(tmp_path, work_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # its doctor and hang rows time the ranks
 def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
-    """The GPU check's own smoke test on CPU: one device eager, dp2 with async saves, and a resume, each
-    checked (finite falling losses, dp2 equal to one device, the resume equal to the uninterrupted run)."""
-    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=420)  # + the doctor and a hang
+    """The GPU check's own smoke test on CPU, its training rows and kernels: one device eager, dp2 with async
+    saves, and a resume, each checked (finite falling losses, dp2 equal to one device, the resume equal to the
+    uninterrupted run)."""
+    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=300, extra=("--only", "rows"))
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
     assert list(rows) == ["bf16 eager", "moe bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
@@ -94,10 +94,19 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     for kernel in ("fused", "matmul"):  # context parallelism's block kernels (CUDA runs the matmul one)
         assert f"cp attention {kernel} cp4 document: max error vs full attention" in stdout
     assert "moe grouped GEMM (cpu): max relative error" in stdout  # the experts' CUDA kernel on a GPU
-    assert "FAILED" not in stdout
+    assert "FAILED" not in stdout and "doctor" not in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.exclusive  # the doctor and the watcher time the ranks
+def test_gpu_check_quick_runs_the_doctor_and_names_a_hang(tmp_path, work_dir):
+    """The GPU check's watch half on CPU: the doctor passes the healthy devices and names a wrong matmul, and
+    the watcher names a rank that hangs on the 2-device path; no training row runs."""
+    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=300, extra=("--only", "watch"))
     assert "doctor healthy                          ok" in stdout
     assert "doctor rank:0,step:0,kind:bad_matmul    ok" in stdout
-    assert "train rank:1,step:3,kind:sleep         ok" in stdout  # the watcher on the 2-device path
+    assert "train rank:1,step:3,kind:sleep         ok" in stdout
+    assert not (tmp_path / "gpu_check.csv").exists()
 
 
 @pytest.mark.slow

@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_MODEL, TinyData, read_metrics, train_env
 
-pytestmark = pytest.mark.exclusive  # job scripts' signals and requeues
-
 JOB_SCRIPT = REPO / "launch" / "slurm.sh"
 EPHEMERAL_PORTS = range(32768, 61000)  # Linux's default net.ipv4.ip_local_port_range
 

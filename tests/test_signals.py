@@ -25,8 +25,6 @@ from conftest import (
 
 from nanotron.checkpoint.layout import latest_checkpoint
 
-pytestmark = pytest.mark.exclusive  # signals raced against running ranks
-
 
 def start(tiny_data, tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
     """A long tiny run in a process group of its own (as under `timeout`, a shell job or a Slurm step)."""

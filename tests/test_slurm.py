@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_MODEL, TinyData, read_metrics, run_train, train_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.exclusive]  # a shared cluster and its timeouts
+# Tests that submit jobs are marked `cluster`: one at a time on the cluster, beside other shared tests.
 
 CLUSTER_SCRIPTS = REPO / "tests" / "slurm"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -162,6 +162,8 @@ def gpus_per_node(env: dict[str, str]) -> int:
     return int(match[1]) if (match := re.search(r"Gres=gpu:(\d+)", nodes)) else 0
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.parametrize("allocation", ["NPROC_PER_NODE=2", "--gpus-per-node=2"])
 def test_two_node_job_script_trains_with_world_size_nodes_times_processes(slurm_env, tiny_data, tmp_path, allocation):
     env, sbatch_options = dict(slurm_env), []
@@ -195,6 +197,8 @@ def reservation(slurm_env) -> Iterator[str]:
     subprocess.run(["scontrol", "delete", f"reservation={name}"], env=slurm_env, capture_output=True)
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_launcher_job_on_two_cpu_nodes_completes_and_show_logs_follows_it(slurm_env, tiny_data, tmp_path, reservation):
     """Also every option a stranger's cluster asks for reaches the job, and the set-up file runs on every node
     before the trainers' Python (it puts a sitecustomize on PYTHONPATH, which each trainer runs at start). QoS is
@@ -248,6 +252,8 @@ def test_launcher_job_on_two_cpu_nodes_completes_and_show_logs_follows_it(slurm_
     assert train_steps(tmp_path / "via-launcher") == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_preempted_job_checkpoints_and_requeued_job_resumes_until_done(slurm_env, tiny_data, tmp_path):
     steps, run = 30, tmp_path / "preempt"
     env = {**slurm_env, "NPROC_PER_NODE": "1"}
@@ -280,6 +286,8 @@ def test_preempted_job_checkpoints_and_requeued_job_resumes_until_done(slurm_env
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{steps}"
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_the_job_script_runs_as_documented_from_a_fresh_checkout(slurm_env, tiny_data, tmp_path):
     """`sbatch launch/slurm.sh configs/tiny.toml` with no other option, from a checkout that has no logs/ folder."""
     checkout = tmp_path / "checkout"
@@ -301,6 +309,8 @@ def test_the_job_script_runs_as_documented_from_a_fresh_checkout(slurm_env, tiny
     assert train_steps(tmp_path / "fresh") == [1, 2]
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_bad_input_in_a_two_node_job_is_one_error_line_and_exit_code_2(slurm_env, tiny_data, tmp_path):
     env = {**slurm_env, "NPROC_PER_NODE": "2"}
     missing = tmp_path / "no-tokenizer"
@@ -317,6 +327,9 @@ def test_bad_input_in_a_two_node_job_is_one_error_line_and_exit_code_2(slurm_env
     assert errors[0].startswith("error: [rank ") and "Traceback" not in text
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.exclusive  # the watcher times the ranks
 def test_a_hang_on_one_node_requeues_the_job_without_it_and_resumes_to_the_undisturbed_loss(
     slurm_env, tiny_data, tmp_path
 ):

@@ -31,7 +31,7 @@ from nanotron.watch.nodes import node_name
 from nanotron.watch.straggler import StragglerScores, lateness
 from nanotron.watch.watcher import Limits
 
-pytestmark = pytest.mark.exclusive  # hang and straggler detection and the doctor time the ranks
+# Tests marked `exclusive` time the ranks (hang and straggler detection, the doctor): they run alone.
 
 SETTINGS = {"factor": 4.0, "floor_seconds": 8.0, "unseen_phase_seconds": 600.0, "startup_seconds": 1800.0}
 
@@ -206,6 +206,7 @@ def test_a_rank_that_skips_the_step_collective_is_named_in_one_line(tiny_data, t
     assert f"rank 2 (node {node}) died: killed by signal 6 (SIGABRT) at step 3 (optimizer)" in stderr, stderr[-3000:]
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, expected",
@@ -240,6 +241,7 @@ def rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_rank_stopped_from_outside_is_detected_and_its_stack_read(tiny_data, tmp_path):
     started = time.time()
@@ -258,6 +260,7 @@ def test_a_rank_stopped_from_outside_is_detected_and_its_stack_read(tiny_data, t
     assert record["culprits"] == [2]
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_rank_three_times_slower_is_named_within_20_steps_and_the_others_score_zero(tiny_data, tmp_path):
     straggling = ["--watch.straggler_interval=5", "--watch.straggler_patience=2", "--training.steps=20"]
@@ -298,6 +301,7 @@ def test_the_watchers_of_several_nodes_agree_on_one_incident_one_leader_and_one_
     assert a.verdict(incident) == {"line": verdict.line, "culprits": [1], "nodes": ["n2"]}
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_transient_hang_restarts_the_ranks_in_place_and_a_permanent_one_stops_after_restarts_without_progress(
     tiny_data, tmp_path
@@ -333,6 +337,7 @@ def test_a_transient_hang_restarts_the_ranks_in_place_and_a_permanent_one_stops_
 # ---- nanotron doctor ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "fault, expected",
@@ -406,6 +411,7 @@ def two_node_doctor(tiny_data, tmp_path, fault: str) -> list[subprocess.Complete
     return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_the_in_job_doctor_of_a_two_node_job_names_the_bad_node_for_the_requeue(tiny_data, tmp_path):
     procs = two_node_doctor(tiny_data, tmp_path, "node:node-b,step:0,kind:bad_matmul")
@@ -415,6 +421,7 @@ def test_the_in_job_doctor_of_a_two_node_job_names_the_bad_node_for_the_requeue(
     assert not (tmp_path / "tiny" / "metrics.jsonl").exists()  # stopped before step 1
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize("problem", ["a file", "under a file", "read-only", "full"])
 def test_the_doctor_names_a_checkpoint_dir_it_cannot_write_in_one_line(tiny_data, tmp_path, problem):
@@ -446,6 +453,7 @@ def test_the_doctor_names_a_checkpoint_dir_it_cannot_write_in_one_line(tiny_data
     assert len(errors) == 1 and f"checkpoint.dir '{target}' cannot be written: " in errors[0], proc.stderr[-3000:]
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_the_doctor_passes_a_healthy_8_rank_layout_in_under_a_minute_and_runs_before_step_1(tiny_data, tmp_path):
     layout = ["--parallelism.dp=2", "--parallelism.tp=2", "--parallelism.pp=2", "--config", "configs/tiny.toml"]
@@ -487,6 +495,7 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line_and_the_details_are_file
     assert "by peer" in (incident / "rank-0.traceback.txt").read_text()  # gloo: connection closed or reset
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_killed_watcher_is_restarted_and_a_later_hang_is_still_named(tiny_data, tmp_path):
     """Issue 42 item 7: kill -9 of the node's watcher left the run unwatched without a word, and a hang then ended in
