@@ -6,12 +6,14 @@ the slot and its dump thread, the lateness formula); the slow ones inject each f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -269,6 +271,84 @@ def test_a_rank_three_times_slower_is_named_within_20_steps_and_the_others_score
     records = [r for r in read_metrics(tmp_path / "slow") if "straggler/max" in r]
     assert records[1]["step"] <= 20 and all(r["straggler/rank_2"] > 0.4 for r in records)
     assert all(r[f"straggler/rank_{rank}"] < 0.1 for r in records for rank in (0, 1, 3))
+
+
+# ---- a rank at half speed, stopped and continued from outside (no injector) ---------------------------------------
+
+TINY_SHAPE = ["--model.hidden_size=128", "--model.intermediate_size=384", "--model.num_layers=4"]
+TINY_SHAPE += ["--model.num_heads=4", "--model.num_kv_heads=2", "--model.vocab_size=512", "--model.max_seq_len=128"]
+TINY_SHAPE += ["--training.seq_len=128", "--training.micro_batch_size=4", "--training.global_batch_size=16"]
+LAYOUTS = {
+    "dp": ["--parallelism.dp=4"],
+    "fsdp": ["--parallelism.dp=4", "--parallelism.zero_stage=3"],
+    "tp": ["--parallelism.dp=2", "--parallelism.tp=2"],
+}
+
+
+def duty_cycle(pid: int, done: threading.Event, stopped: float = 0.15, running: float = 0.15) -> None:
+    """Stops and continues `pid` from outside until `done`: a rank at half speed that knows nothing of it."""
+    try:
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped)
+            os.kill(pid, signal.SIGCONT)
+            done.wait(running)
+    except ProcessLookupError:
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def run_with_a_half_speed_rank(tiny_data, tmp_path: Path, layout: str, slow_rank: int | None) -> tuple[str, list]:
+    """configs/tiny.toml's shape (tiny_data's 512-token vocabulary) at 4 ranks of `layout`, scored every 5 steps;
+    `slow_rank` is duty-cycled from outside once the first step is logged. Returns the console and the scores."""
+    name = f"{layout}-{slow_rank}"
+    args = [*TINY_MODEL, *TINY_SHAPE, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", f"--job.name={name}"]
+    args += [*WATCH, *LAYOUTS[layout], "--training.steps=40", "--checkpoint.save_final=false"]
+    args += ["--watch.straggler_interval=5", "--watch.straggler_patience=2", "--logging.log_interval=5"]
+    command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", "4", *args]
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(command, cwd=REPO, env=train_env(), stdout=pipe, stderr=pipe, text=True)
+    done, started = threading.Event(), time.time()
+    metrics = tmp_path / name / "metrics.jsonl"
+    while not metrics.exists() or not metrics.read_text():
+        assert proc.poll() is None and time.time() - started < 240, proc.communicate()
+        time.sleep(0.2)
+    cycler = None
+    if slow_rank is not None:
+        cycler = threading.Thread(target=duty_cycle, args=(rank_pid(proc.pid, slow_rank), done), daemon=True)
+        cycler.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        done.set()
+        if cycler is not None:
+            cycler.join()
+    assert proc.returncode == 0, stderr[-3000:]
+    records = [r for r in read_metrics(tmp_path / name) if "straggler/max" in r]
+    print(name, [(r["step"], [round(r[f"straggler/rank_{rank}"], 2) for rank in range(4)]) for r in records])
+    return stdout, records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_rank_stopped_half_the_time_from_outside_is_named_under_dp_fsdp_and_tp(tiny_data, tmp_path, layout):
+    """Issue 42 item 9: every collective inside the step waits for the slow rank, so all ranks reach the step's
+    collective late together; its own compute time between collectives is what shows it."""
+    stdout, records = run_with_a_half_speed_rank(tiny_data, tmp_path, layout, slow_rank=2)
+    warnings = [line for line in console_messages(stdout) if line.startswith("warning: straggler:")]
+    scores = [[round(r[f"straggler/rank_{rank}"], 2) for rank in range(4)] for r in records]
+    assert warnings, scores
+    assert all(line.startswith(f"warning: straggler: rank 2 (node {os.uname().nodename})") for line in warnings)
+
+
+@pytest.mark.slow
+def test_a_clean_run_names_no_straggler(tiny_data, tmp_path):
+    stdout, records = run_with_a_half_speed_rank(tiny_data, tmp_path, "dp", slow_rank=None)
+    scores = [[round(r[f"straggler/rank_{rank}"], 2) for rank in range(4)] for r in records]
+    assert not [line for line in console_messages(stdout) if line.startswith("warning: straggler:")], scores
+    assert max(max(row) for row in scores) < 0.25, scores
 
 
 def test_the_watchers_of_several_nodes_agree_on_one_incident_one_leader_and_one_verdict():
