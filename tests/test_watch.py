@@ -264,16 +264,18 @@ def test_a_rank_stopped_from_outside_is_detected_and_its_stack_read(tiny_data, t
 
 
 @pytest.mark.slow
-def test_a_rank_three_times_slower_is_named_within_20_steps_and_the_others_score_zero(tiny_data, tmp_path):
+def test_a_rank_three_times_slower_is_named_within_20_steps_and_no_other_rank_is(tiny_data, tmp_path):
     straggling = ["--watch.straggler_interval=5", "--watch.straggler_patience=2", "--training.steps=20"]
     proc = start(tiny_data, tmp_path, "slow", "rank:2,step:1,kind:slow:3", straggling)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     warnings = [line for line in console_messages(stdout) if line.startswith("warning: straggler:")]
-    assert warnings and warnings[0].startswith(f"warning: straggler: rank 2 (node {os.uname().nodename}) works")
+    assert warnings and all(
+        w.startswith(f"warning: straggler: rank 2 (node {os.uname().nodename}) works") for w in warnings
+    )
     records = [r for r in read_metrics(tmp_path / "slow") if "straggler/max" in r]
-    assert records[1]["step"] <= 20 and all(r["straggler/rank_2"] > 0.4 for r in records)
-    assert all(r[f"straggler/rank_{rank}"] < 0.1 for r in records for rank in (0, 1, 3))
+    # the drill sleeps twice the step's compute time, waits included: rank 2 works 3x or more as long as its peers
+    assert records[1]["step"] <= 20 and all(r["straggler/rank_2"] > 2.0 for r in records)
 
 
 # ---- a rank at half speed, stopped and continued from outside (no injector) ---------------------------------------
