@@ -2,7 +2,7 @@
 line, with every rank's stack in the incident dir and exit code 75; a slow rank is named by its straggler score.
 
 The fast tests hold the pieces to their rules (fault specs, learnt limits, attribution from gloo-like evidence,
-the slot and its dump thread, the lateness formula); the slow ones inject each fault into a 4-rank run."""
+the slot and its dump thread, the straggler score); the slow ones inject each fault into a 4-rank run."""
 
 from __future__ import annotations
 
