@@ -119,9 +119,10 @@ class Trainer:
         self.params = [param for module in self.modules for param in module.parameters()]
         self.runner = MicrobatchRunner(self.stages, cfg, self.ctx, on_phase=self.beat, eos_id=self.corpus.eos_id)
         self.run_microbatches = drill.losses(self.runner.forward_backward)
-        self.stragglers = StragglerScores(cfg.watch, self.ctx.rank, self.ctx.world_size, self.ctx.device)
-        # The step's collective (`ParallelContext.agree`), timed for the straggler scores.
-        self.agree = drill.collective(self.stragglers.timed(self.ctx.agree))
+        self.stragglers = StragglerScores(
+            cfg.watch, self.ctx.rank, self.ctx.world_size, self.ctx.device, stage=self.ctx.pp_rank
+        )
+        self.agree = drill.collective(self.ctx.agree)  # the step's collective (`ParallelContext.agree`)
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         self.optimizers = [
             build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
@@ -318,7 +319,7 @@ class Trainer:
             cfg.profiler, self.ctx.device, f"rank{self.ctx.rank}", self.ctx.rank == 0 or self.is_logging_rank
         )
         while self.state.step < t.steps and not stop:
-            with self.activation_stats.step(self.state.step + 1):
+            with self.activation_stats.step(self.state.step + 1), self.stragglers.step():
                 loss, grad_norm, stop, outcome = self.train_step()
             self.ctx.end_startup()  # the first step is done: collectives get distributed.timeout_minutes
             profiler.step()

@@ -49,7 +49,10 @@ def test_report_draws_what_the_run_logged_and_summarises_it(tmp_path, capsys):
     text = (out / "summary.md").read_text()
     assert "final train loss 3.5000 (best 3.5000)" in text  # the later record of step 3 wins
     assert "eval/demo/acc: best 0.400 at step 3" in text and "step 3: stability rollback" in text
-    assert "straggler scores above 0.25 of a step at steps [3]" in text and "![loss.png](loss.png)" in text
+    assert (
+        "straggler scores above 0.4 (a rank working 1.4x as long as its peers) at steps [3]" in text
+        and "![loss.png](loss.png)" in text
+    )
     assert "report: " in capsys.readouterr().out
 
 
@@ -101,7 +104,7 @@ UNITS = {
     "tflops": "TFLOP/s per device",
     "mfu": "MFU (% of peak)",
     "activations": "mean |x| per element",
-    "stragglers": "lateness (fraction of the median step)",
+    "stragglers": "own time beyond peers (fraction of their median)",
 }
 
 

@@ -150,3 +150,15 @@ def test_grouped_mm_multiplies_each_group_by_its_matrix():
     x, w = torch.randn(10, 8), torch.randn(3, 8, 8)
     out = door.grouped_mm(x, w, torch.tensor([3, 3, 10], dtype=torch.int32))
     assert torch.allclose(out, torch.cat([x[:3] @ w[0], x[3:] @ w[2]]), atol=1e-6)
+
+
+def test_collective_wait_clock_counts_the_waits_of_plain_and_functional_collectives(world_of_one):
+    from torch.distributed._functional_collectives import all_reduce
+
+    clock = door.collective_wait_clock()
+    assert door.collective_wait_clock()() == clock()  # installed once: a second call shares the clock
+    before = clock()
+    dist.all_reduce(torch.ones(2), async_op=True).wait()  # c10d's Work.wait: plain and FSDP collectives
+    after_plain = clock()
+    all_reduce(torch.ones(2), "sum", dist.group.WORLD).wait()  # wait_tensor: DTensor's collectives
+    assert before < after_plain < clock()

@@ -23,9 +23,12 @@ class WatchConfig:
         50, "steps between straggler scores (one all-gather of 2 floats per rank); 0 disables", min=0
     )
     straggler_threshold: float = opt(
-        0.25, "a rank arriving later than this fraction of a step at the step's collective is late", min=0.0
+        0.4,
+        "a rank that works longer than its peers between collectives by more than this fraction of their time "
+        "is slow (0.4: 1.4x as long)",
+        min=0.0,
     )
-    straggler_patience: int = opt(3, "intervals in a row a rank must be late before it is named", min=1)
+    straggler_patience: int = opt(3, "intervals in a row a rank must be slow before it is named", min=1)
     straggler_action: str = opt(
         "warn", "on a persistent straggler: warn, or exclude (stop with the node-fault exit code)", ("warn", "exclude")
     )

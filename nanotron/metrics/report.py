@@ -143,8 +143,8 @@ def _stragglers(data: dict[str, dict[int, float]]) -> Plot:
     worst = sorted(ranks, key=lambda rank: (-max(ranks[rank].values()), rank))[:TOP_STRAGGLERS]
     lines = [Line(f"max over {len(ranks)} ranks", data["straggler/max"])] if data.get("straggler/max") else []
     lines += [Line(f"rank {rank} (worst {max(ranks[rank].values()):.2f})", ranks[rank]) for rank in worst]
-    title = "Straggler scores (arrival at the step's collective)"
-    return Plot("stragglers", title, "lateness (fraction of the median step)", lines)
+    title = "Straggler scores (own time between collectives, against peers)"
+    return Plot("stragglers", title, "own time beyond peers (fraction of their median)", lines)
 
 
 def draw(plot: Plot, out: Path, caption: str = ""):
@@ -257,9 +257,11 @@ def summary(
     lines += ["", "## Incidents", ""]
     incidents = [f"- step {e['step']}: stability {e['stability/action']}" for e in found]
     if straggle := data.get("straggler/max"):
-        late = sorted(step for step, value in straggle.items() if value > 0.25)
-        if late:
-            incidents.append(f"- straggler scores above 0.25 of a step at steps {late[:10]}")
+        slow = sorted(step for step, value in straggle.items() if value > 0.4)
+        if slow:
+            incidents.append(
+                f"- straggler scores above 0.4 (a rank working 1.4x as long as its peers) at steps {slow[:10]}"
+            )
     incident_dir = run_dir / "incidents"
     if incident_dir.is_dir():
         for entry in sorted(incident_dir.iterdir()):

@@ -6,12 +6,15 @@ moves or changes one of them fails its canary in `tests/test_torch_private.py`, 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
@@ -24,6 +27,7 @@ __all__ = [
     "attention_with_lse",
     "attention_with_lse_backward",
     "checkpoint_in_place",
+    "collective_wait_clock",
     "concatenate_meshes",
     "enable_inductor_async_tp",
     "fake_process_group",
@@ -42,6 +46,36 @@ __all__ = [
 def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
     """The collective timeout of an existing group: torch sets it only when a group is created."""
     dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+_waited = [0.0]  # seconds the main thread spent blocked on collectives, since the clock was first asked for
+
+
+def collective_wait_clock() -> Callable[[], float]:
+    """A clock of the seconds this process's main thread has spent blocked waiting for collectives: c10d's
+    `Work.wait` (plain and FSDP collectives, pipeline sends and receives) and the functional collectives'
+    `wait_tensor` (DTensor's). torch has no public hook on a collective's wait (the NCCL completion hook is NCCL's
+    alone), so both are wrapped, once per process; other threads' waits (an async save's) are not counted. On CUDA
+    a wait only orders streams and returns at once: the host's clock does not see the device's waits there."""
+    if not getattr(dist.Work.wait, "_timed", False):
+        main = threading.main_thread().ident
+        dist.Work.wait = _timed(dist.Work.wait, main)
+        funcol.wait_tensor = _timed(funcol.wait_tensor, main)
+    return lambda: _waited[0]
+
+
+def _timed(wait: Callable, main: int | None) -> Callable:
+    def timed_wait(*args, **kwargs):
+        if threading.get_ident() != main:
+            return wait(*args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return wait(*args, **kwargs)
+        finally:
+            _waited[0] += time.perf_counter() - started
+
+    timed_wait._timed = True
+    return timed_wait
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
