@@ -339,6 +339,7 @@ def run_with_a_half_speed_rank(tiny_data, tmp_path: Path, layout: str, slow_rank
     return stdout, records
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_rank_stopped_half_the_time_from_outside_is_named_under_dp_fsdp_and_tp(tiny_data, tmp_path, layout):
@@ -351,6 +352,7 @@ def test_a_rank_stopped_half_the_time_from_outside_is_named_under_dp_fsdp_and_tp
     assert all(line.startswith(f"warning: straggler: rank 2 (node {os.uname().nodename})") for line in warnings)
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_clean_run_names_no_straggler(tiny_data, tmp_path):
     stdout, records = run_with_a_half_speed_rank(tiny_data, tmp_path, "dp", slow_rank=None)
