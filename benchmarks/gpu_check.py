@@ -16,7 +16,9 @@ Each row is checked, and the command exits 1 if any check fails:
 - compile, compile selective (both policies), dp2, tp2, cp2: step-1 loss within 1e-3 and the last 5 within 2e-2
   (relative) of the eager 1-device row (bf16 noise; a lost gradient is off by far more);
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
-- tp2 async: no "unavailable" warning, i.e. async TP really ran.
+- tp2 async: no "unavailable" warning, i.e. async TP really ran;
+- host syncs: one device, in this process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
+  except inside the step agreement, the step's one intended host sync (issue 47; on CPU tests/test_train.py counts).
 `--quick` runs a nano model on CPU (gloo for the 2-rank rows, no compile): the script's own smoke test.
 `--only rows` runs the training rows and the kernel checks, `--only watch` the doctor and hang checks (rerun one
 half after fixing it; the test suite runs the two halves separately, the watch half alone on the machine).
@@ -298,7 +300,56 @@ def training_checks(
     from benchmarks.moe import kernel_check
 
     failed |= not kernel_check(device)  # the experts' grouped GEMM against the loop
+    if device == "cuda":
+        failed |= not host_sync_check(common, settings)
     return not failed
+
+
+def host_sync_check(common: list[str], settings: argparse.Namespace) -> bool:
+    """A step makes the host wait for the GPU once, in the step agreement (`ParallelContext.agree`): a 5-step run on
+    one device in this process, logging only steps 1 and 5, with every other sync of steps 2-4 (their ends
+    included) an error."""
+    import torch
+
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.parallel.mesh import destroy_distributed
+    from nanotron.trainer import Trainer
+
+    run = [f"--job.out_dir={settings.work_dir / 'runs'}", "--job.name=gpu_check-host_syncs"]
+    cfg = load_config(*parse_overrides([*common, *run, "--training.steps=5", "--logging.log_interval=1000"]))
+    trainer = Trainer(cfg)
+    checked = {"mode": "default", "agreements": 0}
+    agree, train_step = trainer.agree, trainer.train_step
+
+    def agreement(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return agree(*args, **kwargs)
+        finally:
+            checked["agreements"] += checked["mode"] == "error"
+            torch.cuda.set_sync_debug_mode(checked["mode"])
+
+    def step():
+        checked["mode"] = "error" if 2 <= trainer.state.step + 1 < cfg.training.steps else "default"
+        torch.cuda.set_sync_debug_mode(checked["mode"])  # stays on through the step's end, until the next step
+        return train_step()
+
+    trainer.agree, trainer.train_step = agreement, step
+    try:
+        trainer.train()
+        problem = None if checked["agreements"] == 3 else f"{checked['agreements']} step agreements in 3 steps"
+    except RuntimeError as error:  # "called a synchronizing CUDA operation": where is in the traceback
+        import traceback
+
+        traceback.print_exc()
+        problem = f"a host sync outside the step agreement: {str(error).splitlines()[0]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        trainer.close()
+        destroy_distributed()
+        torch.cuda.empty_cache()
+    print(f"host syncs per step: {'1 (the step agreement)' if problem is None else problem}", flush=True)
+    return problem is None
 
 
 if __name__ == "__main__":

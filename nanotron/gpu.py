@@ -99,6 +99,11 @@ def gpu_peak_tflops(name: str, mode: str) -> float | None:
     return None if device is None else device.peak(mode)
 
 
+def device_memory_gib(device: torch.device) -> float | None:
+    """A CUDA device's memory in GiB; None for a CPU (no device memory to plan against)."""
+    return torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+
+
 def set_matmul_precision(cfg: Config, device: torch.device) -> None:
     """fp32 matmuls on TF32 tensor cores (training.tf32) on CUDA; CPU keeps full fp32 whatever the key."""
     if device.type == "cuda":

@@ -67,6 +67,10 @@ def test_both_override_spellings_parse():
         (["--training.steps=0"], "training.steps: expected a value >= 1, got 0"),
         (["--training.dtype=fp8"], "training.dtype: expected one of 'float32', 'bfloat16', got 'fp8'"),
         (
+            ["--parallelism.sp_regather=yes"],
+            "parallelism.sp_regather: expected one of 'auto', 'on', 'off', got 'yes'",
+        ),
+        (
             ["--model.num_heads=4", "--model.num_kv_heads=3"],
             "model.num_heads=4 is not divisible by model.num_kv_heads=3",
         ),

@@ -130,7 +130,7 @@ def test_one_rank_attention_with_documents_equals_the_naive_reference():
 CP_LAYOUTS = [
     Layout(cp=2),
     Layout(dp=2, cp=2, flags=("--parallelism.zero_stage=3",)),
-    Layout(cp=2, tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
+    Layout(cp=2, tp=2, flags=("--parallelism.tp_mode=reduce_scatter", "--parallelism.sp_regather=on")),
     Layout(cp=2, pp=2, flags=("--parallelism.pp_engine=1f1b",)),
     Layout(cp=2, tp=2, pp=2, flags=("--parallelism.recompute=full",)),
 ]

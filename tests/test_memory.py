@@ -6,7 +6,6 @@ within 5%, saved activations within 25%)."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import subprocess
@@ -196,20 +195,18 @@ def test_sequence_parallel_keeps_its_gathered_inputs_as_shards_as_planned(one_pr
     checked on the fake process group below), and the losses are one process's (the re-gathered values are the
     ones the weight gradients need)."""
     _, ref_losses = one_process
-    layout = ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter"]
+    layout = ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter", "--parallelism.sp_regather=on"]
     ranks, losses = measure(tiny_data, tmp_path, "run", 2, layout, activation_tolerance=0.06)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=0)
 
 
-def saved_activation_bytes(monkeypatch, overrides: list[str], regather: bool) -> int:
+def saved_activation_bytes(overrides: list[str], regather: str) -> int:
     """Peak saved activations of one step of rank 0 at tp2 on the fake process group (one process; collectives
     move nothing, so values are garbage, but what autograd keeps is real), measured by the benchmarks' probe."""
     from benchmarks.probe import StepProbe
-    from nanotron.parallel import parallelize
 
-    if not regather:
-        monkeypatch.setattr(parallelize, "apply_regather", lambda *args: None)
-    cfg = load_config(*parse_overrides(["--config", "configs/tiny.toml", *TINY_MODEL, *overrides]))
+    args = ["--config", "configs/tiny.toml", *TINY_MODEL, *overrides, f"--parallelism.sp_regather={regather}"]
+    cfg = load_config(*parse_overrides(args))
     fake_process_group(rank=0, world_size=cfg.world_size)
     try:
         ctx = ParallelContext(build_mesh(cfg, "cpu"), torch.device("cpu"), 0, cfg.world_size, 0, 0, 0)
@@ -223,17 +220,15 @@ def saved_activation_bytes(monkeypatch, overrides: list[str], regather: bool) ->
         dist.destroy_process_group()
 
 
-def test_sequence_parallel_keeps_shards_of_gathered_inputs_and_the_plan_counts_them(monkeypatch):
-    """Under tp_mode=reduce_scatter the attention and MLP blocks keep the rank's shard of the gathered norm output
-    (and gather it again in backward): per layer and token 2 x hidden x (1 - 1/tp) elements fewer than keeping the
-    gathered copy, measured exactly, and the plan's estimate moves by the same bytes."""
+def test_sequence_parallel_keeps_shards_of_gathered_inputs_and_the_plan_counts_them():
+    """With parallelism.sp_regather on, the attention and MLP blocks keep the rank's shard of the gathered norm
+    output (and gather it again in backward): per layer and token 2 x hidden x (1 - 1/tp) elements fewer than
+    keeping the gathered copy (off), measured exactly, and the plan's estimate moves by the same bytes."""
     layout = ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter", "--logging.activation_stats_interval=0"]
-    kept, cfg = saved_activation_bytes(monkeypatch, layout, regather=True)
-    gathered, _ = saved_activation_bytes(monkeypatch, layout, regather=False)
+    kept, cfg = saved_activation_bytes(layout, "on")
+    gathered, off = saved_activation_bytes(layout, "off")
     m, t = cfg.model, cfg.training
     tokens = t.micro_batch_size * t.seq_len
     assert gathered - kept == m.num_layers * tokens * 2 * m.hidden_size * (1 - 1 / 2) * 4, (gathered, kept)
-    compiled = copy.deepcopy(cfg)  # the plan counts the gathered copy for compiled layers
-    compiled.training.compile = True
-    planned = stage_memory(compiled, 0)["activations_saved"] - stage_memory(cfg, 0)["activations_saved"]
+    planned = stage_memory(off, 0)["activations_saved"] - stage_memory(cfg, 0)["activations_saved"]
     assert planned == gathered - kept

@@ -21,13 +21,15 @@ from nanotron.parallel.pipeline import build_schedule, split_layers, split_model
 from nanotron.parallel.runner import microbatch_loss
 
 # Every tp_mode, pp_engine, zero stage, HSDP, and recompute none/selective, keeping all matmul outputs or every
-# other one (full in the cp, ep and µP matrices).
+# other one (full in the cp, ep and µP matrices); sequence parallelism's norm outputs kept gathered (sp_regather
+# off, auto's choice on CPU) and kept as shards, re-gathered in backward (on: here with pp and FSDP, and in the cp
+# matrix with ring attention).
 LAYOUTS = [
     Layout(dp=2),
     Layout(dp=2, flags=("--parallelism.zero_stage=3",)),
     Layout(dp=4, flags=("--parallelism.dp_shard=2", "--parallelism.zero_stage=3")),
     Layout(dp=2, pp=2, flags=("--parallelism.pp_engine=zero_bubble", "--parallelism.zero_stage=2")),
-    Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
+    Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),  # sp_regather auto: off on CPU
     Layout(tp=2, flags=("--parallelism.tp_mode=all_reduce",)),
     Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",)),
     Layout(dp=2, tp=2, flags=("--parallelism.zero_stage=3", "--parallelism.recompute=selective")),  # sequence parallel
@@ -45,7 +47,7 @@ LAYOUTS = [
     ),
     Layout(pp=2, flags=("--parallelism.pp_engine=zero_bubble",)),
     Layout(pp=2, flags=("--parallelism.pp_engine=zbv",)),
-    Layout(dp=2, tp=2, pp=2, flags=("--parallelism.zero_stage=3",)),
+    Layout(dp=2, tp=2, pp=2, flags=("--parallelism.zero_stage=3", "--parallelism.sp_regather=on")),
     Layout(pp=4, flags=("--parallelism.pp_engine=1f1b",)),
     Layout(dp=2, cp=2, tp=2, flags=("--parallelism.dp_shard=1", "--parallelism.zero_stage=2")),  # causal CP, HSDP
 ]

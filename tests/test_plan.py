@@ -147,6 +147,7 @@ def test_search_keeps_each_layout_with_the_least_recompute_that_fits():
         for lighter, matmuls in RECOMPUTE_CHOICES[:chosen]:  # what it would keep without it
             other = copy.deepcopy(c.cfg)
             other.parallelism.recompute, other.parallelism.selective_matmuls = lighter, matmuls
+            other.parallelism.sp_regather = "on"  # the least memory without recompute: it did not fit either
             total = worst_stage(other)[1]["total"]
             limit = usable_bytes(gpu) * (1 if c.tight else 1 - MEMORY_MARGIN)  # a tight one: nothing lighter fits
             assert total > limit, (keys[-1], p.recompute, lighter)
@@ -611,3 +612,129 @@ def test_search_marks_the_layouts_the_plan_cannot_tell_apart_from_the_best():
     assert marks == {("yes", True), ("no", False)}, marks
     custom = plan("--config", "configs/large.toml", "--nodes", "8", "--gpus_per_node", "8", "--search", "--gpu=80,312")
     assert {r[-1] for r in table_rows(custom.stdout, "| # | dp |")} == {"?"}
+
+
+# large.toml at tp=4 with sequence parallelism on 8 GPUs: layer-input-sized activations are what the re-gather trims.
+SP_LAYOUT = [("parallelism.dp", "2"), ("parallelism.tp", "4"), ("parallelism.pp", "1"), ("parallelism.zero_stage", "3")]
+
+
+def sp_config(regather: str, *more: tuple[str, str]) -> object:
+    return load_config("configs/large.toml", [*SP_LAYOUT, ("parallelism.sp_regather", regather), *more])
+
+
+def test_the_regather_setting_moves_memory_and_step_time_by_the_gathered_norm_outputs():
+    """On: each layer keeps the shard of its two gathered norm outputs (2 x hidden x (1 - 1/tp) fewer bytes per
+    token) and gathers them again in backward (2 more sequence all-gathers per layer); off keeps them gathered."""
+    on, off = sp_config("on"), sp_config("off")
+    m, t = on.model, on.training
+    tokens = t.micro_batch_size * t.seq_len
+    saved = m.num_layers * tokens * 2 * 2 * m.hidden_size * (1 - 1 / 4)  # bf16
+    assert stage_memory(off, 0)["activations_saved"] - stage_memory(on, 0)["activations_saved"] == pytest.approx(saved)
+    gpu = parse_gpu("h100")
+    step_on, step_off = (estimate_step(c, gpu, 8, 0.5) for c in (on, off))
+    gathers = t.grad_accum_steps * 2 * m.num_layers * tokens * m.hidden_size * 2 * (1 - 1 / 4) / 1e9  # GB sent
+    assert step_on.comm["tp"].gb - step_off.comm["tp"].gb == pytest.approx(gathers)
+    assert step_on.step_s > step_off.step_s
+    # Where it cannot apply (no sequence parallelism, or compiled layers that save what they choose), on is off.
+    for more in [("parallelism.tp_mode", "all_reduce"), ("training.compile", "true")]:
+        assert stage_memory(sp_config("on", more), 0) == stage_memory(sp_config("off", more), 0), more
+
+
+def test_auto_turns_the_regather_on_only_where_the_plan_does_not_fit_without_it():
+    from nanotron.plan.search import MEMORY_MARGIN, choose_sp_regather
+
+    off_total = worst_stage(sp_config("off"))[1]["total"]
+    on_total = worst_stage(sp_config("on"))[1]["total"]
+    roomy = (off_total / (1 - MEMORY_MARGIN) + 3 * GIB) / GIB / 0.95  # usable memory (95%) keeps the margin
+    tight = (on_total + off_total) / 2 / (1 - MEMORY_MARGIN) / GIB / 0.95  # only the regather keeps the margin
+    assert choose_sp_regather(sp_config("auto"), roomy)[0] is False
+    on, why = choose_sp_regather(sp_config("auto"), tight)
+    assert on is True and why.startswith("activations are the limit"), why
+    assert choose_sp_regather(sp_config("auto"), None) == (False, "device memory unknown: off is the faster")
+    assert choose_sp_regather(sp_config("on"), roomy)[0] is True  # forced either way
+    assert choose_sp_regather(sp_config("off"), tight)[0] is False
+    for more in [("parallelism.tp", "1"), ("parallelism.tp_mode", "all_reduce"), ("training.compile", "true")]:
+        cfg = sp_config("on", more, ("parallelism.dp", "8")) if more[0] == "parallelism.tp" else sp_config("on", more)
+        on, why = choose_sp_regather(cfg, tight)
+        assert on is False and "does not apply" in why, (more, why)
+
+
+def test_plan_shows_the_layout_with_the_regather_on_and_off():
+    proc = plan(
+        "--config",
+        "configs/large.toml",
+        "--nodes",
+        "1",
+        "--gpus_per_node",
+        "8",
+        "--gpu",
+        "h100",
+        *(f"--{key}={value}" for key, value in SP_LAYOUT),
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("parallelism.sp_regather"))
+    assert re.match(
+        r"parallelism.sp_regather=auto -> (on|off) \(.*\): on [\d.]+ GiB, step [\d.]+s; off [\d.]+ GiB, "
+        r"step [\d.]+s",
+        line,
+    ), line
+    single = plan(
+        "--config",
+        "configs/large.toml",
+        "--nodes",
+        "1",
+        "--gpus_per_node",
+        "8",
+        "--parallelism.tp=1",
+        "--parallelism.dp=8",
+        "--parallelism.pp=1",
+        "--parallelism.zero_stage=3",
+    )
+    assert "parallelism.sp_regather" not in single.stdout  # no sequence parallelism: nothing to choose
+
+
+def test_search_turns_the_regather_on_only_where_keeping_the_gathered_outputs_does_not_fit():
+    """Of one layout the search keeps the first of: no recompute with the norm outputs kept gathered, the same with
+    the re-gather, then the recompute modes; a regathering candidate would not fit with the margin without it."""
+    from nanotron.parallel.regather import regathers
+    from nanotron.plan.search import MEMORY_MARGIN, search
+
+    gpu = parse_gpu("h100")
+    found, _ = search(load_config("configs/large.toml", []), 8, 8, gpu, gpu.efficiency.default)
+    regathering = [c for c in found if regathers(c.cfg)]
+    assert regathering, "large.toml on 8 H100s has layouts that need it"
+    assert any(
+        c.cfg.parallelism.tp > 1 and c.cfg.parallelism.recompute == "none" and not regathers(c.cfg) for c in found
+    )
+    for c in regathering:
+        off = worst_stage(replace_parallelism(c.cfg, sp_regather="off"))[1]["total"]
+        assert off > usable_bytes(gpu) * (1 - MEMORY_MARGIN) and c.cfg.parallelism.recompute == "none"
+    proc = plan("--config", "configs/large.toml", "--nodes", "1", "--gpus_per_node", "8", "--search", "--top", "1000")
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| # | dp |"))
+    assert "| sp_regather |" in header
+    column = [cell.strip() for cell in header.strip("|").split("|")].index("sp_regather")
+    shown = {r[column] for r in table_rows(proc.stdout, "| # | dp |")}
+    assert shown == {"on", "off", "-"}, shown
+
+
+def replace_parallelism(cfg, **changes):
+    from dataclasses import replace
+
+    return replace(cfg, parallelism=replace(cfg.parallelism, **changes))
+
+
+def test_the_train_command_resolves_auto_before_the_model_is_built_and_says_why(capsys):
+    from nanotron.commands.train import resolve_sp_regather
+
+    cfg = sp_config("auto", ("training.device", "cpu"))
+    resolved = resolve_sp_regather(cfg)
+    assert (cfg.parallelism.sp_regather, resolved.parallelism.sp_regather) == ("auto", "off")
+    assert (
+        capsys.readouterr()
+        .out.strip()
+        .endswith("parallelism.sp_regather=auto -> off (device memory unknown: off is the faster)")
+    )
+    assert resolve_sp_regather(sp_config("on", ("training.device", "cpu"))).parallelism.sp_regather == "on"
+    assert capsys.readouterr().out.strip().endswith("parallelism.sp_regather=on -> on (as set)")
+    single = sp_config("auto", ("parallelism.tp", "1"), ("parallelism.dp", "8"))
+    assert resolve_sp_regather(single) is single and capsys.readouterr().out == ""  # nothing to decide, nothing said

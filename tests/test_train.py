@@ -178,3 +178,66 @@ def test_console_script_dispatches_to_train():
     )
     assert proc.returncode == 0
     assert "[training]" in proc.stdout and "global_batch_size = 0" in proc.stdout
+
+
+# The tensor methods that make the host wait for a GPU: reading a value (or a truth value) back, or a copy to the CPU.
+HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+
+def host_syncs_per_step(monkeypatch, overrides: list[str]) -> dict[int, list[str]]:
+    """Each step's calls (method and caller) of HOST_SYNCS in a one-process run of this process, counted on CPU
+    (where they cost nothing) from the second step's start on: every such call would stop a GPU run's host."""
+    import traceback
+
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.parallel.mesh import destroy_distributed
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(load_config(*parse_overrides(overrides)))
+    calls: dict[int, list[str]] = {}
+    step = [0]  # the step whose train_step ran last: its end (services, log) counts with it
+    train_step = trainer.train_step
+
+    def numbered_step():
+        step[0] = trainer.state.step + 1
+        return train_step()
+
+    trainer.train_step = numbered_step
+    for name in HOST_SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(tensor, *args, _original=original, _name=name, **kwargs):
+            if step[0] >= 2:  # a GPU run's first step may sync freely (allocation, compilation)
+                caller = traceback.extract_stack(limit=2)[0]
+                calls.setdefault(step[0], []).append(f"{_name} {Path(caller.filename).name}:{caller.lineno}")
+            return _original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    try:
+        trainer.train()
+    finally:
+        monkeypatch.undo()
+        trainer.close()
+        destroy_distributed()
+    return calls
+
+
+@pytest.mark.slow
+def test_a_training_step_syncs_the_host_once_the_step_agreement(monkeypatch, tiny_data, tmp_path):
+    """Issue 47: a step's one host sync is the step agreement (`ParallelContext.agree`: stop, non-finite, loss and
+    gradient norm); a logged step adds the loss and the gradient norm read for its record (every log_interval
+    steps). Gradient accumulation (2 microbatches), evaluation and activation statistics off, no checkpoint."""
+    overrides = [
+        *TINY_MODEL,
+        *tiny_data.overrides(),
+        f"--job.out_dir={tmp_path}",
+        "--training.steps=5",
+        "--training.micro_batch_size=2",
+        "--training.global_batch_size=4",
+        "--logging.log_interval=4",
+        "--checkpoint.save_final=false",
+        "--training.device=cpu",
+    ]
+    calls = host_syncs_per_step(monkeypatch, overrides)
+    assert {step: len(c) for step, c in calls.items()} == {2: 1, 3: 1, 4: 3, 5: 3}, calls  # 4: logged; 5: the last
+    assert all(c[0].startswith("tolist mesh.py") for c in calls.values()), calls  # the agreement comes first

@@ -9,15 +9,17 @@ from __future__ import annotations
 import contextlib
 import os
 
-from nanotron.config import help_text, load_config, parse_overrides
+from nanotron.config import Config, help_text, load_config, parse_overrides
+from nanotron.console import say
 from nanotron.data import open_corpus
 from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
-from nanotron.gpu import apply_env_defaults
+from nanotron.gpu import apply_env_defaults, device_memory_gib
 from nanotron.io import check_writable
 from nanotron.launch.torchrun import pop_nproc, spawn_local
 from nanotron.lock import lock_run
-from nanotron.parallel.mesh import destroy_distributed, launched_world_size
+from nanotron.parallel.mesh import destroy_distributed, launched_world_size, pick_device
 from nanotron.parallel.overlap import max_connections
+from nanotron.parallel.regather import can_regather
 from nanotron.signals import fail_writes_past_the_size_limit, stop_with_launcher
 
 
@@ -39,6 +41,7 @@ def _main(argv: list[str]) -> int:
     owns_run_dir = int(os.environ.get("RANK", "0")) == 0
     stop_with_launcher()
     fail_writes_past_the_size_limit()
+    cfg = resolve_sp_regather(cfg)
     from nanotron.trainer import Trainer  # here: a launcher of local ranks (above) needs none of it
 
     try:
@@ -53,6 +56,20 @@ def _main(argv: list[str]) -> int:
         raise
     destroy_distributed()
     return 0
+
+
+def resolve_sp_regather(cfg: Config) -> Config:
+    """cfg with parallelism.sp_regather as this run builds its model: 'auto' decided by the plan of this config on
+    this rank's device (`nanotron.plan.search.choose_sp_regather`: the same on every rank of a job of one GPU model),
+    said once by rank 0. The planner is loaded only where the setting can act (sequence parallelism, eager)."""
+    if not can_regather(cfg):
+        return cfg
+    from nanotron.plan.search import choose_sp_regather, sp_regather_line, with_sp_regather
+
+    on, why = choose_sp_regather(cfg, device_memory_gib(pick_device(cfg)))
+    if int(os.environ.get("RANK", "0")) == 0:
+        say(sp_regather_line(cfg, on, why))
+    return with_sp_regather(cfg, on)
 
 
 def main(argv: list[str] | None = None) -> int:

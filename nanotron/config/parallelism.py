@@ -9,6 +9,7 @@ from nanotron.config.engines import PP_ENGINES
 from nanotron.config.option import opt
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+SP_REGATHER_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -44,6 +45,14 @@ class ParallelismConfig:
         ("all_reduce", "reduce_scatter"),
     )
     tp_linear_async_communication: bool = opt(False, "async TP (CUDA, training.compile, tp_mode=reduce_scatter)")
+    sp_regather: str = opt(
+        "auto",
+        "sequence parallelism (tp_mode=reduce_scatter, eager): keep each layer's gathered norm outputs as the rank's "
+        "shard and all-gather them again in backward (on: 2 x hidden x (1 - 1/tp) fewer bytes per token per layer, "
+        "2 more all-gathers per layer in backward), or keep them gathered (off: the faster); auto: on only where "
+        "the plan of this config on this device does not fit with its 10% margin without it (off on CPU)",
+        SP_REGATHER_MODES,
+    )
     zero_stage: int = opt(
         0,
         "0 replicate (DDP); 1 shard params + optimizer state, reduce gradients once per step; 2 also "

@@ -150,12 +150,13 @@ def plan_before_submit(cfg: Config, args: argparse.Namespace, procs: int) -> lis
 
 def planned_step_seconds(cfg: Config, args: argparse.Namespace, procs: int) -> float | None:
     """The plan's step time on the requested GPUs (None on CPU nodes: nothing to plan against)."""
+    from nanotron.plan.report import for_gpu
     from nanotron.plan.timing import estimate_step, parse_gpu
 
     if not args.gpus_per_node:
         return None
     gpu = parse_gpu(args.gpu)
-    return estimate_step(cfg, gpu, procs, gpu.efficiency.default).step_s
+    return estimate_step(for_gpu(cfg, gpu), gpu, procs, gpu.efficiency.default).step_s
 
 
 def signal_margin(limit_seconds: int) -> int:

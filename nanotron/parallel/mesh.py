@@ -83,13 +83,19 @@ class ParallelContext:
     ) -> tuple[list[bool], list[float]]:
         """For each flag, whether it is true on any rank, and each value summed over the ranks: one tiny all-reduce
         and one host sync for all. Every rank receives the same sums, so decisions taken from them agree."""
-        parts = [torch.as_tensor(f, device=self.device).reshape(()) != 0 for f in flags]
-        parts += [torch.as_tensor(v, device=self.device).reshape(()) for v in values]
+        parts = [self._scalar(f) != 0 for f in flags]
+        parts += [self._scalar(v) for v in values]
         out = torch.stack([p.double() for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(out)
         host = out.tolist()
         return [v > 0 for v in host[: len(flags)]], host[len(flags) :]
+
+    def _scalar(self, value: torch.Tensor | bool | float) -> torch.Tensor:
+        """A host number filled in on the device (a copy from the host would make a GPU's host wait for it)."""
+        if isinstance(value, torch.Tensor):
+            return value.reshape(())
+        return torch.full((), float(value), dtype=torch.float64, device=self.device)
 
     def gather(self, values: list[float]) -> list[list[float]]:
         """Every rank's `values` (float64), in rank order: one all-gather, for rare steps (a stability replay)."""

@@ -21,7 +21,7 @@ from nanotron.parallel.mesh import ParallelContext, data_parallel_mesh, expert_d
 from nanotron.parallel.overlap import async_tp_unavailable
 from nanotron.parallel.pipeline import split_model
 from nanotron.parallel.recompute import apply_recompute, recompute_mode
-from nanotron.parallel.regather import apply_regather
+from nanotron.parallel.regather import apply_regather, regathers
 from nanotron.parallel.tensor import apply_tensor_parallel
 from nanotron.parallel.torch_private import enable_inductor_async_tp
 
@@ -45,7 +45,7 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
             use_grouped_gemm(module)
         if p.recompute != "none":
             apply_recompute(module, mode_of, cfg.parallelism.selective_matmuls)
-        if p.tp > 1 and p.tp_mode == "reduce_scatter" and not cfg.training.compile:
+        if regathers(cfg):
             apply_regather(module, lambda layer: mode_of(layer) != "none")
         if cfg.training.compile:
             for layer in module.model.layers.values():

@@ -18,11 +18,26 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nanotron.config import Config
 from nanotron.models.moe import MoE
 
 # Called with each tensor the hooks keep for backward (the shard in place of a gathered input, or any other saved
 # tensor as it is): how benchmarks/probe.py measures what a block holds (these hooks hide its own).
 on_save: list[Callable[[torch.Tensor], None]] = []
+
+
+def can_regather(cfg: Config) -> bool:
+    """Whether parallelism.sp_regather has anything to act on: sequence parallelism in eager mode (a compiled layer
+    decides what it saves itself) and a decoder layer that is not recomputed."""
+    p = cfg.parallelism
+    sequence_parallel = p.tp > 1 and p.tp_mode == "reduce_scatter" and not cfg.training.compile
+    return sequence_parallel and (p.recompute == "none" or (p.recompute_every > 1 and cfg.model.num_layers > 1))
+
+
+def regathers(cfg: Config) -> bool:
+    """Whether this config's layers keep their gathered inputs as shards: parallelism.sp_regather = 'on' where it
+    can act (the train command resolves 'auto' before the model is built; unresolved, it counts as off)."""
+    return cfg.parallelism.sp_regather == "on" and can_regather(cfg)
 
 
 def apply_regather(model: nn.Module, recomputed: Callable[[int], bool]) -> None:

@@ -18,6 +18,7 @@ from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.shapes import element_bytes, is_expert_param, is_moe_layer, layer_shapes, root_shapes
 from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
 from nanotron.parallel.recompute import recompute_mode
+from nanotron.parallel.regather import regathers
 from nanotron.parallel.tensor import tp_shard_dim
 
 GIB = 2**30
@@ -200,8 +201,8 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     """What one decoder layer keeps for backward for `tokens` tokens, by `parallelism.recompute` mode.
 
     none: each RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its normalised value in the
-    compute dtype; the q/k/v and gate/up projections save the norm output (under sequence parallelism its shard,
-    gathered again in backward; a compiled layer keeps the gathered copy); attention saves roped q, k, v, its
+    compute dtype; the q/k/v and gate/up projections save the norm output (with parallelism.sp_regather on, its
+    sequence shard, gathered again in backward); attention saves roped q, k, v, its
     output and the fp32 log-sum-exp; the MLP saves gate, up, silu(gate) and their product. A mixture of experts
     (layer `index`) runs on every tp rank's whole sequence: it saves the gathered input (sequence parallel), the
     fp32 router scores, and per routed copy (top_k per token) the permuted input, the expert's gate/up, silu and
@@ -220,9 +221,9 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     h = m.hidden_size
     kv = m.num_kv_heads * m.head_dim
     i = m.intermediate_size
-    # Under sequence parallelism (eager) a layer that is not recomputed keeps the shard of each gathered norm output
+    # With parallelism.sp_regather on, a layer that is not recomputed keeps the shard of each gathered norm output
     # and gathers it again in backward (`nanotron.parallel.regather`); a mixture of experts keeps its own gather.
-    regather = sp > 1 and not cfg.training.compile
+    regather = regathers(cfg)
     gathered = e * h / sp if regather else e * h
     norms = 2 * ((FP32 + e) * h / sp + gathered)
     if regather and is_moe_layer(m, index):

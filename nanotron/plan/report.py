@@ -8,16 +8,20 @@ import copy
 from nanotron.config import Config, ParallelismConfig
 from nanotron.errors import ConfigError
 from nanotron.models.shapes import active_params, num_params
+from nanotron.parallel.regather import can_regather, regathers
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
 from nanotron.plan.search import (
     MEMORY_MARGIN,
     RECOMPUTE_CHOICES,
     Candidate,
+    choose_sp_regather,
     is_tight,
     reserve_bytes,
     search,
     shown_seconds,
+    sp_regather_line,
     usable_bytes,
+    with_sp_regather,
 )
 from nanotron.plan.timing import Gpu, estimate_step, peak_tflops
 
@@ -30,8 +34,14 @@ ASSUMPTIONS = (
 )
 
 
+def for_gpu(cfg: Config, gpu: Gpu) -> Config:
+    """cfg with parallelism.sp_regather as a run on `gpu` resolves it (`choose_sp_regather`): what the plan plans."""
+    return with_sp_regather(cfg, choose_sp_regather(cfg, gpu.device.memory_gib)[0])
+
+
 def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: float) -> list[str]:
     """The plan of cfg's layout: memory per part for each pipeline rank, the verdict, step time and MFU."""
+    asked, cfg = cfg, for_gpu(cfg, gpu)
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     dp = f"dp={p.dp}" + (f" (HSDP {p.dp // cfg.dp_shard_size}x{cfg.dp_shard_size})" if cfg.dp_shard_size < p.dp else "")
     dp += f" cp={p.cp}" if p.cp > 1 else ""
@@ -67,6 +77,7 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     lines += [
         f"activations on pp rank {pp_rank} by parallelism.recompute{every}: {', '.join(by_mode)} "
         f"({worst['flights']:g} microbatches in flight)",
+        *regather_lines(asked, gpu, gpus_per_node, efficiency),
         fit_line(cfg, gpu),
         "",
     ]
@@ -97,6 +108,20 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     return lines
 
 
+def regather_lines(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) -> list[str]:
+    """Where the sequence-parallel re-gather can act: the setting the plan takes, and the worst rank's memory and
+    the step time with it on and off."""
+    if not can_regather(cfg):
+        return []
+    costs = []
+    for on in (True, False):
+        other = with_sp_regather(cfg, on)
+        memory = worst_stage(other)[1]["total"] / GIB
+        step = estimate_step(other, gpu, gpus_per_node, efficiency).step_s
+        costs.append(f"{'on' if on else 'off'} {memory:.2f} GiB, step {step:.3f}s")
+    return [f"{sp_regather_line(cfg, *choose_sp_regather(cfg, gpu.device.memory_gib))}: {'; '.join(costs)}"]
+
+
 HINTS = {
     "params": "shard them: zero_stage >= 1, a larger dp_shard, more tp or pp",
     "grads": "zero_stage 2 or 3 keeps only the gradient shard; or more tp or pp",
@@ -110,6 +135,7 @@ HINTS = {
 
 def fit_line(cfg: Config, gpu: Gpu) -> str:
     """One line: the worst rank's total against the device, and when it does not fit, the largest part."""
+    cfg = for_gpu(cfg, gpu)
     pp_rank, mem = worst_stage(cfg)
     total, usable = mem["total"] / GIB, usable_bytes(gpu) / GIB
     where = f" (pp rank {pp_rank})" if cfg.parallelism.pp > 1 else ""
@@ -132,7 +158,7 @@ def recompute_label(p: ParallelismConfig, every: bool = True) -> str:
 
 
 def fits(cfg: Config, gpu: Gpu) -> bool:
-    return worst_stage(cfg)[1]["total"] <= usable_bytes(gpu)
+    return worst_stage(for_gpu(cfg, gpu))[1]["total"] <= usable_bytes(gpu)
 
 
 def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficiency: float, top: int) -> list[str]:
@@ -142,8 +168,8 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
         f"fits with a {MEMORY_MARGIN:.0%} memory margin) at global batch "
         f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first, tight ones last:",
         "| # | dp | dp_shard | cp | ep | tp | pp | zero | recompute | micro batch | accum | memory GiB | step s "
-        "| tokens/s | MFU | traffic GB | limit | within error |",
-        "|" + "---|" * 18,
+        "| tokens/s | MFU | traffic GB | limit | within error | sp_regather |",
+        "|" + "---|" * 19,
     ]
     error = gpu.efficiency.error if efficiency == gpu.efficiency.default else None
     best = shown_seconds(found[0].step.step_s) if found else 0.0  # compared as shown
@@ -155,7 +181,7 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
             f"{recompute_label(p)} | {t.micro_batch_size} | {t.grad_accum_steps} | "
             f"{c.memory['total'] / GIB:.1f}{' tight' if c.tight else ''} | {shown_seconds(c.step.step_s):g} | "
             f"{c.step.tokens_per_s:,.0f} | "
-            f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} | {equivalent} |"
+            f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} | {equivalent} | {_regather(c.cfg)} |"
         )
     lines.append(
         f"tight: less than {MEMORY_MARGIN:.0%} of the usable memory to spare (the plan is 0.85-1.02x of published "
@@ -165,8 +191,14 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
         "FLOPs (bubble, recompute = the memory that forced it, or exposed tp/pp/cp/ep/dp traffic); within error: "
         "step time within the planner's error on published runs of this GPU of the best row's "
         + (f"(+{error:.0%}): the plan cannot tell these apart" if error is not None else "(? = not calibrated)")
+        + "; sp_regather: the sequence-parallel norm outputs kept as shards and gathered again in backward (on: "
+        "less memory, 2 more all-gathers per layer), or kept gathered (off); - where there is nothing to re-gather"
     )
     return lines
+
+
+def _regather(cfg: Config) -> str:
+    return ("on" if regathers(cfg) else "off") if can_regather(cfg) else "-"
 
 
 def _limit(c: Candidate) -> str:

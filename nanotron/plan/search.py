@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 
 from nanotron.config import Config, validate
 from nanotron.errors import ConfigError
-from nanotron.plan.memory import shared_model, worst_stage
+from nanotron.parallel.regather import can_regather
+from nanotron.plan.memory import GIB, shared_model, worst_stage
 from nanotron.plan.timing import Gpu, StepEstimate, estimate_step
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -87,23 +88,25 @@ def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: f
     """(layouts that fit, fastest first, tight ones last; how many layouts were considered).
 
     Of the recompute modes of one layout only the first that fits with the memory margin is kept (none, then
-    selective, selective keeping every other matmul, then full: each is slower than the one before and buys only
-    memory that the fitting one does not need); where none does, the first that fits at all, marked tight."""
+    none with the sequence-parallel re-gather where the base's parallelism.sp_regather is auto, selective,
+    selective keeping every other matmul, then full: each is slower than the one before and buys only memory
+    that the fitting one does not need); where none does, the first that fits at all, marked tight."""
     chosen: dict[tuple, Candidate] = {}
     considered = 0
     with shared_model():  # every candidate shares base.model (see _variants), unchanged during the search
-        for cfg in layouts(base, world, gpus_per_node):
+        for layout_cfg in layouts(base, world, gpus_per_node):
             considered += 1
-            p, t = cfg.parallelism, cfg.training
-            layout = (p.dp, cfg.dp_shard_size, p.cp, p.ep, p.tp, p.pp, p.zero_stage, t.micro_batch_size)
-            if layout in chosen and not chosen[layout].tight:
-                continue
-            pp_rank, memory = worst_stage(cfg)
-            tight = is_tight(memory["total"], gpu)
-            if memory["total"] > usable_bytes(gpu) or (layout in chosen and tight):
-                continue  # does not fit, or no better than the tight mode already chosen
-            step = estimate_step(cfg, gpu, gpus_per_node, efficiency)
-            chosen[layout] = Candidate(cfg, pp_rank, memory, step, tight)
+            for cfg in sp_regather_options(layout_cfg):
+                p, t = cfg.parallelism, cfg.training
+                layout = (p.dp, cfg.dp_shard_size, p.cp, p.ep, p.tp, p.pp, p.zero_stage, t.micro_batch_size)
+                if layout in chosen and not chosen[layout].tight:
+                    break
+                pp_rank, memory = worst_stage(cfg)
+                tight = is_tight(memory["total"], gpu)
+                if memory["total"] > usable_bytes(gpu) or (layout in chosen and tight):
+                    continue  # does not fit, or no better than the tight mode already chosen
+                step = estimate_step(cfg, gpu, gpus_per_node, efficiency)
+                chosen[layout] = Candidate(cfg, pp_rank, memory, step, tight)
     # Equal step times (communication hidden under compute) rank by what is measurable beyond them: the traffic
     # each GPU sends per step (hidden collectives still contend for links and SMs), then the memory headroom.
     fitting = sorted(
@@ -111,6 +114,46 @@ def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: f
         key=lambda c: (c.tight, shown_seconds(c.step.step_s), round(c.step.traffic_gb, 1), c.memory["total"]),
     )
     return fitting, considered
+
+
+def with_sp_regather(cfg: Config, on: bool) -> Config:
+    return replace(cfg, parallelism=replace(cfg.parallelism, sp_regather="on" if on else "off"))
+
+
+def sp_regather_options(cfg: Config) -> list[Config]:
+    """The settings of parallelism.sp_regather a search plans for one candidate, the faster first: under 'auto'
+    where it can act, off then on; else the candidate as set."""
+    if cfg.parallelism.sp_regather == "auto" and can_regather(cfg):
+        return [with_sp_regather(cfg, False), with_sp_regather(cfg, True)]
+    return [cfg]
+
+
+def choose_sp_regather(cfg: Config, memory_gib: float | None) -> tuple[bool, str]:
+    """(whether the model re-gathers the sequence-parallel norm outputs in backward, why): as set, or under 'auto'
+    on only where the plan of this config does not keep the memory margin on a device of `memory_gib` without
+    it (it saves memory at the price of 2 all-gathers per layer in backward); unknown memory (CPU): off."""
+    setting = cfg.parallelism.sp_regather
+    if not can_regather(cfg):
+        return False, (
+            "does not apply: it needs tp > 1, tp_mode='reduce_scatter', training.compile=false and a layer that is "
+            "not recomputed"
+        )
+    if setting != "auto":
+        return setting == "on", "as set"
+    if memory_gib is None:
+        return False, "device memory unknown: off is the faster"
+    budget = (1 - MEMORY_MARGIN) * device_usable_bytes(memory_gib)
+    off = worst_stage(with_sp_regather(cfg, False))[1]["total"]
+    usable = f"{device_usable_bytes(memory_gib) / GIB:.1f} GiB usable, {MEMORY_MARGIN:.0%} margin"
+    if off <= budget:
+        return False, f"the plan fits without it: {off / GIB:.1f} GiB of {usable}"
+    on = worst_stage(with_sp_regather(cfg, True))[1]["total"]
+    return True, f"activations are the limit: {off / GIB:.1f} GiB without it, {on / GIB:.1f} GiB with it, of {usable}"
+
+
+def sp_regather_line(cfg: Config, on: bool, why: str) -> str:
+    """The decision as start-up and `nanotron plan` say it: 'parallelism.sp_regather=auto -> off (why)'."""
+    return f"parallelism.sp_regather={cfg.parallelism.sp_regather} -> {'on' if on else 'off'} ({why})"
 
 
 def is_tight(total_bytes: float, gpu: Gpu) -> bool:
@@ -125,9 +168,14 @@ def shown_seconds(seconds: float) -> float:
 
 
 def reserve_bytes(gpu: Gpu) -> float:
-    """Kept free for the CUDA context, NCCL and allocator fragmentation: 5% of the device, at least 2 GiB."""
-    return max(2.0, 0.05 * gpu.device.memory_gib) * 2**30
+    return gpu.device.memory_gib * 2**30 - usable_bytes(gpu)
 
 
 def usable_bytes(gpu: Gpu) -> float:
-    return gpu.device.memory_gib * 2**30 - reserve_bytes(gpu)
+    return device_usable_bytes(gpu.device.memory_gib)
+
+
+def device_usable_bytes(memory_gib: float) -> float:
+    """A device's memory less what is kept free for the CUDA context, NCCL and allocator fragmentation: 5% of it,
+    at least 2 GiB."""
+    return (memory_gib - max(2.0, 0.05 * memory_gib)) * 2**30

@@ -17,6 +17,7 @@ from nanotron.errors import ConfigError
 from nanotron.gpu import GPUS, Device, math_mode
 from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
 from nanotron.parallel.recompute import recompute_mode
+from nanotron.parallel.regather import regathers
 from nanotron.plan.memory import FP32, coordinate_zero_split, micro_tokens, rank_stages, sequence_shards
 
 UNCALIBRATED_EFFICIENCY = 0.55  # a GPU without published runs in the calibration set
@@ -224,14 +225,14 @@ def traffic(cfg: Config, gpu: Gpu, gpus_per_node: int, modes: list[str], tp_loca
 def tp_gb(cfg: Config, modes: list[str]) -> float:
     """TP: per layer, forward and backward each move 4 activations (2 all-gathers + 2 reduce-scatters, or 2
     all-reduces); a fully recomputed forward repeats the forward's share, a selective one its 2 all-gathers
-    (sequence parallel; it keeps the reduced outputs), and under sequence parallelism (eager) a layer that is
-    not recomputed gathers its attention and dense MLP inputs again in backward; plus embedding and head."""
+    (sequence parallel; it keeps the reduced outputs), and with parallelism.sp_regather on a layer that is not
+    recomputed gathers its attention and dense MLP inputs again in backward; plus embedding and head."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
     tokens_micro = micro_tokens(cfg)
     sp = sequence_shards(cfg)
     units = 8 * m.num_layers + 4 * modes.count("full") + (2 * modes.count("selective") if sp > 1 else 0)
-    if sp > 1 and not t.compile:  # nanotron.parallel.regather
+    if regathers(cfg):
         units += sum(1 + (not is_moe_layer(m, i)) for i, mode in enumerate(modes) if mode == "none")
     tp_bytes = t.grad_accum_steps * (units / p.pp + 2) * tokens_micro * m.hidden_size * e
     return ring_gb(tp_bytes, p.tp)
