@@ -89,6 +89,7 @@ class Optional:
 COUNTER, POSITIVE = Integer(), Integer("an integer >= 1", minimum=1)
 FORECAST = (Real(), Real(), Real("a finite number >= 0", minimum=0.0))  # a signal's level, trend, error variance
 SIGNALS = {"loss": FORECAST, "grad_norm": FORECAST}
+RATIO = Real("a finite number >= 0", minimum=0.0)  # a value over its running mean (0: not scored yet)
 LAYOUT = {name: Optional(POSITIVE) for name in ("dp", "cp", "ep", "tp", "pp")} | {"zero_stage": Optional(COUNTER)}
 
 TRAINER_STATE = {
@@ -98,7 +99,14 @@ TRAINER_STATE = {
     "skipped_steps": Optional(COUNTER),
     "stability": Optional(
         {
-            "detector": {"observed": COUNTER, "stats": SIGNALS, "max_z": {"loss": Real(), "grad_norm": Real()}},
+            "detector": {
+                "observed": COUNTER,
+                "stats": SIGNALS,
+                "max_z": {"loss": Real(), "grad_norm": Real()},
+                # absent from checkpoints saved before the ratio rule
+                "mean": Optional({"loss": Real(), "grad_norm": Real()}),
+                "max_ratio": Optional({"loss": RATIO, "grad_norm": RATIO}),
+            },
             "skipped_samples": [Window()],
             "rollbacks": COUNTER,
         }

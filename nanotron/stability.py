@@ -2,10 +2,12 @@
 data, then handled by policy (roll back past the samples, skip the update, stop, or warn).
 
 The detector keeps an exponentially smoothed forecast (level and trend of the logarithm) of the loss and of the
-gradient norm, with the variance of its errors, and scores each step by its z-score against them. It sees only
-the step's agreed values (the all-reduce every step already does), so every rank takes the same decision at no
-extra collective. Its statistics, the skipped sample windows and the rollback count travel in every checkpoint's
-trainer_state.json, so a resumed run is not blind for a warm-up. The policy is a decision from values
+gradient norm, with the variance of its errors, and a running mean of each; it scores each step twice: by its
+z-score against the forecast (the error over the curve's own noise) and by its ratio to the running mean. It sees
+only the step's agreed values (the all-reduce every step already does), so every rank takes the same decision at
+no extra collective and no host sync beyond that one: a few float operations per step, whatever the run's length.
+Its statistics, the skipped sample windows and the rollback count travel in every checkpoint's trainer_state.json,
+so a resumed run is not blind for a warm-up. The policy is a decision from values
 (`Stability.decide(Observation) -> Decision`); the replay, the checkpoint reload and the data reset it asks for
 are the trainer's to carry out.
 The idea of replaying a suspicious step to separate a transient fault from a reproducible one is Megatron-LM's
@@ -31,75 +33,111 @@ from nanotron.errors import ConfigError, NodeFaultError, SpikeError, UserError
 # (variance ~0) must not turn rounding noise into spikes.
 STD_FLOOR = 0.01
 SIGNALS = ("loss", "grad_norm")
+# A step's scores, each named as the [stability] key of its threshold: a signal's z-score against its forecast, and
+# its ratio to its running geometric mean. The z rule is the spike score of OLMo 2's report (deviations counted in
+# rolling standard deviations); the ratio rule is what MosaicML's KillLossSpike (a loss above a multiple of its
+# rolling mean) and Megatron-LM's rerun state machine (a loss or gradient norm above 10x the largest value seen)
+# test. Small-batch noise inflates the standard deviation the z rule divides by, so that a 40% jump scores z 3; the
+# ratio rule does not divide by it. Its reference is a plain running mean, neither the z rule's forecast (whose slow
+# trend, learnt while the loss fell, still extrapolates a fall after the curve flattens: a clean plateau then looks
+# 10-20% above it) nor a running maximum (which a ramp over a few steps raises with every step it accepts: the mean
+# moves by 1 - ema_decay of the step's log-ratio).
+RULES = ("loss_z", "grad_norm_z", "loss_ratio", "grad_norm_ratio")
 
 
 @dataclass
 class RunningStats:
     """One signal's running forecast: level and trend of its logarithm (Holt's linear exponential smoothing, in
     error-correction form, with gains 1 - decay and (1 - decay)^2) and the exponentially weighted variance of the
-    one-step forecast errors. Log space makes a spike a ratio (5x is 5x at any loss); the trend keeps a loss that
-    falls steadily from looking like a series of negative surprises whose variance would then hide a real jump."""
+    one-step forecast errors; and the exponentially weighted mean of its logarithm (`mean`: the log of the running
+    geometric mean). Log space makes a spike a ratio (5x is 5x at any loss); the trend keeps a loss that falls
+    steadily from looking like a series of negative surprises whose variance would then hide a real jump."""
 
     level: float = 0.0
     trend: float = 0.0
     var: float = 0.0
+    mean: float = 0.0
 
     def z(self, value: float) -> float:
         return (_log(value) - self.level - self.trend) / max(math.sqrt(self.var), STD_FLOOR)
 
+    def ratio(self, value: float) -> float:
+        """`value` over the running geometric mean."""
+        return math.exp(min(_log(value) - self.mean, MAX_LOG_RATIO))
+
     def update(self, value: float, decay: float, first: bool) -> None:
         if first:
-            self.level, self.trend, self.var = _log(value), 0.0, 0.0
+            self.level, self.trend, self.var, self.mean = _log(value), 0.0, 0.0, _log(value)
             return
         gain = 1 - decay
         error = _log(value) - self.level - self.trend
         self.level += self.trend + gain * error
         self.trend += gain * gain * error
         self.var = decay * self.var + gain * error * error
+        self.mean += gain * (_log(value) - self.mean)
 
 
 def _log(value: float) -> float:
     return math.log(max(value, 1e-30))
 
 
+MAX_LOG_RATIO = 700.0  # exp() of more overflows a float: a ratio of e^700 is a spike whatever the threshold
+
+
 class SpikeDetector:
-    """z-scores of the loss and the gradient norm; a spike once warm_up steps have been observed."""
+    """Each signal's z-score against its forecast and ratio to its mean (`RULES`); a spike after warm_up steps."""
 
     def __init__(self, cfg: StabilityConfig) -> None:
         self.cfg = cfg
         self.observed = 0
         self.stats = {name: RunningStats() for name in SIGNALS}
-        self.max_z = {name: 0.0 for name in SIGNALS}  # largest z-score seen after warm-up (how close a run came)
+        self.worst = {rule: 0.0 for rule in RULES}  # each score's largest after warm-up (how close a run came)
 
     def scores(self, loss: float, grad_norm: float) -> dict[str, float]:
-        if not self.observed:  # nothing to compare with yet
-            return {name: 0.0 for name in SIGNALS}
-        return {name: self.stats[name].z(value) for name, value in zip(SIGNALS, (loss, grad_norm))}
+        """The step's score by each rule (all 0 before a first step to compare with)."""
+        if not self.observed:
+            return {rule: 0.0 for rule in RULES}
+        values = dict(zip(SIGNALS, (loss, grad_norm)))
+        z = {f"{name}_z": self.stats[name].z(values[name]) for name in SIGNALS}
+        return z | {f"{name}_ratio": self.stats[name].ratio(values[name]) for name in SIGNALS}
 
-    def is_spike(self, z: dict[str, float]) -> bool:
+    def fired(self, scores: dict[str, float]) -> list[str]:
+        """The rules whose threshold (a [stability] key of the same name; 0 = off) the scores exceed."""
         if not self.cfg.enabled or self.observed < self.cfg.warmup_steps:
-            return False
-        limits = {"loss": self.cfg.loss_z, "grad_norm": self.cfg.grad_norm_z}
-        return any(limits[name] > 0 and z[name] > limits[name] for name in SIGNALS)
+            return []
+        return [rule for rule in RULES if 0 < getattr(self.cfg, rule) < scores[rule]]
+
+    def is_spike(self, scores: dict[str, float]) -> bool:
+        return bool(self.fired(scores))
 
     def observe(self, loss: float, grad_norm: float) -> None:
         """An applied step's values join the running statistics (a spike's never do, unless only warned of)."""
-        z = self.scores(loss, grad_norm)
+        scores = self.scores(loss, grad_norm)
         if self.observed >= self.cfg.warmup_steps:
-            self.max_z = {name: max(self.max_z[name], z[name]) for name in SIGNALS}
+            self.worst = {rule: max(self.worst[rule], scores[rule]) for rule in RULES}
         for name, value in zip(SIGNALS, (loss, grad_norm)):
             self.stats[name].update(value, self.cfg.ema_decay, first=self.observed == 0)
         self.observed += 1
 
     def state_dict(self) -> dict:
-        stats = {name: [s.level, s.trend, s.var] for name, s in self.stats.items()}
-        return {"observed": self.observed, "stats": stats, "max_z": dict(self.max_z)}
+        return {
+            "observed": self.observed,
+            "stats": {name: [s.level, s.trend, s.var] for name, s in self.stats.items()},
+            "mean": {name: s.mean for name, s in self.stats.items()},
+            "max_z": {name: self.worst[f"{name}_z"] for name in SIGNALS},
+            "max_ratio": {name: self.worst[f"{name}_ratio"] for name in SIGNALS},
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        """`state` as checked by `records.TRAINER_STATE`: finite statistics, a variance >= 0."""
+        """`state` as checked by `records.TRAINER_STATE`: finite statistics, a variance >= 0. A checkpoint saved
+        before the ratio rule has no running mean: its forecast's level (the smoothed log value, the nearest thing
+        it holds) stands in, and its largest ratios count from this start."""
         self.observed = state["observed"]
-        self.stats = {name: RunningStats(*state["stats"][name]) for name in SIGNALS}
-        self.max_z = {name: state["max_z"][name] for name in SIGNALS}
+        means = state.get("mean") or {name: state["stats"][name][0] for name in SIGNALS}
+        self.stats = {name: RunningStats(*state["stats"][name], mean=means[name]) for name in SIGNALS}
+        max_ratio = state.get("max_ratio") or {name: 0.0 for name in SIGNALS}
+        self.worst = {f"{name}_z": state["max_z"][name] for name in SIGNALS}
+        self.worst |= {f"{name}_ratio": max_ratio[name] for name in SIGNALS}
 
 
 @dataclass(frozen=True)
@@ -155,7 +193,7 @@ class Stability:
         for skips in self.added.values():
             self.skips.update(skips)
         self.rollbacks = 0
-        self.last_z: dict[str, float] = {name: 0.0 for name in SIGNALS}
+        self.last_scores: dict[str, float] = {rule: 0.0 for rule in RULES}
 
     def state_dict(self) -> dict:
         return {
@@ -202,15 +240,18 @@ class Stability:
         """The step scored against the running forecast (every rank holds the same values: one decision for the
         job). A spike asks for a replay (stability.replay), then, under rollback, for the committed checkpoints; the
         detector moves only with a final decision, so asking again with the answers scores the same step."""
-        z = self.last_z = self.detector.scores(seen.loss, seen.grad_norm)
-        if not self.detector.is_spike(z):
+        scores = self.last_scores = self.detector.scores(seen.loss, seen.grad_norm)
+        rules = self.detector.fired(scores)
+        if not rules:
             self.detector.observe(seen.loss, seen.grad_norm)
             return Decision("apply")
         event = {"step": seen.step, "stability/loss": seen.loss, "stability/grad_norm": seen.grad_norm}
-        event |= {"stability/loss_z": z["loss"], "stability/grad_norm_z": z["grad_norm"]}
+        event |= {f"stability/{rule}": score for rule, score in scores.items()} | {"stability/rules": rules}
+        over = ", ".join(f"stability.{rule}={getattr(self.cfg, rule):g}" for rule in rules)
         what = (
-            f"stability: step {seen.step} spiked (loss {seen.loss:.4g}, z {z['loss']:.1f}; grad_norm "
-            f"{seen.grad_norm:.4g}, z {z['grad_norm']:.1f})"
+            f"stability: step {seen.step} spiked (loss {seen.loss:.4g}, z {scores['loss_z']:.1f}, "
+            f"{scores['loss_ratio']:.2f}x its mean; grad_norm {seen.grad_norm:.4g}, z {scores['grad_norm_z']:.1f}, "
+            f"{scores['grad_norm_ratio']:.2f}x its mean; over {over})"
         )
         if self.cfg.replay:
             if seen.replay is None:

@@ -390,7 +390,7 @@ class Trainer:
             group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
             lr = group["lr"] / group.get("lr_scale", 1.0)
             record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
-            record |= {f"stability/{name}_z": z for name, z in self.stability.last_z.items()}
+            record |= {f"stability/{rule}": score for rule, score in self.stability.last_scores.items()}
             tokens = t.global_batch_size * t.seq_len
             flops = flops_per_token(self.cfg.model, t.seq_len) * tokens
             record |= throughput(tokens, flops, step_time, self.ctx.world_size, peak)

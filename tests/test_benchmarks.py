@@ -168,6 +168,8 @@ def test_stability_quick_counts_detections_and_measures_the_cost(tmp_path, work_
     run_benchmark("benchmarks.stability", tmp_path, work_dir)
     rows = {r["measure"]: r for r in read_csv(tmp_path / "stability.csv")}
     assert rows["detections"]["value"] == "0"
+    assert 40 < int(rows["lr x30: detected at step"]["value"]) <= 50  # resumed at step 40: within 10 steps
+    assert float(rows["clean: largest grad_norm_ratio"]["value"]) < 4.0
     assert float(rows["step time on / off"]["value"]) > 0 and float(rows["detector host time / step"]["value"]) > 0
 
 

@@ -428,6 +428,16 @@ def trainer_state(tmp_path: Path) -> dict:
             -1.0,
             "stability.detector.stats.loss[2]: expected a finite number >= 0, got -1.0",
         ),
+        (
+            "stability.detector.max_ratio.grad_norm",
+            -1.0,
+            "stability.detector.max_ratio.grad_norm: expected a finite number >= 0, got -1.0",
+        ),
+        (
+            "stability.detector.mean.loss",
+            float("nan"),
+            "stability.detector.mean.loss: expected a finite number, got nan",
+        ),
         ("stability.rollbacks", -1, "stability.rollbacks: expected an integer >= 0, got -1"),
         ("stability.detector.observed", 2.5, "stability.detector.observed: expected an integer >= 0, got 2.5"),
         (

@@ -47,7 +47,9 @@ class WatchConfig:
 class StabilityConfig:
     """[stability]: finite loss and gradient-norm spikes, decided from the step's agreed values."""
 
-    enabled: bool = opt(True, "detect loss and gradient-norm spikes (z-score against a running forecast of each)")
+    enabled: bool = opt(
+        True, "detect loss and gradient-norm spikes (z-score against a running forecast, ratio to a running mean)"
+    )
     warmup_steps: int = opt(
         100, "steps observed before the first decision (the running statistics travel with checkpoints)", min=1
     )
@@ -59,6 +61,17 @@ class StabilityConfig:
     )
     grad_norm_z: float = opt(
         8.0, "a gradient norm this many standard deviations above its forecast is a spike; 0 = ignore it", min=0.0
+    )
+    loss_ratio: float = opt(
+        1.25,
+        "a loss above this multiple of its running (geometric) mean is a spike, however noisy the curve (noise "
+        "inflates the z-score's standard deviation, not this); 0 = ignore, else > 1",
+        min=0.0,
+    )
+    grad_norm_ratio: float = opt(
+        4.0,
+        "a gradient norm above this multiple of its running mean is a spike, however noisy; 0 = ignore, else > 1",
+        min=0.0,
     )
     action: str = opt(
         "rollback",

@@ -296,8 +296,14 @@ def _validate_stability(cfg: Config) -> None:
         raise ConfigError(
             f"stability.ema_decay: expected a number in (0, 1), got {s.ema_decay}; 0.98 remembers ~50 steps"
         )
-    if s.enabled and s.loss_z == 0 and s.grad_norm_z == 0:
+    for key in ("loss_ratio", "grad_norm_ratio"):
+        if 0.0 < getattr(s, key) <= 1.0:
+            raise ConfigError(
+                f"stability.{key}: expected 0 (off) or a number > 1, got {getattr(s, key)}; a ratio <= 1 would call "
+                "every step at or above its running mean a spike (1.25 flags a value 25% above it)"
+            )
+    if s.enabled and s.loss_z == s.grad_norm_z == s.loss_ratio == s.grad_norm_ratio == 0:
         raise ConfigError(
-            "stability.loss_z and stability.grad_norm_z are both 0: nothing would be detected; set one above 0, "
-            "or stability.enabled=false"
+            "stability.loss_z, grad_norm_z, loss_ratio and grad_norm_ratio are all 0: nothing would be detected; "
+            "set one above 0, or stability.enabled=false"
         )
