@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -52,6 +53,7 @@ from benchmarks.common import (
     RESULTS_DIR,
     bench_env,
     bench_parser,
+    data_overrides,
     median_after_warmup,
     synthetic_data,
     write_table,
@@ -325,13 +327,12 @@ def run_tool(tool: str, layout: Layout, settings: argparse.Namespace, round_inde
     """One fresh run of one tool in one layout: its median tokens/s after warm-up and its peak RSS."""
     corpus, tokenizer = synthetic_data(settings.work_dir)
     run_dir = settings.work_dir / "runs" / f"vs_torchtitan-{layout.name.replace(' ', '_')}-{tool}"
-    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     env = {**bench_env(), "HF_HOME": str(settings.work_dir / "hf_home")}
     load = os.getloadavg()[0]
     if tool == "nanotron":
-        data = settings.nanotron_data
-        args = [*nanotron_args(layout, settings.steps, settings.global_batch, data)]
+        args = nanotron_args(layout, settings.steps, settings.global_batch, settings.nanotron_data)
         args += [f"--job.out_dir={run_dir}", "--job.name=run"]
         cmd = torchrun(layout.world, ["nanotron.train", *args])
     else:
@@ -343,8 +344,8 @@ def run_tool(tool: str, layout: Layout, settings: argparse.Namespace, round_inde
         metrics = run_dir / "run" / "metrics.jsonl"
         rates = nanotron_tokens_per_sec(metrics.read_text() if metrics.is_file() else "")
     else:
-        rates = titan_tokens_per_sec((run_dir / "stdout.log").read_text(), layout.world)
-        rates += [] if rates else titan_tokens_per_sec((run_dir / "stderr.log").read_text(), layout.world)
+        output = (run_dir / "stdout.log").read_text() + (run_dir / "stderr.log").read_text()
+        rates = titan_tokens_per_sec(output, layout.world)
     if len(rates) < settings.steps:
         tail = (run_dir / "stderr.log").read_text()[-3000:]
         raise RuntimeError(f"{tool} {layout.name}: exit {code}, {len(rates)}/{settings.steps} steps logged\n{tail}")
@@ -410,8 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         if settings.global_batch % (layout.dp * layout.microbatches):
             parser.error(f"--global-batch must divide over {layout.name}'s dp x microbatches")
     corpus, tokenizer = synthetic_data(settings.work_dir)
-    from benchmarks.common import data_overrides
-
     settings.nanotron_data = data_overrides(corpus.parent, tokenizer, settings.work_dir / "data" / "tokens")
     runs = measure(layouts, settings)
     rows = summarize(runs)
