@@ -329,3 +329,73 @@ def test_a_run_stopped_by_a_signal_is_not_a_measurement(tmp_path, monkeypatch):
     monkeypatch.setattr("nanotron.trainer.Trainer", Stopped)
     with pytest.raises(RuntimeError, match="stopped at step 4 of 10"):
         inprocess.train_run("stopped", ["--config", "configs/tiny.toml", "--training.steps=10"], tmp_path)
+
+
+def test_vs_torchtitan_reads_each_tools_step_logs_as_global_tokens_per_sec():
+    """nanotron's metrics.jsonl holds global tokens/s; torchtitan's `tps` is per device (x world), logged by
+    every rank with its own clock (median per step), in colour or not, with thousands separators."""
+    from benchmarks.vs_torchtitan import nanotron_tokens_per_sec, titan_tokens_per_sec
+
+    metrics = '{"step": 2, "tokens_per_sec": 900.5, "loss": 7.1}\n{"step": 1, "tokens_per_sec": 600.0}\n{"eval": 1}\n'
+    assert nanotron_tokens_per_sec(metrics) == [600.0, 900.5]
+    log = (
+        "[titan] 2026-12-05 16:04:37,611 - root - INFO - Model llama3 debugmodel size: 6,163,712 total parameters\n"
+        "[rank0]:[titan] ... - step:  1  loss:  8.14570  grad_norm:  0.6281  memory: -0.00GiB(-0.00%)  tps: 420  "
+        "tflops: 0.02  mfu: 0.01%\n"
+        "[rank1]:[titan] ... - \x1b[31mstep:  1  \x1b[32mloss: -1.00000  \x1b[34mtps: 440  "
+        "\x1b[36mtflops: 0.02\x1b[39m\n"
+        "[rank0]:[titan] ... - step: 10  loss:  7.93376  grad_norm:  0.6744  memory: -0.00GiB(-0.00%)  tps: 1,587  "
+        "tflops: 0.03  mfu: 0.01%\n"
+        "[rank1]:[titan] ... - step: 10  loss:  7.93376  grad_norm:  0.6744  memory: -0.00GiB(-0.00%)  tps: 1,587  "
+        "tflops: 0.03  mfu: 0.01%\n"
+        "[titan] ... - validate step:  1  loss: 7.0  tps: 99999\n"
+    )
+    assert titan_tokens_per_sec(log, world=2) == [860.0, 3174.0]
+
+
+def test_vs_torchtitan_pairs_tools_by_round_and_reports_the_ratios_spread():
+    """Ratios are this/torchtitan within a round (load drifts between rounds), summarised as median, min and
+    max; a round where one tool failed to report is left out rather than paired across rounds."""
+    from benchmarks.vs_torchtitan import summarize
+
+    def run(round_index: int, tool: str, tokens: float, rss: float) -> dict:
+        return dict(layout="tp2 sp", world=2, round=round_index, tool=tool, tokens_per_sec=tokens, peak_rss_mib=rss)
+
+    runs = [
+        run(0, "nanotron", 900, 800),
+        run(0, "torchtitan", 1000, 1000),
+        run(1, "torchtitan", 500, 1000),
+        run(1, "nanotron", 400, 900),
+        run(2, "nanotron", 1100, 700),
+        run(2, "torchtitan", 1000, 1000),
+        run(3, "nanotron", 5000, 100),
+    ]
+    (row,) = summarize(runs)
+    assert (row["layout"], row["world"], row["rounds"]) == ("tp2 sp", 2, 3)
+    assert (row["tokens_per_sec_ratio"], row["tokens_per_sec_ratio_min"], row["tokens_per_sec_ratio_max"]) == (
+        pytest.approx(0.9),
+        pytest.approx(0.8),
+        pytest.approx(1.1),
+    )
+    assert (row["peak_rss_ratio"], row["peak_rss_ratio_min"], row["peak_rss_ratio_max"]) == (
+        pytest.approx(0.8),
+        pytest.approx(0.7),
+        pytest.approx(0.9),
+    )
+    assert (row["nanotron_tokens_per_sec"], row["torchtitan_tokens_per_sec"]) == (900, 1000)
+
+
+def test_vs_torchtitan_layouts_split_the_same_global_batch():
+    """Every layout trains the same global batch: dp ranks split it, the pipeline into 8 microbatches of 1."""
+    from benchmarks.vs_torchtitan import LAYOUTS, nanotron_args, titan_args
+
+    for layout in LAYOUTS:
+        nano = nanotron_args(layout, steps=4, global_batch=8, data=[])
+        titan = titan_args(layout, steps=4, global_batch=8, corpus_dir=Path("c"), tokenizer=Path("t"))
+        assert "--training.global_batch_size=8" in nano and "--training.global_batch_size=8" in titan
+        local = 8 // layout.dp
+        assert f"--training.local_batch_size={local}" in titan
+        assert f"--training.micro_batch_size={local // layout.microbatches}" in nano
+    pp = next(layout for layout in LAYOUTS if layout.name == "pp2 1f1b")
+    assert "--training.micro_batch_size=1" in nanotron_args(pp, 4, 8, [])
+    assert "--parallelism.pipeline_parallel_microbatch_size=1" in pp.torchtitan
