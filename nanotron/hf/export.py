@@ -16,7 +16,7 @@ from nanotron.checkpoint.full_model import check_tokenizer_flag, expected_shapes
 from nanotron.checkpoint.safe_io import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
 from nanotron.errors import CheckpointError, UserError
-from nanotron.hf import mixtral
+from nanotron.hf import mixtral, qwen3
 from nanotron.hf.llama import hf_config
 from nanotron.models.parametrization import fold_multipliers, is_mup
 from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
@@ -88,6 +88,7 @@ def to_hf(
     eos_id = _export_tokenizer(source_tokenizer, out, tokenizer_source(step_dir, tokenizer))
     config = hf_config(model, DTYPES[dtype], eos_id, tied)
     config |= mixtral.hf_config(model) if model.moe.enabled else {}
+    config |= qwen3.hf_config(model) if model.qk_norm and not model.moe.enabled else {}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:

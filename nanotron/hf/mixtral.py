@@ -28,6 +28,7 @@ def check_exportable(model: ModelConfig, weights: dict[str, torch.Tensor]) -> No
         f"model.moe.num_shared_experts={moe.num_shared_experts}": moe.num_shared_experts > 0,
         f"model.moe.first_dense_layers={moe.first_dense_layers}": moe.first_dense_layers > 0,
         f"model.moe.capacity_factor={moe.capacity_factor} (drops tokens)": moe.capacity_factor > 0,
+        "model.qk_norm=true": model.qk_norm,
     }
     bias = [n for n, t in weights.items() if n.endswith("expert_bias") and bool(t.ne(0).any())]
     problems["a non-zero routing bias (model.moe.bias_update_rate)"] = bool(bias)
