@@ -78,17 +78,20 @@ def to_hf(
         print(f"µP: attention, residual and logit multipliers folded into the weights{note if untied else ''}")
     names = [n for n in expected if not (tied and n == "lm_head.weight")]
     tensors = {name: weights[name] for name in names}
-    if model.moe.enabled:
-        mixtral.check_exportable(model, tensors)
-        tensors = mixtral.to_hf(tensors, model.moe.num_experts)
+    if model.moe.enabled:  # Qwen3-MoE with QK-norm, else Mixtral
+        names = qwen3.EXPERT_FILES if model.qk_norm else mixtral.MIXTRAL
+        mixtral.check_exportable(model, tensors, names)
+        tensors = mixtral.to_hf(tensors, model.moe.num_experts, names)
     tensors = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in tensors.items()}
     _empty_output(out)
     out.mkdir(parents=True, exist_ok=True)
     source_tokenizer = tokenizer or (step_dir / "tokenizer")
     eos_id = _export_tokenizer(source_tokenizer, out, tokenizer_source(step_dir, tokenizer))
     config = hf_config(model, DTYPES[dtype], eos_id, tied)
-    config |= mixtral.hf_config(model) if model.moe.enabled else {}
-    config |= qwen3.hf_config(model) if model.qk_norm and not model.moe.enabled else {}
+    if model.qk_norm:
+        config |= qwen3.hf_config(model)
+    elif model.moe.enabled:
+        config |= mixtral.hf_config(model)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:

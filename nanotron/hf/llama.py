@@ -89,25 +89,25 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
 
 def _unsupported(src: Source, what: str) -> CheckpointError:
     return CheckpointError(
-        f"{src.file}: {what}; only plain Llama, Mixtral or Qwen3 (no biases, SiLU, unscaled RoPE, full attention) "
-        "imports"
+        f"{src.file}: {what}; only plain Llama, Mixtral, Qwen3 or Qwen3-MoE (no biases, SiLU, unscaled RoPE, full "
+        "attention) imports"
     )
 
 
 def _read_fields(src: Source) -> dict[str, tuple[Any, str]]:
     """{[model] key: (value, the config.json key behind it)} for every field the import reads, each type-checked."""
     model_type = src.get("model_type", str)
-    if model_type not in ("llama", "mixtral", "qwen3"):
-        raise _unsupported(src, f"model_type is {show(model_type)}, not 'llama', 'mixtral' or 'qwen3'")
+    if model_type not in ("llama", "mixtral", "qwen3", "qwen3_moe"):
+        raise _unsupported(src, f"model_type is {show(model_type)}, not 'llama', 'mixtral', 'qwen3' or 'qwen3_moe'")
     for key in ("attention_bias", "mlp_bias"):
         if src.get(key, bool, False):
             raise _unsupported(src, f"{key} is true")
     if (act := src.get("hidden_act", str, "silu")) != "silu":
         raise _unsupported(src, f"hidden_act is {show(act)}")
-    fields = FIELDS | (mixtral.FIELDS if model_type == "mixtral" else {})
+    fields = FIELDS | {"mixtral": mixtral.FIELDS, "qwen3_moe": qwen3.MOE_FIELDS}.get(model_type, {})
     if model_type == "mixtral":
         mixtral.check_importable(src)
-    if model_type == "qwen3":
+    if model_type.startswith("qwen3"):
         qwen3.check_importable(src)
     read = {}
     for ours, (key, kind, default) in fields.items():
@@ -116,7 +116,10 @@ def _read_fields(src: Source) -> dict[str, tuple[Any, str]]:
             raise ConfigError(f"{src.file}: {key}: missing; every {model_type} config.json states it")
     read["num_kv_heads"] = (src.get("num_key_value_heads", int, read["num_heads"][0]), "num_key_value_heads")
     read["head_dim"] = (src.get("head_dim", int), "head_dim")  # absent: hidden_size / num_attention_heads
-    read["qk_norm"] = (model_type == "qwen3", "model_type")
+    read["qk_norm"] = (model_type.startswith("qwen3"), "model_type")
+    if model_type == "qwen3_moe":
+        read["moe.num_experts"] = qwen3.num_experts(src)
+        read["moe.first_dense_layers"] = qwen3.first_dense_layers(src, read["num_layers"][0])
     read["rope_theta"] = _rope_theta(src)
     return read
 
