@@ -112,6 +112,36 @@ def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
         assert torch.equal(exported(tokens).logits, original(tokens).logits)
 
 
+def test_a_llama_with_its_own_head_dim_round_trips(tmp_path):
+    """Llama's config.json may state a head_dim apart from hidden / heads (4 x 12 = 48 != 32): it imports as
+    model.head_dim (without QK-norm) and exports back as Llama, bit-identical."""
+    source = tmp_path / "source"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        vocab_size=512,
+        max_position_embeddings=32,
+    )
+    original = transformers.LlamaForCausalLM(config).eval()
+    original.save_pretrained(source)
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
+    assert ours.config.head_dim == 12 and not ours.config.qk_norm
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (original(tokens).logits - ours(tokens)).abs().max().item() <= 1e-5
+    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (exported["model_type"], exported["head_dim"]) == ("llama", 12)
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after) and all(torch.equal(after[n], t) for n, t in before.items())
+
+
 # µP shapes of TINY_MODEL (hidden 32, 4 layers, head dim 8): every multiplier differs from 1 but where noted.
 MUP_EXPORTS = {
     "untied": (False, TINY_MUP),
