@@ -65,9 +65,10 @@ _ROPE_KEYS = {"rope_type", "type", "rope_theta"}  # all a table of default (unsc
 
 
 def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
-    """The nanotron [model] of an HF Llama, Mixtral or Qwen3 config.json. The file is untrusted input: every field
-    read is type-checked (a bool is no layer count, NaN no epsilon) and range-checked, each refusal one line in the
-    file's own keys; anything our Llama can't express (biases, scaled RoPE, sliding windows) is refused by name."""
+    """The nanotron [model] of an HF Llama, Mixtral, Qwen3 or Qwen3-MoE config.json. The file is untrusted input:
+    every field read is type-checked (a bool is no layer count, NaN no epsilon) and range-checked, each refusal one
+    line in the file's own keys; anything our Llama can't express (biases, scaled RoPE, sliding windows) is refused
+    by name."""
     src = Source(config, f"'{where}'")
     try:
         read = _read_fields(src)
