@@ -96,6 +96,8 @@ MOE = (
     "--model.moe.aux_loss_coef=0.01",
 )
 EXPERTS = Family("experts", "tiny_data", (*MOE, *EVALUATE, "--logging.log_interval=1", STATS))
+# Qwen3's attention on the tiny model: QK-norm, and 4 heads of 12 (48 != hidden 32).
+QWEN3 = Family("qwen3", "tiny_data", (*EVALUATE, STATS, "--model.qk_norm=true", "--model.head_dim=12"))
 # TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
 MUP = Family(
     "mup",

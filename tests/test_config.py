@@ -51,6 +51,13 @@ def test_global_batch_size_derives_grad_accum_for_any_dp():
         assert (cfg.training.global_batch_size, cfg.training.grad_accum_steps) == (16, accum)
 
 
+def test_head_dim_defaults_to_hidden_over_heads_and_may_be_set_apart():
+    """Qwen3's shape: a head_dim that is not hidden_size / num_heads (here 4 x 48 = 192 != 128, or 100 / 4 heads)."""
+    assert load_config(f"{REPO}/configs/tiny.toml").model.head_dim == 128 // 4
+    decoupled = load_config(f"{REPO}/configs/tiny.toml", [("model.head_dim", "48"), ("model.hidden_size", "100")])
+    assert decoupled.model.head_dim == 48
+
+
 def test_both_override_spellings_parse():
     assert parse_overrides(["--config", "a.toml", "--training.steps=3", "--model.num_layers", "2"]) == (
         "a.toml",
@@ -75,6 +82,12 @@ def test_both_override_spellings_parse():
             "model.num_heads=4 is not divisible by model.num_kv_heads=3",
         ),
         (["--training.global_batch_size=10"], "training.global_batch_size=10 is not divisible by"),
+        (["--model.head_dim=7"], "model.head_dim=7: expected an even number (RoPE rotates pairs)"),
+        (
+            ["--model.head_dim=48", "--model.parametrization=mup"],
+            "model.head_dim=48 x model.num_heads=4 differs from model.hidden_size=128, which "
+            "model.parametrization='mup' does not support",
+        ),
         (["--training.steps"], "--training.steps: missing value"),
     ],
 )

@@ -112,6 +112,36 @@ def test_import_then_export_round_trips_the_weights_exactly(tmp_path, tied):
         assert torch.equal(exported(tokens).logits, original(tokens).logits)
 
 
+def test_a_llama_with_its_own_head_dim_round_trips(tmp_path):
+    """Llama's config.json may state a head_dim apart from hidden / heads (4 x 12 = 48 != 32): it imports as
+    model.head_dim (without QK-norm) and exports back as Llama, bit-identical."""
+    source = tmp_path / "source"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        vocab_size=512,
+        max_position_embeddings=32,
+    )
+    original = transformers.LlamaForCausalLM(config).eval()
+    original.save_pretrained(source)
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
+    assert ours.config.head_dim == 12 and not ours.config.qk_norm
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (original(tokens).logits - ours(tokens)).abs().max().item() <= 1e-5
+    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (exported["model_type"], exported["head_dim"]) == ("llama", 12)
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after) and all(torch.equal(after[n], t) for n, t in before.items())
+
+
 # µP shapes of TINY_MODEL (hidden 32, 4 layers, head dim 8): every multiplier differs from 1 but where noted.
 MUP_EXPORTS = {
     "untied": (False, TINY_MUP),
@@ -121,6 +151,8 @@ MUP_EXPORTS = {
         True,
         ["--model.mup_base.head_dim=2", "--model.mup_base.kv_heads=8", "--model.mup_base.layers=1"],
     ),
+    # QK-norm exports as Qwen3: the attention scale goes into q_norm (a scale on q_proj would be normalised away).
+    "qk-norm": (False, [*TINY_MUP, "--model.qk_norm=true"]),
 }
 
 
@@ -154,7 +186,8 @@ def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(
     assert json.loads((hf_dir / "config.json").read_text())["tie_word_embeddings"] == (not untied)
     assert ("lm_head.weight" in hf_tensors(hf_dir)) == untied
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if case == "qk-norm" else "LlamaForCausalLM")
     with torch.no_grad():
         expected = ours(tokens)
         assert (hf(tokens).logits - expected).abs().max().item() <= 1e-5
@@ -363,3 +396,187 @@ def test_a_moe_model_mixtral_cannot_express_is_refused_in_one_line(tiny_data, tm
     with pytest.raises(CheckpointError, match="model.moe.router='sigmoid'.*Mixtral cannot express"):
         to_hf(tmp_path / "moe" / "checkpoints" / "step-1", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+# ---- Qwen3: QK-norm and a head_dim apart from hidden / heads ---------------------------------------------------------
+
+
+def hf_qwen3(tied: bool, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A random HF Qwen3: hidden 32, 4 query heads of 12 (48 != 32), 2 K/V heads, vocab 512; its q/k norm weights
+    drawn at random (HF's init leaves them at one, which would hide a q/k mix-up)."""
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        vocab_size=512,
+        max_position_embeddings=32,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.5)
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_imports_exports_and_generates_like_transformers(tmp_path, tied):
+    """from-hf: qk_norm and head_dim read, our logits equal transformers'; to-hf: the same files back and a
+    Qwen3ForCausalLM; greedy decoding is the same tokens."""
+    source = tmp_path / "source"
+    original = hf_qwen3(tied)
+    original.save_pretrained(source)
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
+    assert ours.config.qk_norm and ours.config.head_dim == 12 and ours.config.tie_word_embeddings == tied
+    assert ours.config.rope_theta == 1000000.0
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (original(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 1e-5
+    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after) and ("lm_head.weight" in after) == (not tied)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(exported).__name__ == "Qwen3ForCausalLM" and exported.config.head_dim == 12
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, original(tokens).logits)
+    prompt = [5, 17, 42, 7]
+    mine = generate(ours, prompt, 10, eos_id=None)
+    theirs = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert mine == theirs[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"use_sliding_window": True}, "use_sliding_window is true; nanotron's attention is full causal"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, 'layer_types holds "sliding_attention"'),
+        ({"attention_bias": True}, "attention_bias is true; only plain Llama, Mixtral, Qwen3 or Qwen3-MoE"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 'rope_scaling: RoPE scaling "yarn" is set'),
+        ({"head_dim": 7}, "head_dim=7: expected an even number"),
+        ({"head_dim": "wide"}, 'head_dim: expected an integer, got "wide"'),
+    ],
+)
+def test_a_qwen3_config_nanotron_cannot_carry_is_refused_in_one_line(tmp_path, capsys, edit, message):
+    source = tmp_path / "source"
+    hf_qwen3(tied=False).save_pretrained(source)
+    config = json.loads((source / "config.json").read_text()) | edit
+    (source / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "ckpt").exists()
+
+
+# ---- Qwen3-MoE: QK-norm and a mixture of experts after a dense first layer --------------------------------------
+
+
+def hf_qwen3_moe(norm_topk_prob: bool, seed: int = 0, **overrides):
+    """A random HF Qwen3-MoE: 3 layers, the first dense (mlp_only_layers), 4 experts of 24, top-2, 4 query heads
+    of 12 (48 != hidden 32); routers and q/k norms spread so routing and the norms matter."""
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 12,
+            "vocab_size": 512,
+            "max_position_embeddings": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": norm_topk_prob,
+            "mlp_only_layers": [0],
+            "tie_word_embeddings": False,
+            **overrides,
+        }
+    )
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):
+                param.normal_(1.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_qwen3_moe_imports_exports_and_generates_like_transformers(tmp_path, norm_topk_prob):
+    """from-hf: the dense first layer, the routing and QK-norm read, our logits equal transformers'; to-hf: the same
+    files back and a Qwen3MoeForCausalLM; greedy decoding is the same tokens."""
+    source = tmp_path / "source"
+    original = hf_qwen3_moe(norm_topk_prob)
+    original.save_pretrained(source)
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
+    moe = ours.config.moe
+    assert (moe.num_experts, moe.top_k, moe.moe_intermediate_size, moe.first_dense_layers) == (4, 2, 24, 1)
+    assert moe.renormalize == norm_topk_prob and moe.router == "softmax_topk" and moe.num_shared_experts == 0
+    assert ours.config.qk_norm and ours.config.head_dim == 12
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (original(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 1e-5
+    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM" and exported.config.norm_topk_prob == norm_topk_prob
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, original(tokens).logits)
+    prompt = [5, 17, 42, 7]
+    mine = generate(ours, prompt, 10, eos_id=None)
+    theirs = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert mine == theirs[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"decoder_sparse_step": 2, "mlp_only_layers": []}, "decoder_sparse_step=2, mlp_only_layers=[] make layers 2"),
+        ({"mlp_only_layers": [1]}, "make layers 1 dense after MoE layer 0; nanotron's MoE models keep dense layers"),
+        ({"use_sliding_window": True}, "use_sliding_window is true"),
+        ({"num_experts": 8}, "num_experts=8 and num_local_experts=4 disagree"),
+    ],
+)
+def test_a_qwen3_moe_layout_nanotron_cannot_carry_is_refused_in_one_line(tmp_path, capsys, overrides, message):
+    source = tmp_path / "source"
+    hf_qwen3_moe(False).save_pretrained(source)
+    config = json.loads((source / "config.json").read_text()) | overrides
+    (source / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_moe_model_qwen3_moe_cannot_express_is_refused_in_one_line():
+    """QK-norm MoE models export as Qwen3-MoE, which carries unnormalised gates and dense first layers (Mixtral
+    does not) but no shared experts."""
+    from nanotron.hf import mixtral, qwen3
+
+    moe = ["--model.qk_norm=true", "--model.moe.num_experts=4", "--model.moe.renormalize=false"]
+    model = load_config(*parse_overrides([*TINY_MODEL, *moe, "--model.moe.first_dense_layers=1"])).model
+    mixtral.check_exportable(model, {}, qwen3.EXPERT_FILES)
+    with pytest.raises(CheckpointError, match="model.moe.renormalize=false, model.moe.first_dense_layers=1, which"):
+        mixtral.check_exportable(model, {})
+    shared = load_config(*parse_overrides([*TINY_MODEL, *moe, "--model.moe.num_shared_experts=1"])).model
+    with pytest.raises(CheckpointError, match="num_shared_experts=1, which Hugging Face's Qwen3-MoE cannot express"):
+        mixtral.check_exportable(shared, {}, qwen3.EXPERT_FILES)

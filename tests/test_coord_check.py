@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 from conftest import TINY_MODEL
@@ -52,6 +53,18 @@ def test_bad_flags_are_one_line_and_nothing_runs(flags, expected, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_member_of_a_resolved_config_gets_its_own_head_dim():
+    """A run dir's config.toml states head_dim: a wider member must not keep the base's (4 heads of 64 at 256)."""
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.coord_check.runs import family
+
+    base = ["--config", str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"), "--model.head_dim=32"]
+    cfg = load_config(*parse_overrides(base))
+    member = family(cfg, 256, 4, fixed_head_dim=False)
+    wide = load_config(*parse_overrides([*base, *member.overrides()])).model
+    assert (wide.hidden_size, wide.num_heads, wide.head_dim) == (256, 4, 64) == (member.width, member.heads, 64)
 
 
 @pytest.mark.slow

@@ -15,6 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 
 def small_config(**overrides) -> ModelConfig:
+    from nanotron.config.validate import resolve_model
+
     fields = dict(
         hidden_size=64,
         intermediate_size=160,
@@ -27,7 +29,14 @@ def small_config(**overrides) -> ModelConfig:
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )
-    return ModelConfig(**{**fields, **overrides})
+    cfg = ModelConfig(**{**fields, **overrides})
+    resolve_model(cfg)
+    return cfg
+
+
+def qwen3_config(**overrides) -> ModelConfig:
+    """small_config as Qwen3 has it: QK-norm, and a head_dim apart from hidden / heads (8 x 12 = 96 != 64)."""
+    return small_config(qk_norm=True, head_dim=12, **overrides)
 
 
 def hf_twin(cfg: ModelConfig) -> "transformers.LlamaForCausalLM":
@@ -55,6 +64,48 @@ def test_logits_match_transformers_llama_with_gqa(tied):
     model = LlamaForCausalLM(cfg)
     init_weights(model, seed=0)
     hf = hf_twin(cfg)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected
+    assert all("rotary_emb" in k for k in missing)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def qwen3_twin(cfg: ModelConfig) -> "transformers.Qwen3ForCausalLM":
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=False,
+        use_sliding_window=False,
+    )
+    hf_cfg._attn_implementation = "eager"
+    return transformers.Qwen3ForCausalLM(hf_cfg).eval()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_transformers_qwen3_with_qk_norm_and_decoupled_head_dim(tied):
+    """Qwen3 = this model with qk_norm and head_dim 12 (8 heads x 12 = 96 != hidden 64); the norm weights are
+    drawn at random, so a q/k mix-up or a norm in the wrong place shows."""
+    cfg = qwen3_config(tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, seed=0)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.5 * torch.randn(param.shape, generator=gen))
+    hf = qwen3_twin(cfg)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected
     assert all("rotary_emb" in k for k in missing)
@@ -103,10 +154,16 @@ def moe_config(**overrides) -> ModelConfig:
     return cfg
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied", "moe"])
+def config_of(kind: str) -> ModelConfig:
+    if kind == "moe":
+        return moe_config()
+    return (qwen3_config if kind == "qwen3" else small_config)(tie_word_embeddings=kind == "tied")
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3"])
 def test_shapes_table_is_the_built_models(kind):
     """models/shapes.py (what the planner and MFU read) names every parameter of the model with its shape."""
-    cfg = moe_config() if kind == "moe" else small_config(tie_word_embeddings=kind == "tied")
+    cfg = config_of(kind)
     built = {name: tuple(p.shape) for name, p in LlamaForCausalLM(cfg).named_parameters()}
     table = dict(root_shapes(cfg))
     for i in range(cfg.num_layers):
@@ -121,14 +178,16 @@ def test_param_count_follows_the_config():
     assert num_params(moe) == sum(p.numel() for p in LlamaForCausalLM(moe).parameters())
     tied = small_config(tie_word_embeddings=True)
     assert num_params(tied) == sum(p.numel() for p in LlamaForCausalLM(tied).parameters())
+    qwen3 = qwen3_config()
+    assert num_params(qwen3) == sum(p.numel() for p in LlamaForCausalLM(qwen3).parameters())
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied", "moe"])
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3"])
 def test_flops_per_token_equals_the_matmul_flops_torch_counts(kind):
     """An independent count: FlopCounterMode over a real forward + backward (SDPA's math backend, whose
     matmuls the counter sees; the fused CPU kernel is invisible to it). A mixture of experts counts its active
     parameters: each routed copy of a token meets one expert, plus the router and the shared expert."""
-    cfg = moe_config() if kind == "moe" else small_config(tie_word_embeddings=kind == "tied")
+    cfg = config_of(kind)
     model = LlamaForCausalLM(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:

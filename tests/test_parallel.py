@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 from conftest import TINY_MODEL, run_train, train_losses
-from matrix import COMPILE, DENSE, RTOL, Layout, assert_matches, relative_difference, weights
+from matrix import COMPILE, DENSE, QWEN3, RTOL, Layout, assert_matches, relative_difference, weights
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.models.llama import LlamaForCausalLM
@@ -61,6 +61,24 @@ def test_layout_matches_one_process(layout, references, tiny_data, tmp_path):
     assert len(ref.series("eval_loss")) == 2 and len(ref.items) == 25  # steps 0 and 5; 7 items of 3 and 4 choices
     assert sorted(ref.stats) == [2, 4] and len(ref.stats[2]) == 1 + 3 * 4 + 2  # embed, 4 layers x 3, norm, logits
     print(f"{layout}: {assert_matches(run, ref, DENSE)}")
+
+
+# Qwen3's QK-norm under TP: each rank normalises its own heads with the one replicated weight, whose gradient is
+# summed over the tp ranks. With sequence parallelism and ring attention (RoPE on each rank's chunks after the
+# norm); with plain TP and FSDP (the norm's weight a tp-replicated DTensor beside plain norm weights).
+QWEN3_LAYOUTS = [
+    Layout(cp=2, tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
+    Layout(dp=2, tp=2, flags=("--parallelism.tp_mode=all_reduce", "--parallelism.zero_stage=3")),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", QWEN3_LAYOUTS, ids=str)
+def test_qwen3_attention_matches_one_process(layout, references, tiny_data, tmp_path):
+    ref = references[QWEN3]
+    run = QWEN3.run(tiny_data, tmp_path, "run", layout)
+    assert any(name.endswith("self_attn.k_norm.weight") for name in ref.weights)
+    print(f"qwen3 {layout}: {assert_matches(run, ref, QWEN3)}")
 
 
 # torch.compile (inductor) under TP, where the vocab-parallel embedding's output (an AsyncCollectiveTensor)

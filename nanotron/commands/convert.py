@@ -1,5 +1,6 @@
 """Hugging Face interop: export a checkpoint to `transformers` Llama (Mixtral for a mixture of experts, see
-`nanotron.hf.mixtral`), import HF Llama or Mixtral weights for training.
+`nanotron.hf.mixtral`; Qwen3 or Qwen3-MoE with QK-norm, `nanotron.hf.qwen3`), import HF Llama, Mixtral, Qwen3 or
+Qwen3-MoE weights for training.
 
     nanotron convert to-hf   CHECKPOINT OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
     nanotron convert from-hf HF_DIR CKPT_DIR
@@ -37,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
     export.add_argument("--tokenizer", type=Path, help="tokenizer dir/file to ship instead of the checkpoint's")
     export.add_argument("--allow_unverified", action="store_true", help=UNVERIFIED_HELP)
-    imp = commands.add_parser("from-hf", help="Hugging Face Llama folder -> checkpoint for checkpoint.init_from")
+    imp = commands.add_parser(
+        "from-hf", help="Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE folder -> checkpoint for init_from"
+    )
     imp.add_argument("hf_dir", type=Path, help="local folder with config.json and safetensors weights")
     imp.add_argument("ckpt_dir", type=Path, help="new folder for the DCP checkpoint")
     return parser

@@ -76,6 +76,13 @@ class ModelConfig:
     num_layers: int | None = opt(None, "decoder layers", min=1)
     num_heads: int | None = opt(None, "attention (query) heads", min=1)
     num_kv_heads: int | None = opt(None, "key/value heads (GQA); divides num_heads", min=1)
+    head_dim: int | None = opt(
+        None,
+        "width of each query/key/value head; unset = hidden_size / num_heads. Qwen3 decouples it: q/k/v/o "
+        "project hidden_size <-> heads x head_dim",
+        min=2,
+    )
+    qk_norm: bool = opt(False, "RMSNorm over head_dim on every query and key head before RoPE (Qwen3's QK-norm)")
     vocab_size: int | None = opt(None, "embedding rows; at least the tokenizer's vocab", min=1)
     max_seq_len: int | None = opt(None, "longest sequence RoPE is precomputed for", min=1)
     rope_theta: float | None = opt(None, "RoPE base", min=1.0)
@@ -111,10 +118,6 @@ class ModelConfig:
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` has a mixture of experts in place of its dense MLP."""
         return self.moe.num_experts > 0 and index >= self.moe.first_dense_layers
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 PRESETS: dict[str, dict[str, Any]] = {

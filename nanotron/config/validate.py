@@ -40,10 +40,22 @@ def resolve_model(model: ModelConfig) -> None:
             setattr(model, key, value)
     check_ranges("model", model)
     m = model
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    if m.head_dim % 2:
-        raise ConfigError(f"model.hidden_size / model.num_heads = {m.head_dim} must be even for RoPE")
+    if m.head_dim is None:
+        if m.hidden_size % m.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; change "
+                "either, or set model.head_dim"
+            )
+        m.head_dim = m.hidden_size // m.num_heads
+        if m.head_dim % 2:
+            raise ConfigError(f"model.hidden_size / model.num_heads = {m.head_dim} must be even for RoPE")
+    elif m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim}: expected an even number (RoPE rotates pairs)")
+    if m.parametrization == "mup" and m.num_heads * m.head_dim != m.hidden_size:
+        raise ConfigError(
+            f"model.head_dim={m.head_dim} x model.num_heads={m.num_heads} differs from model.hidden_size="
+            f"{m.hidden_size}, which model.parametrization='mup' does not support; unset model.head_dim"
+        )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "

@@ -43,6 +43,7 @@ class Member:
             f"--model.num_layers={self.depth}",
             f"--model.num_heads={self.heads}",
             f"--model.num_kv_heads={self.kv_heads}",
+            f"--model.head_dim={self.head_dim}",  # a resolved config states the base's
         ]
 
     def as_base(self) -> list[str]:

@@ -16,7 +16,7 @@ from nanotron.checkpoint.full_model import check_tokenizer_flag, expected_shapes
 from nanotron.checkpoint.safe_io import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
 from nanotron.errors import CheckpointError, UserError
-from nanotron.hf import mixtral
+from nanotron.hf import mixtral, qwen3
 from nanotron.hf.llama import hf_config
 from nanotron.models.parametrization import fold_multipliers, is_mup
 from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
@@ -78,16 +78,20 @@ def to_hf(
         print(f"µP: attention, residual and logit multipliers folded into the weights{note if untied else ''}")
     names = [n for n in expected if not (tied and n == "lm_head.weight")]
     tensors = {name: weights[name] for name in names}
-    if model.moe.enabled:
-        mixtral.check_exportable(model, tensors)
-        tensors = mixtral.to_hf(tensors, model.moe.num_experts)
+    if model.moe.enabled:  # Qwen3-MoE with QK-norm, else Mixtral
+        names = qwen3.EXPERT_FILES if model.qk_norm else mixtral.MIXTRAL
+        mixtral.check_exportable(model, tensors, names)
+        tensors = mixtral.to_hf(tensors, model.moe.num_experts, names)
     tensors = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in tensors.items()}
     _empty_output(out)
     out.mkdir(parents=True, exist_ok=True)
     source_tokenizer = tokenizer or (step_dir / "tokenizer")
     eos_id = _export_tokenizer(source_tokenizer, out, tokenizer_source(step_dir, tokenizer))
     config = hf_config(model, DTYPES[dtype], eos_id, tied)
-    config |= mixtral.hf_config(model) if model.moe.enabled else {}
+    if model.qk_norm:
+        config |= qwen3.hf_config(model)
+    elif model.moe.enabled:
+        config |= mixtral.hf_config(model)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:

@@ -1,8 +1,9 @@
 """Llama decoder in plain PyTorch: RMSNorm, RoPE (split halves), GQA through SDPA, SwiGLU or mixture-of-experts
-MLPs (`nanotron.models.moe`, Mixtral's layout).
+MLPs (`nanotron.models.moe`, Mixtral's layout); Qwen3 is this model with options (`qk_norm`, a `head_dim` apart
+from hidden_size / num_heads).
 
-Parameter names equal Hugging Face `LlamaForCausalLM`'s, so checkpoints export without a rename table.
-Nothing here knows about parallelism: reshapes use -1 for head counts so tensor-parallel shards
+Parameter names equal Hugging Face `LlamaForCausalLM`'s (and `Qwen3ForCausalLM`'s), so checkpoints export without
+a rename table. Nothing here knows about parallelism: reshapes use -1 for head counts so tensor-parallel shards
 (fewer local heads) run the same code, and pipeline stages are this module with parts set to None.
 `nanotron.models.parametrization` says how each parameter is initialised (`nanotron.parallel.init` draws the
 values) and which multipliers µP applies here: plain scalars from the config, 1 under standard parametrization.
@@ -59,11 +60,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3's QK-norm: one RMSNorm weight over head_dim, shared by every head (so replicated under TP)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.core(q, k, v, doc)

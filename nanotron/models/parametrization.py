@@ -160,16 +160,18 @@ def param_weight_decay_scale(cfg: ModelConfig, name: str, mode: str = "coupled")
 def fold_multipliers(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool]:
     """Standard-parametrization weights computing the same function, and whether embedding and head stay tied.
 
-    The attention scale goes into q_proj (RoPE is linear, so scaling q before it is the same), the branch
+    The attention scale goes into q_proj (RoPE is linear, so scaling q before it is the same; with QK-norm into
+    q_norm, whose output RoPE takes, as a scale before the norm would be normalised away), the branch
     multiplier into o_proj and down_proj (each branch ends in one), the logit multiplier into lm_head; a tied
     head can't take it without changing the embedding, so it becomes a separate (scaled) lm_head.
     """
     mult = multipliers(cfg)
     q_factor = 1.0 if mult.attention_scale is None else mult.attention_scale * cfg.head_dim**0.5
+    scaled_by_attention = "q_norm.weight" if cfg.qk_norm else "q_proj.weight"
     folded = {}
     for name, tensor in weights.items():
         factor = 1.0
-        if name.endswith("q_proj.weight"):
+        if name.endswith(scaled_by_attention):
             factor = q_factor
         elif name.endswith(RESIDUAL_OUTPUTS):
             factor = mult.residual

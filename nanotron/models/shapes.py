@@ -36,8 +36,10 @@ def layer_shapes(m: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
-        "post_attention_layernorm.weight": (h,),
     }
+    if m.qk_norm:
+        shapes |= {"self_attn.q_norm.weight": (m.head_dim,), "self_attn.k_norm.weight": (m.head_dim,)}
+    shapes["post_attention_layernorm.weight"] = (h,)
     if not is_moe_layer(m, index):
         return shapes | {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
     e = m.moe.num_experts
@@ -109,10 +111,10 @@ def _matmul_weights(m: ModelConfig, index: int) -> int:
 def layer_forward_flops(m: ModelConfig, seq_len: int, index: int | None = None) -> int:
     """Forward FLOPs of decoder layer `index` per token (None: the mean over the layers): 2 per matmul weight a
     token meets (active parameters: a routed token pays for top_k experts and the router), plus attention's QK^T
-    and AV (4·seq_len·hidden, no discount for the causal mask: the PaLM/Megatron MFU convention)."""
+    and AV (4·seq_len·num_heads·head_dim, no discount for the causal mask: the PaLM/Megatron MFU convention)."""
     indices = range(m.num_layers) if index is None else [index]
     matmul = sum(_matmul_weights(m, i) for i in indices) / len(indices)
-    return int(2 * matmul) + 4 * m.hidden_size * seq_len
+    return int(2 * matmul) + 4 * m.num_heads * m.head_dim * seq_len
 
 
 def head_forward_flops(m: ModelConfig) -> int:

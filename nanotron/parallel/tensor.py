@@ -3,6 +3,7 @@
 all_reduce:     Megatron TP. q/k/v and gate/up column-sharded, o/down row-sharded (all-reduce out).
 reduce_scatter: sequence parallel on top. Norms and the residual stream are sharded on the sequence
                 dim; inputs of column linears are all-gathered, outputs of row linears reduce-scattered.
+QK-norm (Qwen3) in both: a replicated weight over each rank's heads, its gradient summed over tp.
 In both modes the embedding and lm_head are vocab-parallel and logits stay sharded for loss_parallel.
 """
 
@@ -51,10 +52,14 @@ def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence
         ),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     }
+    # QK-norm sees this rank's heads ([batch, seq, heads, head_dim], sharded on heads): its one weight is replicated
+    # and its gradient, partial per rank, summed over tp, as a sequence-parallel norm's is over the sequence.
+    qk_norm = SequenceParallel(sequence_dim=2, use_local_output=True)
     layer_plan = {
         **{name: ColwiseParallel() for name in COLWISE},
         **{name: RowwiseParallel(output_layouts=residual) for name in ROWWISE},
         **(norm_plan | gather_plan if sequence_parallel else {}),
+        **({"self_attn.q_norm": qk_norm, "self_attn.k_norm": qk_norm} if model.config.qk_norm else {}),
     }
     # A mixture of experts is not split over tp: every tp rank routes the whole sequence (gathered under sequence
     # parallelism, then its own slice of the output kept), so routing, all-to-all and expert weights are the

@@ -219,6 +219,7 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     tp = p.tp
     sp = sequence_shards(cfg)
     h = m.hidden_size
+    q = m.num_heads * m.head_dim
     kv = m.num_kv_heads * m.head_dim
     i = m.intermediate_size
     # With parallelism.sp_regather on, a layer that is not recomputed keeps the shard of each gathered norm output
@@ -228,10 +229,11 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     norms = 2 * ((FP32 + e) * h / sp + gathered)
     if regather and is_moe_layer(m, index):
         norms += e * h - gathered
-    attention = e * (2 * h + 2 * kv) / tp + FP32 * m.num_heads / tp
+    qk_norm = (FP32 + e) * (q + kv) / tp if m.qk_norm else 0.0  # each norm keeps its fp32 input and its output
+    attention = e * (2 * q + 2 * kv) / tp + FP32 * m.num_heads / tp + qk_norm
     mlp = 4 * e * i / tp
     reduced = (e * h / tp if sp > 1 else e * h) if tp > 1 else 0.0  # a row-parallel linear's reduced output
-    kept_attention = e * (2 * h + 2 * kv) / tp + FP32 * m.num_heads / tp + e * h + reduced
+    kept_attention = e * (2 * q + 2 * kv) / tp + FP32 * m.num_heads / tp + qk_norm + e * h + reduced
     kept_mlp = 2 * e * i / tp + e * h + reduced
     if p.selective_matmuls == "every_other":  # k, o (its pre-reduction output) and up are rerun
         kept_attention -= e * kv / tp + e * h
@@ -264,7 +266,7 @@ def attention_transient_bytes(cfg: Config, tokens: int) -> float:
     """
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
-    q_width, kv_width = m.hidden_size / p.tp, m.num_kv_heads * m.head_dim / p.tp
+    q_width, kv_width = m.num_heads * m.head_dim / p.tp, m.num_kv_heads * m.head_dim / p.tp
     total = 0.0
     if p.cp > 1:
         blocks = 2 * 2 * tokens * kv_width * e  # K and V, current and arriving

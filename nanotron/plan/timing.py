@@ -179,7 +179,7 @@ def compute_time(
     selective = modes.count("selective")
     recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
     if p.selective_matmuls == "every_other":  # selective reruns the k, o and up projections too
-        rerun_matmuls = 2 * m.hidden_size * (m.num_kv_heads * m.head_dim + m.hidden_size + m.intermediate_size)
+        rerun_matmuls = 2 * m.hidden_size * ((m.num_kv_heads + m.num_heads) * m.head_dim + m.intermediate_size)
         recompute_flops += tokens_step * selective * rerun_matmuls
     flops = model_flops + recompute_flops
     bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, t.grad_accum_steps, p.pp_stages_per_rank)
@@ -300,7 +300,7 @@ def elementwise_rerun_bytes(cfg: Config) -> float:
     e = element_bytes(cfg.training.dtype)
     sp = sequence_shards(cfg)
     norms = 2 * (8 * FP32 + 4 * e) * m.hidden_size / sp
-    rope = 10 * e * (m.hidden_size + m.num_kv_heads * m.head_dim) / p.tp
+    rope = 10 * e * (m.num_heads + m.num_kv_heads) * m.head_dim / p.tp
     swiglu = 5 * e * m.intermediate_size / p.tp
     return norms + rope + swiglu
 
