@@ -113,7 +113,9 @@ class _Regather:
         self.context = self.gathered = self.shard = None
 
     def _pack(self, tensor: torch.Tensor) -> object:
-        if isinstance(tensor, DTensor) and local_tensor(tensor).untyped_storage().data_ptr() == self.storage:
+        # A float8 copy (torchao's tensor subclass, no storage of its own) is what a float8 linear keeps instead.
+        local = local_tensor(tensor) if isinstance(tensor, DTensor) else None
+        if type(local) is torch.Tensor and local.untyped_storage().data_ptr() == self.storage:
             for hook in on_save:
                 hook(self.gathered.shard)
             return _Saved(self.gathered, tensor)

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.moe import MoE
@@ -40,8 +41,15 @@ def tp_shard_dim(name: str) -> int | None:
     return 1 if module.endswith(ROWWISE) else None
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shards `model` (a whole model or one pipeline stage of it) over `tp_mesh` in place."""
+def apply_tensor_parallel(
+    model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool, float8_collectives: bool = False
+) -> None:
+    """Shards `model` (a whole model or one pipeline stage of it) over `tp_mesh` in place. With
+    `float8_collectives` the linears get torchao's float8 plans (tensorwise scales): inputs and gradients are cast to
+    float8 before their collectives, with the amax reduced over the tp shards (the 1-process scale)."""
+    colwise, rowwise = (
+        (Float8ColwiseParallel, Float8RowwiseParallel) if float8_collectives else (ColwiseParallel, RowwiseParallel)
+    )
     residual = Shard(1) if sequence_parallel else Replicate()
     norm_plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
     gather_plan = {
@@ -52,8 +60,8 @@ def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     }
     layer_plan = {
-        **{name: ColwiseParallel() for name in COLWISE},
-        **{name: RowwiseParallel(output_layouts=residual) for name in ROWWISE},
+        **{name: colwise() for name in COLWISE},
+        **{name: rowwise(output_layouts=residual) for name in ROWWISE},
         **(norm_plan | gather_plan if sequence_parallel else {}),
     }
     # A mixture of experts is not split over tp: every tp rank routes the whole sequence (gathered under sequence
