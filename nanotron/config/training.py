@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from nanotron.config.option import opt
 
+# Float8 matmul kernels (torch._scaled_mm) take dimensions that are multiples of this (training.float8's rules).
+FLOAT8_KERNEL_MULTIPLE = 16
+
 
 @dataclass
 class TrainingConfig:

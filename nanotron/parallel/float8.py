@@ -7,23 +7,25 @@ Which linears convert is one rule, the same at every layout: a linear inside a d
 dimensions are multiples of 16 (what float8 matmul kernels take). The embedding and the output head are not
 converted (they set the logits' precision), nor are the MoE routers and the experts' grouped GEMMs (not linears).
 On a device without float8 matmuls (CPU, CUDA below compute capability 8.9) torchao emulates them: same numerics,
-no speed; the start-up line says so.
+no speed; the start-up line says so. torchao is imported only by a float8 run (its import costs seconds).
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+from torch.distributed.tensor import DTensor
 
 from nanotron.config import Config
+from nanotron.config.training import FLOAT8_KERNEL_MULTIPLE
 from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.tensor import tp_shard_dim
 
-KERNEL_MULTIPLE = 16  # float8 matmul kernels (torch._scaled_mm) take dimensions that are multiples of 16
 FLOAT8_MATMUL_CAPABILITY = (8, 9)  # Ada / Hopper and newer
 
 
@@ -37,8 +39,22 @@ def emulation_reason(device: torch.device) -> str | None:
     return None
 
 
-def float8_config(recipe: str, emulate: bool, fsdp_float8_all_gather: bool) -> Float8LinearConfig:
+def torchao_float8():
+    """torchao.float8, imported without the warnings its import logs about GPU kernel libraries a CPU build lacks."""
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import torchao.float8
+        import torchao.float8.float8_tensor_parallel  # noqa: F401  (the TP plans, imported by tensor.py when used)
+    finally:
+        logger.setLevel(level)
+    return torchao.float8
+
+
+def float8_config(recipe: str, emulate: bool, fsdp_float8_all_gather: bool):
     """torchao's config for `recipe`; FSDP all-gathers float8 weights where the recipe allows it (tensorwise)."""
+    Float8LinearConfig = torchao_float8().Float8LinearConfig
     if recipe == "tensorwise":
         return Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
     base = Float8LinearConfig.from_recipe_name(recipe)
@@ -56,7 +72,7 @@ def converts(fqn: str, module: nn.Module) -> bool:
     return (
         isinstance(module, nn.Linear)
         and fqn.startswith("model.layers.")
-        and all(size % KERNEL_MULTIPLE == 0 for size in module.weight.shape)
+        and all(size % FLOAT8_KERNEL_MULTIPLE == 0 for size in module.weight.shape)
     )
 
 
@@ -73,17 +89,15 @@ class Float8Plan:
         return cls(tuple(f for f, m in linears if converts(f, m)), tuple(f for f, m in linears if not converts(f, m)))
 
 
-def check_float8_shapes(cfg: Config) -> None:
-    """Float8 matmul kernels need every converted linear's dimensions, and the tokens of a microbatch (the inner
-    dimension of the weight gradient), to be multiples of 16 on each rank; a TP shard that is not would make the
-    layout change which linears convert, so it is a config error instead."""
-    p, t = cfg.parallelism, cfg.training
-    tokens = t.micro_batch_size * t.seq_len // p.cp
-    if tokens % KERNEL_MULTIPLE:
+def check_float8(cfg: Config, device: torch.device) -> None:
+    """What float8 needs of the layout and the device, checked where both are known. Float8 matmul kernels need
+    every converted linear's dimensions to be multiples of 16 on each rank: a TP shard that is not would make the
+    layout change which linears convert (and the numbers), so it is a config error instead."""
+    t, p = cfg.training, cfg.parallelism
+    if t.compile and emulation_reason(device):
         raise ConfigError(
-            f"training.float8='{t.float8}' needs micro_batch_size * seq_len / cp = {tokens} tokens per microbatch "
-            f"to be a multiple of {KERNEL_MULTIPLE} (the weight gradient's inner dimension); change "
-            "training.micro_batch_size or training.seq_len"
+            f"training.float8='{t.float8}' runs emulated on this device ({emulation_reason(device)}), and torchao's "
+            "emulation is eager-only; set training.compile=false (or train on a GPU with float8 matmuls)"
         )
     if p.tp == 1:
         return
@@ -92,18 +106,20 @@ def check_float8_shapes(cfg: Config) -> None:
     for fqn in Float8Plan.of(model).converted:
         module = model.get_submodule(fqn)
         dim = tp_shard_dim(fqn)  # a MoE layer's shared experts are not split over tp
-        if dim is not None and (module.weight.shape[dim] // p.tp) % KERNEL_MULTIPLE:
+        if dim is not None and (module.weight.shape[dim] // p.tp) % FLOAT8_KERNEL_MULTIPLE:
             raise ConfigError(
                 f"training.float8='{t.float8}' with parallelism.tp={p.tp}: {fqn} would hold "
                 f"{module.weight.shape[dim]}/{p.tp} = {module.weight.shape[dim] // p.tp} rows or columns per rank, "
-                f"not a multiple of {KERNEL_MULTIPLE}; use a smaller tp, or training.float8='off'"
+                f"not a multiple of {FLOAT8_KERNEL_MULTIPLE}; use a smaller tp, or training.float8='off'"
             )
 
 
 def convert_to_float8(model: nn.Module, cfg: Config, device: torch.device) -> None:
     """Swaps the rule's linears of `model` (a whole model or a pipeline stage) for Float8Linear, in place."""
     config = float8_config(cfg.training.float8, emulation_reason(device) is not None, fsdp_float8_all_gather(cfg))
-    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: converts(fqn, module), config=config)
+    torchao_float8().convert_to_float8_training(
+        model, module_filter_fn=lambda module, fqn: converts(fqn, module), config=config
+    )
 
 
 def fsdp_float8_all_gather(cfg: Config) -> bool:
@@ -123,7 +139,31 @@ def precompute_float8_scales(modules: list[nn.Module]) -> None:
     from their global amaxes in one all-reduce, instead of one per weight at each all-gather. A no-op where FSDP
     does not gather float8 weights."""
     for module in modules:
-        precompute_float8_dynamic_scale_for_fsdp(module)
+        torchao_float8().precompute_float8_dynamic_scale_for_fsdp(module)
+
+
+@torch.no_grad()
+def plain_tensors(state: dict[str, object]) -> dict[str, object]:
+    """`state` with FSDP's float8 weights (torchao's wrapper subclass, in their DTensors) as the plain tensors they
+    wrap, sharing storage: a checkpoint then holds ordinary tensors that any process loads (torch.load's
+    weights_only refuses the subclass where torchao is not imported), and a load into them fills the weights."""
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
+    if fsdp_utils is None:  # no float8 weight exists in this process
+        return state
+    wrapper = fsdp_utils.WeightWithDynamicFloat8CastTensor
+
+    def plain(value: object) -> object:
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if not isinstance(local, wrapper):
+            return value
+        inner = local._tensor  # the wrapped master weight (the subclass's one inner tensor)
+        if not isinstance(value, DTensor):
+            return inner
+        return DTensor.from_local(
+            inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+
+    return {key: plain(value) for key, value in state.items()}
 
 
 def describe_float8(cfg: Config, device: torch.device) -> str:

@@ -16,7 +16,7 @@ from nanotron.console import say
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
 from nanotron.parallel.expert import apply_expert_parallel, use_grouped_gemm
-from nanotron.parallel.float8 import check_float8_shapes, convert_to_float8, float8_tp_collectives
+from nanotron.parallel.float8 import check_float8, convert_to_float8, float8_tp_collectives
 from nanotron.parallel.fsdp import apply_fsdp
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.mesh import ParallelContext, data_parallel_mesh, expert_data_mesh
@@ -38,7 +38,7 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
     stages = split_model(model, cfg, ctx.pp_rank) if p.pp > 1 else [(0, model)]
     float8 = cfg.training.float8 != "off"
     if float8:
-        check_float8_shapes(cfg)
+        check_float8(cfg, ctx.device)
     for _, module in stages:
         if float8:  # before TP and FSDP, which shard torchao's float8 weights and gather them in float8
             convert_to_float8(module, cfg, ctx.device)

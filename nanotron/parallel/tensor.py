@@ -20,7 +20,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.moe import MoE
@@ -47,9 +46,11 @@ def apply_tensor_parallel(
     """Shards `model` (a whole model or one pipeline stage of it) over `tp_mesh` in place. With
     `float8_collectives` the linears get torchao's float8 plans (tensorwise scales): inputs and gradients are cast to
     float8 before their collectives, with the amax reduced over the tp shards (the 1-process scale)."""
-    colwise, rowwise = (
-        (Float8ColwiseParallel, Float8RowwiseParallel) if float8_collectives else (ColwiseParallel, RowwiseParallel)
-    )
+    colwise, rowwise = ColwiseParallel, RowwiseParallel
+    if float8_collectives:  # torchao is imported by float8 runs only
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        colwise, rowwise = Float8ColwiseParallel, Float8RowwiseParallel
     residual = Shard(1) if sequence_parallel else Replicate()
     norm_plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
     gather_plan = {
