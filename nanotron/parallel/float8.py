@@ -25,6 +25,7 @@ from nanotron.config.training import FLOAT8_KERNEL_MULTIPLE
 from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.tensor import tp_shard_dim
+from nanotron.parallel.torch_private import pytree_logger
 
 FLOAT8_MATMUL_CAPABILITY = (8, 9)  # Ada / Hopper and newer
 
@@ -40,15 +41,18 @@ def emulation_reason(device: torch.device) -> str | None:
 
 
 def torchao_float8():
-    """torchao.float8, imported without the warnings its import logs about GPU kernel libraries a CPU build lacks."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """torchao.float8, imported without the warnings its import logs on every rank (GPU kernel libraries a CPU build
+    lacks, a torch deprecation of how it registers enums)."""
+    loggers = [logging.getLogger("torchao"), pytree_logger()]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         import torchao.float8
         import torchao.float8.float8_tensor_parallel  # noqa: F401  (the TP plans, imported by tensor.py when used)
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     return torchao.float8
 
 
