@@ -64,6 +64,10 @@ def test_a_linear_whose_dimensions_float8_kernels_cannot_take_stays_and_is_liste
     [
         (["--training.float8=e4m3"], "training.float8: expected one of 'off', 'tensorwise', 'rowwise', 'mxfp8', got"),
         (["--training.float8=mxfp8"], "training.float8='mxfp8' is not supported yet"),
+        (  # measured: the 1-process float8 losses off by 2.6e-4 (relative) at step 2 under cp=2
+            ["--training.float8=rowwise", "--parallelism.cp=2"],
+            "training.float8='rowwise' with parallelism.cp=2 is not supported yet: each cp rank would scale",
+        ),
         (
             ["--training.float8=tensorwise", "--training.seq_len=12", "--training.micro_batch_size=1"],
             "training.float8='tensorwise' needs micro_batch_size * seq_len / cp = 12 tokens per microbatch",

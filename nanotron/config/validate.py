@@ -221,6 +221,12 @@ def _validate_float8(cfg: Config) -> None:
             "training.float8='mxfp8' is not supported yet (torchao's MX training needs CUDA compute capability 10.0, "
             "which no check here has run on); use 'tensorwise' or 'rowwise'"
         )
+    if t.float8 != "off" and p.cp > 1:
+        raise ConfigError(
+            f"training.float8='{t.float8}' with parallelism.cp={p.cp} is not supported yet: each cp rank would scale "
+            "its own chunk of the sequence (the amax of its tokens, not the sequence's), so the numbers would change "
+            "with cp; set parallelism.cp=1 or training.float8='off'"
+        )
     tokens = t.micro_batch_size * t.seq_len // p.cp
     if t.float8 != "off" and tokens % FLOAT8_KERNEL_MULTIPLE:
         raise ConfigError(
