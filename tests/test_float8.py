@@ -154,3 +154,17 @@ def test_fsdp_float8_scales_are_precomputed_from_the_current_weights():
             assert local._precomputed_scale.item() == pytest.approx(expected.item(), rel=1e-6)
     finally:
         destroy_distributed()
+
+
+def test_the_sequence_parallel_regather_hook_passes_over_a_float8_copy():
+    """Under torchao's float8 TP plans (CUDA) a float8 linear keeps its input's float8 copy, a wrapper without
+    storage: the re-gather hook, which matches saved tensors by storage, must pass over it, not fail."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from nanotron.parallel.regather import _storage
+
+    copy = hp_tensor_to_float8_dynamic(torch.randn(4, 16), torch.float8_e4m3fn, LinearMMConfig())
+    assert _storage(copy) is None
+    plain = torch.ones(2)
+    assert _storage(plain) == plain.untyped_storage().data_ptr()

@@ -113,9 +113,7 @@ class _Regather:
         self.context = self.gathered = self.shard = None
 
     def _pack(self, tensor: torch.Tensor) -> object:
-        # A float8 copy (torchao's tensor subclass, no storage of its own) is what a float8 linear keeps instead.
-        local = local_tensor(tensor) if isinstance(tensor, DTensor) else None
-        if type(local) is torch.Tensor and local.untyped_storage().data_ptr() == self.storage:
+        if isinstance(tensor, DTensor) and _storage(local_tensor(tensor)) == self.storage:
             for hook in on_save:
                 hook(self.gathered.shard)
             return _Saved(self.gathered, tensor)
@@ -126,3 +124,12 @@ class _Regather:
     @staticmethod
     def _unpack(packed: object) -> torch.Tensor:
         return packed.unpack() if isinstance(packed, _Saved) else packed
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where a tensor's data lives; None for a wrapper without storage of its own (torchao's float8 copy, what a
+    float8 linear keeps under torchao's float8 TP plans)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
