@@ -36,6 +36,7 @@ from nanotron.metrics.wandb_run import WandbRun
 from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from nanotron.parallel.expert import ExpertBalance
+from nanotron.parallel.float8 import describe_float8, precompute_float8_scales
 from nanotron.parallel.layout import layout_sizes
 from nanotron.parallel.mesh import ParallelContext, init_distributed
 from nanotron.parallel.parallelize import build_model
@@ -112,6 +113,8 @@ class Trainer:
             note = check_resume(cfg, self.source[0])
             if note and self.ctx.rank == 0:
                 say(note)
+        if cfg.training.float8 != "off" and self.ctx.rank == 0:
+            say(describe_float8(cfg, self.ctx.device))
         started = time.perf_counter()
         self.stages = build_model(cfg, self.ctx, initialize=self.source is None)
         self.build_seconds = time.perf_counter() - started
@@ -189,6 +192,7 @@ class Trainer:
             self.checkpoints.wait_for_staging()  # an async save's copy of the weights is complete
             for optimizer in self.optimizers:
                 optimizer.step()
+            self.weights_changed()
         return loss, grad_norm, stop, outcome
 
     def forward_backward(self) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -237,6 +241,7 @@ class Trainer:
         first_sample = self.state.consumed_samples
         self.beat("checkpoint", self.state.step + 1)
         self.checkpoints.load(decision.target)
+        self.weights_changed()
         event, line = self.stability.rolled_back(decision, first_sample, self.state.step, self.state.consumed_samples)
         if self.ctx.rank == 0:
             write_run_skips(self.cfg.run_dir, self.stability.skips)
@@ -244,6 +249,11 @@ class Trainer:
         self.experts.reset()
         self.loader_iter = self.data_iterator()
         return "rollback"
+
+    def weights_changed(self) -> None:
+        """Float8 scales FSDP gathers weights with are computed once per change of the weights (one all-reduce)."""
+        if self.cfg.training.float8 != "off":
+            precompute_float8_scales(self.modules)
 
     def halt(self, error: UserError) -> NoReturn:
         """Stops the run as a service decided (every rank alike): a node fault names its nodes for the requeue."""
@@ -273,6 +283,7 @@ class Trainer:
             return
         path, model_only = self.source
         self.checkpoints.load(path, model_only)
+        self.weights_changed()
         built = f"model built in {self.build_seconds:.2f}s, random init skipped"
         if model_only:
             self.metrics.info(f"checkpoint: model weights initialised from {path} ({built})")

@@ -106,6 +106,15 @@ MUP = Family(
     steps=6,
 )
 
+# Float8 (torchao, emulated on CPU) on TINY_MODEL at twice its width, so every converted linear keeps dimensions of
+# 16 or more per rank at tp=2 (k_proj [32, 64] -> 16 rows). Held to its own 1-process float8 run at RTOL: every
+# amax is the 1-process one (max is exact: FSDP's float8 all-gather precomputes the scale from the all-reduced
+# shard maxima, DTensor reduces a tp-sharded weight's or activation's amax), so the layouts differ only in reduction
+# order, as without float8. Measured: every row within RTOL (tests print the differences).
+FLOAT8_MODEL = ("--model.hidden_size=64", "--model.intermediate_size=128")
+FLOAT8 = Family("float8", "tiny_data", (*FLOAT8_MODEL, "--training.float8=tensorwise", *EVALUATE, STATS))
+FLOAT8_ROWWISE = Family("float8_rowwise", "tiny_data", (*FLOAT8_MODEL, "--training.float8=rowwise", STATS))
+
 
 class Run:
     """What a run dir logged, read once."""

@@ -9,7 +9,18 @@ import re
 import pytest
 import torch
 from conftest import TINY_MODEL, run_train, train_losses
-from matrix import COMPILE, DENSE, QWEN3, RTOL, Layout, assert_matches, relative_difference, weights
+from matrix import (
+    COMPILE,
+    DENSE,
+    FLOAT8,
+    FLOAT8_ROWWISE,
+    QWEN3,
+    RTOL,
+    Layout,
+    assert_matches,
+    relative_difference,
+    weights,
+)
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.models.llama import LlamaForCausalLM
@@ -72,6 +83,17 @@ QWEN3_LAYOUTS = [
 ]
 
 
+# Float8 (emulated) at the layouts whose float8 scales see shards: FSDP's float8 all-gather (ZeRO-3: re-gathered
+# in backward with the precomputed scale), sequence-parallel TP with selective recompute, the pipeline; rowwise
+# scales under TP (per-row amaxes of tp-sharded rows and columns). Each held to its 1-process float8 run.
+FLOAT8_LAYOUTS = [
+    (FLOAT8, Layout(dp=2, flags=("--parallelism.zero_stage=3",))),
+    (FLOAT8, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective"))),
+    (FLOAT8, Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",))),
+    (FLOAT8_ROWWISE, Layout(dp=2, tp=2, flags=("--parallelism.zero_stage=2",))),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", QWEN3_LAYOUTS, ids=str)
 def test_qwen3_attention_matches_one_process(layout, references, tiny_data, tmp_path):
@@ -79,6 +101,14 @@ def test_qwen3_attention_matches_one_process(layout, references, tiny_data, tmp_
     run = QWEN3.run(tiny_data, tmp_path, "run", layout)
     assert any(name.endswith("self_attn.k_norm.weight") for name in ref.weights)
     print(f"qwen3 {layout}: {assert_matches(run, ref, QWEN3)}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, layout", FLOAT8_LAYOUTS, ids=lambda x: x.name if hasattr(x, "name") else str(x))
+def test_float8_layout_matches_one_process_float8(family, layout, references, tiny_data, tmp_path):
+    ref = references[family]
+    run = family.run(tiny_data, tmp_path, "run", layout)
+    print(f"{family.name} {layout}: {assert_matches(run, ref, family)}")
 
 
 # torch.compile (inductor) under TP, where the vocab-parallel embedding's output (an AsyncCollectiveTensor)

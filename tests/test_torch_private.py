@@ -162,3 +162,11 @@ def test_collective_wait_clock_counts_the_waits_of_plain_and_functional_collecti
     after_plain = clock()
     all_reduce(torch.ones(2), "sum", dist.group.WORLD).wait()  # wait_tensor: DTensor's collectives
     assert before < after_plain < clock()
+
+
+def test_pytree_logger_is_the_one_pytree_logs_through():
+    import torch.utils._pytree as pytree
+
+    from nanotron.parallel.torch_private import pytree_logger
+
+    assert pytree_logger() is pytree.log and pytree.log.name == "torch.utils._pytree"

@@ -17,6 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from nanotron.parallel.float8 import plain_tensors
+
 FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -28,7 +30,7 @@ class ModelState:
         state: dict[str, torch.Tensor] = {}
         for module in self.modules:
             state.update(get_model_state_dict(module))
-        return state
+        return plain_tensors(state)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for module in self.modules:  # each stage takes its own keys from the merged dict
@@ -43,7 +45,7 @@ class OptimizerState:
         state: dict[str, object] = {}
         for module, optimizer in self.parts:
             state.update(get_optimizer_state_dict(module, optimizer, options=FLATTENED))
-        return state
+        return plain_tensors(state)
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Moments and step counts come from the checkpoint; param-group settings (lr_scale, weight decay,

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from nanotron.config.option import opt
 
+# Float8 matmul kernels (torch._scaled_mm) take dimensions that are multiples of this (training.float8's rules).
+FLOAT8_KERNEL_MULTIPLE = 16
+
 
 @dataclass
 class TrainingConfig:
@@ -30,6 +33,12 @@ class TrainingConfig:
     eval_interval: int = opt(50, "steps between validation passes; 0 disables", min=0)
     eval_steps: int = opt(4, "global batches per validation pass", min=1)
     compile: bool = opt(False, "torch.compile each decoder layer")
+    float8: str = opt(
+        "off",
+        "float8 matmuls for the decoder layers' linears (torchao): tensorwise or rowwise scaling; emulated, and "
+        "said so, on devices without float8 matmuls; the embedding, head, MoE routers and experts stay as they are",
+        ("off", "tensorwise", "rowwise", "mxfp8"),
+    )
     tf32: bool = opt(True, "on CUDA, float32 matmuls on TF32 tensor cores (MFU vs the TF32 peak); false = full fp32")
     device: str = opt("auto", "auto (cuda if available), cuda or cpu", ("auto", "cuda", "cpu"))
     preflight: bool = opt(

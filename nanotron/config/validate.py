@@ -9,6 +9,7 @@ from nanotron.config.engines import PP_ENGINES
 from nanotron.config.model import PRESET_COMMON, PRESETS, ModelConfig
 from nanotron.config.mup import resolve_mup
 from nanotron.config.schema import Config
+from nanotron.config.training import FLOAT8_KERNEL_MULTIPLE
 from nanotron.errors import ConfigError
 from nanotron.records import LARGEST
 
@@ -138,6 +139,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     _validate_stability(cfg)
     _validate_parallelism(cfg)
+    _validate_float8(cfg)
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
             f"parallelism dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} but {world_size} "
@@ -219,6 +221,30 @@ def _validate_parallelism(cfg: Config) -> None:
         raise ConfigError(
             "model.tie_word_embeddings=true needs parallelism.pp=1 "
             "(embedding and lm_head live on different pipeline stages)"
+        )
+
+
+def _validate_float8(cfg: Config) -> None:
+    """What float8 needs of the rest of the config (the linears' shapes under tp are checked where the model is
+    built: parallel/float8.py)."""
+    p, t = cfg.parallelism, cfg.training
+    if t.float8 == "mxfp8":
+        raise ConfigError(
+            "training.float8='mxfp8' is not supported yet (torchao's MX training needs CUDA compute capability 10.0, "
+            "which no check here has run on); use 'tensorwise' or 'rowwise'"
+        )
+    if t.float8 != "off" and p.cp > 1:
+        raise ConfigError(
+            f"training.float8='{t.float8}' with parallelism.cp={p.cp} is not supported yet: each cp rank would scale "
+            "its own chunk of the sequence (the amax of its tokens, not the sequence's), so the numbers would change "
+            "with cp; set parallelism.cp=1 or training.float8='off'"
+        )
+    tokens = t.micro_batch_size * t.seq_len // p.cp
+    if t.float8 != "off" and tokens % FLOAT8_KERNEL_MULTIPLE:
+        raise ConfigError(
+            f"training.float8='{t.float8}' needs micro_batch_size * seq_len / cp = {tokens} tokens per microbatch to "
+            f"be a multiple of {FLOAT8_KERNEL_MULTIPLE} (the inner dimension of float8 weight-gradient matmuls); "
+            "change training.micro_batch_size or training.seq_len"
         )
 
 

@@ -1,4 +1,5 @@
-"""Turns the plain model into this rank's parallel pieces, in a fixed order: pipeline split -> TP/SP plan ->
+"""Turns the plain model into this rank's parallel pieces, in a fixed order: pipeline split -> float8 linears ->
+TP/SP plan ->
 context parallelism (ring attention, global positions) -> expert parallelism (all-to-all) -> activation
 checkpointing -> compile -> FSDP/replicate -> per-shard init. Parameter names (FQNs) never change, so
 checkpoints and HF names don't depend on the layout."""
@@ -15,6 +16,7 @@ from nanotron.console import say
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
 from nanotron.parallel.expert import apply_expert_parallel, use_grouped_gemm
+from nanotron.parallel.float8 import check_float8, convert_to_float8, float8_tp_collectives
 from nanotron.parallel.fsdp import apply_fsdp
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.mesh import ParallelContext, data_parallel_mesh, expert_data_mesh
@@ -34,9 +36,15 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg.model)
     stages = split_model(model, cfg, ctx.pp_rank) if p.pp > 1 else [(0, model)]
+    float8 = cfg.training.float8 != "off"
+    if float8:
+        check_float8(cfg, ctx.device)
     for _, module in stages:
+        if float8:  # before TP and FSDP, which shard torchao's float8 weights and gather them in float8
+            convert_to_float8(module, cfg, ctx.device)
         if p.tp > 1:
-            apply_tensor_parallel(module, ctx.mesh["tp"], sequence_parallel=p.tp_mode == "reduce_scatter")
+            sequence_parallel = p.tp_mode == "reduce_scatter"
+            apply_tensor_parallel(module, ctx.mesh["tp"], sequence_parallel, float8_tp_collectives(cfg, ctx.device))
         if p.cp > 1:
             apply_context_parallel(module, ctx.mesh["cp"].get_group(), p.cp, ctx.cp_rank, cfg.training.seq_len)
         if p.ep > 1:

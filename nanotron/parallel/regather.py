@@ -128,7 +128,7 @@ class _Regather:
         self.context = self.gathered = self.shard = None
 
     def _pack(self, tensor: torch.Tensor) -> object:
-        if isinstance(tensor, DTensor) and local_tensor(tensor).untyped_storage().data_ptr() == self.storage:
+        if isinstance(tensor, DTensor) and _storage(local_tensor(tensor)) == self.storage:
             for hook in on_save:
                 hook(self.gathered.shard)
             return _Saved(self.gathered, tensor)
@@ -139,3 +139,12 @@ class _Regather:
     @staticmethod
     def _unpack(packed: object) -> torch.Tensor:
         return packed.unpack() if isinstance(packed, _Saved) else packed
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where a tensor's data lives; None for a wrapper without storage of its own (torchao's float8 copy, what a
+    float8 linear keeps under torchao's float8 TP plans)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None

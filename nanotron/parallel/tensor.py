@@ -41,8 +41,17 @@ def tp_shard_dim(name: str) -> int | None:
     return 1 if module.endswith(ROWWISE) else None
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shards `model` (a whole model or one pipeline stage of it) over `tp_mesh` in place."""
+def apply_tensor_parallel(
+    model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool, float8_collectives: bool = False
+) -> None:
+    """Shards `model` (a whole model or one pipeline stage of it) over `tp_mesh` in place. With
+    `float8_collectives` the linears get torchao's float8 plans (tensorwise scales): inputs and gradients are cast to
+    float8 before their collectives, with the amax reduced over the tp shards (the 1-process scale)."""
+    colwise, rowwise = ColwiseParallel, RowwiseParallel
+    if float8_collectives:  # torchao is imported by float8 runs only
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        colwise, rowwise = Float8ColwiseParallel, Float8RowwiseParallel
     residual = Shard(1) if sequence_parallel else Replicate()
     norm_plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
     gather_plan = {
@@ -56,8 +65,8 @@ def apply_tensor_parallel(model: LlamaForCausalLM, tp_mesh: DeviceMesh, sequence
     # and its gradient, partial per rank, summed over tp, as a sequence-parallel norm's is over the sequence.
     qk_norm = SequenceParallel(sequence_dim=2, use_local_output=True)
     layer_plan = {
-        **{name: ColwiseParallel() for name in COLWISE},
-        **{name: RowwiseParallel(output_layouts=residual) for name in ROWWISE},
+        **{name: colwise() for name in COLWISE},
+        **{name: rowwise(output_layouts=residual) for name in ROWWISE},
         **(norm_plan | gather_plan if sequence_parallel else {}),
         **({"self_attn.q_norm": qk_norm, "self_attn.k_norm": qk_norm} if model.config.qk_norm else {}),
     }

@@ -6,6 +6,7 @@ moves or changes one of them fails its canary in `tests/test_torch_private.py`, 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ __all__ = [
     "flatten_mesh",
     "grouped_mm",
     "in_backward_pass",
+    "pytree_logger",
     "reduce_accumulated_gradients",
     "replicate",
     "set_group_timeout",
@@ -188,3 +190,11 @@ def attention_with_lse_backward(dout, q, k, v, out, lse, causal: bool, mask, sca
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
     )
+
+
+def pytree_logger() -> logging.Logger:
+    """torch.utils._pytree's logger: torchao's import registers enums with pytree, which logs a deprecation warning
+    on every rank; the float8 import quiets it (no public switch for one module's log)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.log

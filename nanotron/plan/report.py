@@ -46,11 +46,12 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     dp = f"dp={p.dp}" + (f" (HSDP {p.dp // cfg.dp_shard_size}x{cfg.dp_shard_size})" if cfg.dp_shard_size < p.dp else "")
     dp += f" cp={p.cp}" if p.cp > 1 else ""
     dp += f" ep={p.ep}" if p.ep > 1 else ""
+    float8 = f" float8={t.float8} (compute time at {t.dtype} speed)" if t.float8 != "off" else ""
     params = f"{num_params(m) / 1e9:.2f}B params"
     params += f" ({active_params(m) / 1e9:.2f}B active)" if m.moe.enabled else ""
     lines = [
         f"model {params} | {dp} tp={p.tp} pp={p.pp} ({p.pp_engine}) zero_stage={p.zero_stage}"
-        f" recompute={recompute_label(p)} {t.dtype} | {cfg.world_size} of {nodes}x{gpus_per_node} GPUs "
+        f" recompute={recompute_label(p)} {t.dtype}{float8} | {cfg.world_size} of {nodes}x{gpus_per_node} GPUs "
         f"({gpu.name}, {gpu.device.memory_gib:g} GiB)",
         f"global batch {t.global_batch_size} x {t.seq_len} tokens = micro_batch_size {t.micro_batch_size} x "
         f"{t.grad_accum_steps} microbatches x dp {p.dp}",

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
 from nanotron.gpu import GPUS, Device, math_mode
+from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
+from nanotron.parallel.float8 import Float8Plan, fsdp_float8_all_gather
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
 from nanotron.plan.memory import FP32, coordinate_zero_split, micro_tokens, rank_stages, sequence_shards
@@ -207,7 +211,6 @@ def traffic(cfg: Config, gpu: Gpu, gpus_per_node: int, modes: list[str], tp_loca
         "cp": Transfer(cp_gb(cfg, modes), *link(p.cp * p.tp)),
         "ep": Transfer(ep_gb(cfg, modes), *link(p.ep * p.tp)),
     }
-    e = element_bytes(cfg.training.dtype)
     n_micro = cfg.training.grad_accum_steps
     shard = cfg.fsdp_shard_size
     if p.zero_stage == 0:
@@ -215,7 +218,8 @@ def traffic(cfg: Config, gpu: Gpu, gpus_per_node: int, modes: list[str], tp_loca
     else:
         gathers = 2 * n_micro if p.zero_stage == 3 else 1
         reductions = n_micro if p.zero_stage >= 2 else 1
-        comm["dp"] = Transfer(ring_gb((gathers * e + reductions * FP32) * tp_local, shard), *link(shard * p.tp))
+        gather_e = gathered_bytes_per_param(cfg)
+        comm["dp"] = Transfer(ring_gb((gathers * gather_e + reductions * FP32) * tp_local, shard), *link(shard * p.tp))
         if cfg.dp_shard_size < p.dp:  # HSDP: the shards' gradients are all-reduced across replicas
             replicated = reductions * FP32 * tp_local / shard
             comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // cfg.dp_shard_size, all_reduce=True), *ib)
@@ -283,12 +287,26 @@ def unhidden_dp_gb(cfg: Config, tp_local: int) -> float:
     re-gathers for every microbatch's forward and backward; stages 1/2 keep the gathered parameters for the
     step) and the last unit's gradient reduction after the step's compute, one layer's worth each."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
-    e = element_bytes(t.dtype)
     shard = cfg.fsdp_shard_size
     unit = tp_local / max(1.0, m.num_layers / p.pp)
     if p.zero_stage == 0:
         return ring_gb(FP32 * unit, p.dp * p.cp, all_reduce=True)
-    return (2 * t.grad_accum_steps if p.zero_stage == 3 else 1) * ring_gb(e * unit, shard) + ring_gb(FP32 * unit, shard)
+    gathers = 2 * t.grad_accum_steps if p.zero_stage == 3 else 1
+    return gathers * ring_gb(gathered_bytes_per_param(cfg) * unit, shard) + ring_gb(FP32 * unit, shard)
+
+
+def gathered_bytes_per_param(cfg: Config) -> float:
+    """Bytes FSDP all-gathers per parameter: the compute dtype's, or 1 for the float8 weights under tensorwise
+    float8 (nanotron.parallel.float8: the decoder layers' linears), averaged over the model's parameters. The
+    per-step float8 scale precompute (one float per linear, all-reduced) is latency, not traffic."""
+    e = element_bytes(cfg.training.dtype)
+    if not fsdp_float8_all_gather(cfg):
+        return e
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg.model)
+    converted = sum(model.get_submodule(fqn).weight.numel() for fqn in Float8Plan.of(model).converted)
+    share = converted / sum(param.numel() for param in model.parameters())
+    return e - (e - 1) * share
 
 
 def elementwise_rerun_bytes(cfg: Config) -> float:

@@ -1,0 +1,101 @@
+"""Float8's cost in quality: the same model trained in bf16 and with float8 (torchao, tensorwise and rowwise), over
+several seeds, compared on the final validation loss.
+
+    python -m benchmarks.float8_quality [--size nano] [--steps 100] [--seeds 1 2 3]
+
+Each run is one process of `configs/tiny.toml` at the benchmark model `--size` on the synthetic corpus, bf16
+compute (FSDP mixed precision, fp32 master weights), a constant LR after a short warm-up. The seed changes the
+initial weights and the sample order; each seed's float8 runs are compared with its bf16 run (paired), so the
+seed-to-seed spread does not hide the float8 gap. On CPU float8 is emulated (same numerics as a GPU's float8
+matmuls, slower than bf16): the losses are the measurement, not the speed (benchmarks/gpu_check.py times float8).
+Writes float8_quality.csv/.md to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks.common import (
+    DEFAULT_WORK_DIR,
+    REPO,
+    RESULTS_DIR,
+    bench_parser,
+    ensure_data,
+    model_overrides,
+    run_nanotron,
+    write_table,
+)
+
+RECIPES = ("off", "tensorwise", "rowwise")
+COLUMNS = ("recipe", "seed", "final_eval_loss", "last10_train_loss", "gap_vs_bf16", "step_time_sec")
+
+
+def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
+    name = f"float8_quality-{recipe}-{seed}"
+    args = [
+        "--config",
+        str(REPO / "configs" / "tiny.toml"),
+        *model_overrides(settings.size),
+        *data,
+        f"--job.seed={seed}",
+        f"--training.steps={settings.steps}",
+        "--training.dtype=bfloat16",
+        f"--training.float8={recipe}",
+        "--training.micro_batch_size=8",
+        "--training.global_batch_size=16",
+        f"--training.eval_interval={settings.steps}",
+        "--training.eval_steps=8",
+        "--logging.log_interval=1",
+        "--logging.tensorboard=false",
+        "--checkpoint.save_final=false",
+        "--checkpoint.resume_from=none",
+        "--optimizer.warmup_steps=10",
+        "--optimizer.decay_style=constant",
+        "--watch.enabled=false",
+    ]
+    records = run_nanotron(name, args, 1, settings.work_dir, settings.steps)
+    losses = [r["loss"] for r in records if "loss" in r]
+    metrics = (settings.work_dir / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    evals = [line for line in metrics if '"eval_loss"' in line]
+    eval_loss = json.loads(evals[-1])["eval_loss"]
+    return {
+        "recipe": recipe,
+        "seed": seed,
+        "final_eval_loss": round(eval_loss, 4),
+        "last10_train_loss": round(statistics.mean(losses[-10:]), 4),
+        "step_time_sec": round(statistics.median(r["step_time_sec"] for r in records[2:]), 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = bench_parser("float8_quality", __doc__)
+    parser.add_argument("--size", default="nano", choices=("nano", "tiny", "small"))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--work_dir", type=Path, default=DEFAULT_WORK_DIR)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    settings = parser.parse_args(argv)
+    data = ensure_data(settings.work_dir)
+    rows = []
+    for seed in settings.seeds:
+        bf16 = None
+        for recipe in RECIPES:
+            row = train(recipe, seed, settings, data)
+            bf16 = row["final_eval_loss"] if recipe == "off" else bf16
+            row["gap_vs_bf16"] = round(row["final_eval_loss"] - bf16, 4)
+            rows.append(row)
+            print(row, flush=True)
+    for recipe in RECIPES[1:]:
+        gaps = [r["gap_vs_bf16"] for r in rows if r["recipe"] == recipe]
+        spread = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
+        print(
+            f"{recipe}: final eval loss - bf16's = {statistics.mean(gaps):+.4f} (std {spread:.4f}, {len(gaps)} seeds)"
+        )
+    settings.out.mkdir(parents=True, exist_ok=True)
+    print(write_table(rows, COLUMNS, settings.out / "float8_quality"))
+
+
+if __name__ == "__main__":
+    main()
