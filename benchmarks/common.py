@@ -165,16 +165,13 @@ def train_command(nproc: int, args: Sequence[str]) -> list[str]:
     """`python -m nanotron.train` for one process, under torchrun for more (the documented launches)."""
     if nproc == 1:
         return [sys.executable, "-m", "nanotron.train", *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "nanotron.train",
-        *args,
-    ]
+    return torchrun_command(nproc, ["nanotron.train", *args])
+
+
+def torchrun_command(nproc: int, module_args: Sequence[str]) -> list[str]:
+    """`python -m <module> <args>` under torchrun with `nproc` processes on this machine."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, "-m", *module_args]
 
 
 def launch_nanotron(name: str, args: Sequence[str], nproc: int, work_dir: Path) -> tuple[subprocess.Popen, Path]:

@@ -56,6 +56,7 @@ from benchmarks.common import (
     data_overrides,
     median_after_warmup,
     synthetic_data,
+    torchrun_command,
     write_table,
 )
 
@@ -294,18 +295,6 @@ def cpu_device_module() -> object:
     )
 
 
-def torchrun(nproc: int, module_args: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        *module_args,
-    ]
-
-
 def run_and_measure(cmd: list[str], run_dir: Path, env: dict, timeout: float) -> tuple[int, float]:
     """(exit code, peak RSS in MiB of the run's largest process): torchrun waits for its ranks, so the
     kernel folds their peaks into torchrun's, which `os.wait4` returns."""
@@ -334,11 +323,11 @@ def run_tool(tool: str, layout: Layout, settings: argparse.Namespace, round_inde
     if tool == "nanotron":
         args = nanotron_args(layout, settings.steps, settings.global_batch, settings.nanotron_data)
         args += [f"--job.out_dir={run_dir}", "--job.name=run"]
-        cmd = torchrun(layout.world, ["nanotron.train", *args])
+        cmd = torchrun_command(layout.world, ["nanotron.train", *args])
     else:
         args = titan_args(layout, settings.steps, settings.global_batch, corpus.parent, tokenizer)
         args += [f"--job.dump_folder={run_dir / 'outputs'}"]
-        cmd = torchrun(layout.world, ["benchmarks.vs_torchtitan", "--titan-worker", *args])
+        cmd = torchrun_command(layout.world, ["benchmarks.vs_torchtitan", "--titan-worker", *args])
     code, rss_mib = run_and_measure(cmd, run_dir, env, settings.timeout)
     if tool == "nanotron":
         metrics = run_dir / "run" / "metrics.jsonl"

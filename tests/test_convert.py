@@ -58,6 +58,43 @@ def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {name: t for file in sorted(files) for name, t in load_file(folder / file).items()}
 
 
+def assert_round_trip(original, ours, source: Path, tmp_path: Path, architecture: str):
+    """Our import of `original` (saved in `source`, imported to tmp_path/ckpt) gives its logits within 1e-5; to-hf
+    writes back the same tensors, loaded by transformers as `architecture` with the original's logits; greedy
+    decoding gives the same tokens. Returns the exported model."""
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (original(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 1e-5
+    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(exported).__name__ == architecture
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, original(tokens).logits)
+    prompt = [5, 17, 42, 7]
+    mine = generate(ours, prompt, 10, eos_id=None)
+    theirs = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert mine == theirs[0, len(prompt) :].tolist()
+    return exported
+
+
+def refused_import(model, tmp_path: Path, capsys, edit: dict) -> str:
+    """from-hf of `model` saved with `edit` merged into its config.json: exit 2, nothing written, one stderr line."""
+    source = tmp_path / "source"
+    model.save_pretrained(source)
+    config = json.loads((source / "config.json").read_text()) | edit
+    (source / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and not (tmp_path / "ckpt").exists(), err
+    return err[0]
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory) -> Path:
     """A committed step dir of a briefly trained tiny model."""
@@ -132,14 +169,7 @@ def test_a_llama_with_its_own_head_dim_round_trips(tmp_path):
     assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
     ours, _ = load_model(tmp_path / "ckpt")
     assert ours.config.head_dim == 12 and not ours.config.qk_norm
-    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert (original(tokens).logits - ours(tokens)).abs().max().item() <= 1e-5
-    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
-    exported = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (exported["model_type"], exported["head_dim"]) == ("llama", 12)
-    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
-    assert sorted(before) == sorted(after) and all(torch.equal(after[n], t) for n, t in before.items())
+    assert assert_round_trip(original, ours, source, tmp_path, "LlamaForCausalLM").config.head_dim == 12
 
 
 # µP shapes of TINY_MODEL (hidden 32, 4 layers, head dim 8): every multiplier differs from 1 but where noted.
@@ -362,23 +392,7 @@ def test_mixtral_imports_exports_and_generates_like_transformers(tmp_path):
     assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
     ours, _ = load_model(tmp_path / "ckpt")
     assert ours.config.moe.num_experts == 4 and ours.config.moe.top_k == 2
-    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (original(tokens).logits - ours(tokens)).abs().max().item()
-    assert diff <= 1e-5
-    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
-    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert torch.equal(after[name], tensor), name
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(exported).__name__ == "MixtralForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(exported(tokens).logits, original(tokens).logits)
-    prompt = [5, 17, 42, 7]
-    mine = generate(ours, prompt, 10, eos_id=None)
-    theirs = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
-    assert mine == theirs[0, len(prompt) :].tolist()
+    assert_round_trip(original, ours, source, tmp_path, "MixtralForCausalLM")
 
 
 def test_a_moe_model_mixtral_cannot_express_is_refused_in_one_line(tiny_data, tmp_path):
@@ -437,23 +451,8 @@ def test_qwen3_imports_exports_and_generates_like_transformers(tmp_path, tied):
     ours, _ = load_model(tmp_path / "ckpt")
     assert ours.config.qk_norm and ours.config.head_dim == 12 and ours.config.tie_word_embeddings == tied
     assert ours.config.rope_theta == 1000000.0
-    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (original(tokens).logits - ours(tokens)).abs().max().item()
-    assert diff <= 1e-5
-    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
-    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
-    assert sorted(before) == sorted(after) and ("lm_head.weight" in after) == (not tied)
-    for name, tensor in before.items():
-        assert torch.equal(after[name], tensor), name
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(exported).__name__ == "Qwen3ForCausalLM" and exported.config.head_dim == 12
-    with torch.no_grad():
-        assert torch.equal(exported(tokens).logits, original(tokens).logits)
-    prompt = [5, 17, 42, 7]
-    mine = generate(ours, prompt, 10, eos_id=None)
-    theirs = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
-    assert mine == theirs[0, len(prompt) :].tolist()
+    exported = assert_round_trip(original, ours, source, tmp_path, "Qwen3ForCausalLM")
+    assert exported.config.head_dim == 12 and ("lm_head.weight" in hf_tensors(tmp_path / "back")) == (not tied)
 
 
 @pytest.mark.parametrize(
@@ -468,15 +467,7 @@ def test_qwen3_imports_exports_and_generates_like_transformers(tmp_path, tied):
     ],
 )
 def test_a_qwen3_config_nanotron_cannot_carry_is_refused_in_one_line(tmp_path, capsys, edit, message):
-    source = tmp_path / "source"
-    hf_qwen3(tied=False).save_pretrained(source)
-    config = json.loads((source / "config.json").read_text()) | edit
-    (source / "config.json").write_text(json.dumps(config))
-    capsys.readouterr()  # save_pretrained's progress bar
-    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0], err
-    assert not (tmp_path / "ckpt").exists()
+    assert message in refused_import(hf_qwen3(tied=False), tmp_path, capsys, edit)
 
 
 # ---- Qwen3-MoE: QK-norm and a mixture of experts after a dense first layer --------------------------------------
@@ -528,23 +519,8 @@ def test_qwen3_moe_imports_exports_and_generates_like_transformers(tmp_path, nor
     assert (moe.num_experts, moe.top_k, moe.moe_intermediate_size, moe.first_dense_layers) == (4, 2, 24, 1)
     assert moe.renormalize == norm_topk_prob and moe.router == "softmax_topk" and moe.num_shared_experts == 0
     assert ours.config.qk_norm and ours.config.head_dim == 12
-    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (original(tokens).logits - ours(tokens)).abs().max().item()
-    assert diff <= 1e-5
-    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
-    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert torch.equal(after[name], tensor), name
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(exported).__name__ == "Qwen3MoeForCausalLM" and exported.config.norm_topk_prob == norm_topk_prob
-    with torch.no_grad():
-        assert torch.equal(exported(tokens).logits, original(tokens).logits)
-    prompt = [5, 17, 42, 7]
-    mine = generate(ours, prompt, 10, eos_id=None)
-    theirs = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
-    assert mine == theirs[0, len(prompt) :].tolist()
+    exported = assert_round_trip(original, ours, source, tmp_path, "Qwen3MoeForCausalLM")
+    assert exported.config.norm_topk_prob == norm_topk_prob
 
 
 @pytest.mark.parametrize(
@@ -557,14 +533,7 @@ def test_qwen3_moe_imports_exports_and_generates_like_transformers(tmp_path, nor
     ],
 )
 def test_a_qwen3_moe_layout_nanotron_cannot_carry_is_refused_in_one_line(tmp_path, capsys, overrides, message):
-    source = tmp_path / "source"
-    hf_qwen3_moe(False).save_pretrained(source)
-    config = json.loads((source / "config.json").read_text()) | overrides
-    (source / "config.json").write_text(json.dumps(config))
-    capsys.readouterr()  # save_pretrained's progress bar
-    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0], err
+    assert message in refused_import(hf_qwen3_moe(False), tmp_path, capsys, overrides)
 
 
 def test_a_moe_model_qwen3_moe_cannot_express_is_refused_in_one_line():

@@ -39,8 +39,9 @@ def qwen3_config(**overrides) -> ModelConfig:
     return small_config(qk_norm=True, head_dim=12, **overrides)
 
 
-def hf_twin(cfg: ModelConfig) -> "transformers.LlamaForCausalLM":
-    hf_cfg = transformers.LlamaConfig(
+def hf_twin(cfg: ModelConfig, family: str = "Llama") -> "transformers.PreTrainedModel":
+    """transformers' `family` (Llama or Qwen3) model of the same shape, eager attention, random weights."""
+    fields = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -52,10 +53,14 @@ def hf_twin(cfg: ModelConfig) -> "transformers.LlamaForCausalLM":
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         attention_bias=False,
-        mlp_bias=False,
     )
+    if family == "Qwen3":
+        fields |= dict(head_dim=cfg.head_dim, use_sliding_window=False)
+    else:
+        fields |= dict(mlp_bias=False)
+    hf_cfg = getattr(transformers, f"{family}Config")(**fields)
     hf_cfg._attn_implementation = "eager"
-    return transformers.LlamaForCausalLM(hf_cfg).eval()
+    return getattr(transformers, f"{family}ForCausalLM")(hf_cfg).eval()
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -73,26 +78,6 @@ def test_logits_match_transformers_llama_with_gqa(tied):
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 
-def qwen3_twin(cfg: ModelConfig) -> "transformers.Qwen3ForCausalLM":
-    hf_cfg = transformers.Qwen3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=False,
-        use_sliding_window=False,
-    )
-    hf_cfg._attn_implementation = "eager"
-    return transformers.Qwen3ForCausalLM(hf_cfg).eval()
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_match_transformers_qwen3_with_qk_norm_and_decoupled_head_dim(tied):
     """Qwen3 = this model with qk_norm and head_dim 12 (8 heads x 12 = 96 != hidden 64); the norm weights are
@@ -105,7 +90,7 @@ def test_logits_match_transformers_qwen3_with_qk_norm_and_decoupled_head_dim(tie
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.5 * torch.randn(param.shape, generator=gen))
-    hf = qwen3_twin(cfg)
+    hf = hf_twin(cfg, "Qwen3")
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected
     assert all("rotary_emb" in k for k in missing)
