@@ -63,19 +63,23 @@ def hf_twin(cfg: ModelConfig, family: str = "Llama") -> "transformers.PreTrained
     return getattr(transformers, f"{family}ForCausalLM")(hf_cfg).eval()
 
 
+def assert_same_logits(model: LlamaForCausalLM, hf) -> None:
+    """`hf` loaded with `model`'s weights (names equal; only its RoPE buffers not in ours) gives the same logits."""
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected
+    assert all("rotary_emb" in k for k in missing)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_match_transformers_llama_with_gqa(tied):
     cfg = small_config(tie_word_embeddings=tied)
     model = LlamaForCausalLM(cfg)
     init_weights(model, seed=0)
-    hf = hf_twin(cfg)
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected
-    assert all("rotary_emb" in k for k in missing)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert_same_logits(model, hf_twin(cfg))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -90,14 +94,7 @@ def test_logits_match_transformers_qwen3_with_qk_norm_and_decoupled_head_dim(tie
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.5 * torch.randn(param.shape, generator=gen))
-    hf = hf_twin(cfg, "Qwen3")
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected
-    assert all("rotary_emb" in k for k in missing)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert_same_logits(model, hf_twin(cfg, "Qwen3"))
 
 
 def test_parameter_names_are_hf_names():
