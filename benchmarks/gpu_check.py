@@ -18,6 +18,7 @@ Each row is checked, and the command exits 1 if any check fails:
 - float8 tensorwise and rowwise (compile, one device): step-1 loss within 1e-2 and the last 5 within 3e-2 of the
   eager bf16 row (float8's own error; a first guess to calibrate); dp2 float8 all-gather (FSDP2, ZeRO-3, tensorwise)
   within the bf16 tolerances of the 1-device float8 row;
+- qwen3 (QK-norm, head_dim 128): learns on one device; qwen3 tp2 sp within the bf16 tolerances of it;
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran;
 - host syncs: one device, in this process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
@@ -101,6 +102,10 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
     # A mixture of experts of the same shape (8 experts, top 2, each a quarter of the MLP): the grouped GEMM path.
     moe = [*MOE, f"--model.moe.moe_intermediate_size={32 if settings.quick else 1408}"]
     rows = [Check("bf16 eager", 1, []), *compile_, *float8_checks(settings), Check("moe bf16", 1, moe)]
+    # Qwen3's attention (QK-norm, head_dim 128 apart from hidden / heads): finite falling losses on one device,
+    # and sequence-parallel TP held to it on two (the norm's replicated weight, its gradient summed over tp).
+    qwen3 = [] if settings.quick else ["--model.qk_norm=true", "--model.head_dim=128"]
+    rows += [Check("qwen3 bf16", 1, qwen3)] if qwen3 else []
     if n_devices < 2:
         return rows
     half = settings.steps // 2
@@ -122,6 +127,7 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
         rows.append(Check("dp2 float8 all-gather", 2, float8_dp2, "float8 tensorwise compile"))
         async_tp = ["--parallelism.tp=2", "--training.compile=true", "--parallelism.tp_linear_async_communication=true"]
         rows.append(Check("tp2 compile async", 2, async_tp, "bf16 eager", async_tp=True))
+        rows.append(Check("qwen3 tp2 sp", 2, [*qwen3, "--parallelism.tp=2"], "qwen3 bf16"))
     return rows
 
 
