@@ -340,7 +340,8 @@ def training_checks(
     print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
     from benchmarks.cp_check import check as cp_attention_check
 
-    failed |= not cp_attention_check(device, 256 if settings.quick else 8192)  # the CUDA block kernels, one device
+    cp_seq_lens = (256,) if settings.quick else (8192, 32768, 131072)
+    failed |= not cp_attention_check(device, cp_seq_lens)  # the CUDA block kernels, one device
     from benchmarks.moe import kernel_check
 
     failed |= not kernel_check(device)  # the experts' grouped GEMM against the loop
