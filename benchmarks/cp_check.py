@@ -7,13 +7,17 @@ merge) with each cp rank a thread on the same device; only the peer-to-peer tran
 in-process mailbox, so one GPU checks the CUDA path (multi-GPU runs check the transport: gpu_check's cp2 row).
 
 - numerics: float64, causal and document masks (documents crossing chunk boundaries), cp 2 and 4, every
-  rank's output and dq/dk/dv against a naive full attention: max error <= 1e-10; on CUDA also each fused block
-  kernel the ring selects (flash: bf16 unmasked; memory-efficient: masked, or fp32) against float64, bounded by
+  rank's output and dq/dk/dv against a naive full attention: max error <= 1e-10; then each fused block
+  kernel the ring selects in bf16 and fp32 (CPU: its one) (flash: bf16 unmasked; memory-efficient: masked, or fp32) against float64, bounded by
   the matmul path's error in the same dtype;
 - speed and peak memory: forward + backward of bf16 attention over each `--seq-len` (1B shape: 32 heads, 4 KV
   heads, head dim 64), all cp=2 ranks' blocks on the one device against one full SDPA call (flash on CUDA): the
   block kernels' cost (with cp GPUs each rank does half of the ring's time); the matmul path too up to 8192
   tokens.
+- document masks (`flex_check`): FlexAttention's block masks against the boolean-mask path on ~200-token
+  documents: bf16 numerics against float64 (CUDA: forward and backward of the one-rank path and every ring
+  block's forward at cp 2/4; CPU: forward only, FlexAttention has no CPU backward), then speed and peak memory
+  at up to 32k tokens (CUDA).
 """
 
 from __future__ import annotations
@@ -166,6 +170,116 @@ def speed(device: str, seq: int, kernels: tuple[str, ...] = ("fused",), rounds: 
     return result
 
 
+def flex_check(device: str, seq_len: int) -> bool:
+    """FlexAttention's document block masks against the boolean-mask path they replace on CUDA, on short documents
+    (~200 tokens, 1B shape): numerics in bf16 against float64 (CUDA: forward and backward of the one-rank path, and
+    every ring block's forward at cp 2 and 4; CPU, where FlexAttention has no backward: the forward at a small size),
+    bounded like the block kernels; then forward+backward speed of both at `seq_len` tokens (CUDA)."""
+    from nanotron.models import attention
+    from nanotron.models.attention import DotProductAttention
+
+    cuda = device == "cuda"
+    seq, heads = (2048, 32) if cuda else (128, 4)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def case(seq: int, heads: int):
+        shape = dict(dtype=torch.float64, device=device, generator=g)
+        q, dout = torch.randn(1, heads, seq, 64, **shape), torch.randn(1, heads, seq, 64, **shape)
+        k, v = torch.randn(1, heads // 8 or 1, seq, 64, **shape), torch.randn(1, heads // 8 or 1, seq, 64, **shape)
+        tokens = torch.ones(1, seq, dtype=torch.long, device=device)
+        tokens[:, torch.randint(0, seq, (max(seq // 200, 2),), generator=g, device=device)] = 0
+        return [x.bfloat16().double() for x in (q, k, v)], dout.bfloat16().double(), document_ids(tokens, 0)
+
+    (q, k, v), dout, doc = case(seq, heads)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = naive(*leaves, doc, 0.125)
+    if cuda:
+        expected.backward(dout)
+    want = [expected.detach(), *(x.grad for x in leaves if cuda)]
+    errors, chosen = {}, attention.document_kernel
+    for kernel in ("mask", "flex"):
+        attention.document_kernel = lambda device_type, kernel=kernel: kernel
+        try:
+            inputs = [x.bfloat16().requires_grad_(cuda) for x in (q, k, v)]
+            out = DotProductAttention(0.125)(*inputs, doc)
+            if cuda:
+                out.backward(dout.bfloat16())
+            got = [out.detach(), *(x.grad for x in inputs if cuda)]
+            errors[kernel] = max((a.double() - b).abs().max().item() for a, b in zip(got, want))
+        finally:
+            attention.document_kernel = chosen
+    bound = min(
+        KERNEL_ERROR_RATIO * errors["mask"] + KERNEL_ERROR_FLOOR[torch.bfloat16], KERNEL_ERROR_CAP[torch.bfloat16]
+    )
+    ok = errors["flex"] <= bound
+    what = "forward and backward" if cuda else "forward"
+    print(
+        f"document masks flex vs boolean mask ({device}, {seq} tokens, {what}): max error vs float64 flex "
+        f"{errors['flex']:.2e}, mask {errors['mask']:.2e}  {'ok' if ok else f'FAILED (> {bound:.2e})'}",
+        flush=True,
+    )
+    ok &= flex_ring_numerics(device, q, k, v, doc)
+    if cuda:
+        (q, k, v), dout, doc = case(seq_len, 32)
+        q, k, v, dout = (x.bfloat16() for x in (q, k, v, dout))
+        times = {}
+        for kernel in ("mask", "flex"):
+            attention.document_kernel = lambda device_type, kernel=kernel: kernel
+            try:
+                leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+                torch.cuda.reset_peak_memory_stats()
+                times[kernel] = _time_ms(lambda leaves=leaves: DotProductAttention(0.125)(*leaves, doc).backward(dout))
+                times[kernel + "_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            finally:
+                attention.document_kernel = chosen
+        print(
+            f"document masks speed at {seq_len} tokens (~200-token documents, forward+backward): flex "
+            f"{times['flex']:.1f} ms (peak {times['flex_peak_gib']:.2f} GiB), boolean mask {times['mask']:.1f} ms "
+            f"(peak {times['mask_peak_gib']:.2f} GiB), x{times['mask'] / times['flex']:.2f}",
+            flush=True,
+        )
+    return ok
+
+
+def flex_ring_numerics(device: str, q, k, v, doc) -> bool:
+    """Every visible ring block's forward through FlexAttention (global-position block masks) against the block
+    the ring trains with, in bf16, at cp 2 and 4: output and log-sum-exp within bf16 rounding."""
+    ok = True
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    for cp in (2, 4):
+        worst = 0.0
+        for rank in range(cp):
+            local_q = shard_sequence(q, cp, rank, dim=2)
+            for source in range(cp):
+                local_k, local_v = (shard_sequence(x, cp, source, dim=2) for x in (k, v))
+                out, lse = context.flex_block_forward(local_q, local_k, local_v, doc, cp, rank, source, 0.125)
+                rows, cols, causal = context.block_plan(cp, rank, source, local_q.shape[2])
+                mask = context._block_mask(doc, cp, rank, source, rows, cols, causal)
+                want_out, want_lse = context._block_forward(
+                    local_q[:, :, rows], local_k[:, :, cols], local_v[:, :, cols], causal, mask, 0.125
+                )
+                same_empty = torch.equal(lse.isinf(), want_lse.isinf())
+                lse_error = (lse.float() - want_lse.float()).nan_to_num(0.0).abs().max().item()
+                out_error = (out.float() - want_out.float()).abs().max().item()
+                worst = max(worst, lse_error, out_error) if same_empty else float("inf")
+        good = worst <= 3e-2  # two bf16 roundings of values of order 1
+        ok &= good
+        verdict = "ok" if good else "FAILED"
+        print(f"document masks flex ring blocks cp{cp} ({device}): max difference {worst:.2e}  {verdict}", flush=True)
+    return ok
+
+
+def _time_ms(fn: Callable[[], object], rounds: int = 5) -> float:
+    times = []
+    for _ in range(rounds + 1):  # the first warms up (and compiles)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times[1:])[rounds // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cp_check", description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -207,6 +321,7 @@ def check(device: str, seq_lens: tuple[int, ...]) -> bool:
         finally:
             context.block_kernel = chosen
     ok &= kernel_numerics(device)
+    ok &= flex_check(device, min(max(seq_lens), 32768))  # beyond, the boolean mask alone is 4 GB and more
     for seq in seq_lens:
         kernels = ("fused", "matmul") if seq <= 8192 else ("fused",)
         result = speed(device, seq, kernels)

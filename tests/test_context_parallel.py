@@ -257,3 +257,65 @@ def test_cuda_block_kernels_are_called_with_the_shapes_the_ring_merges(kernel, m
     assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
     grads = context._block_backward(dout, q, k, v, out, lse, False, mask, 0.25)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+# ---- FlexAttention's document block masks (CUDA's path; forward checked here, backward on the GPU) -------------
+
+
+def document_cases() -> dict[str, torch.Tensor]:
+    """Document ids of the mask shapes that break a block mask: documents crossing the cp chunk boundaries (chunks
+    of 12 tokens at cp 2, 6 at cp 4), a document longer than a chunk pair, and chunks of only EOS tokens."""
+    long_document = torch.ones(BATCH, SEQ, dtype=torch.long)
+    long_document[:, [2, 44]] = 0
+    only_eos = torch.ones(BATCH, SEQ, dtype=torch.long)
+    only_eos[:, 12:24] = 0
+    only_eos[1, 40] = 0
+    return {
+        "crossing chunks": inputs()[4],
+        "longer than a chunk": document_ids(long_document, eos_id=0),
+        "a chunk of only EOS": document_ids(only_eos, eos_id=0),
+    }
+
+
+def test_document_kernel_is_flex_on_cuda_only():
+    from nanotron.models.attention import document_kernel
+
+    assert document_kernel("cuda") == "flex" and document_kernel("cpu") == "mask"
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+@pytest.mark.parametrize("case", list(document_cases()))
+def test_flex_document_attention_forward_equals_the_boolean_mask_path(case):
+    from nanotron.models.attention import cached_document_block_mask, flex
+
+    q, k, v, _, _ = inputs()
+    doc = document_cases()[case]
+    positions = torch.arange(SEQ)
+    mask = cached_document_block_mask(doc, "sequence", positions, positions)
+    assert mask is cached_document_block_mask(doc, "sequence", positions, positions)  # once per microbatch
+    got = flex(q, k, v, mask, SCALE, compiled=False)
+    assert (got - DotProductAttention(SCALE)(q, k, v, doc)).abs().max() <= 1e-12
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_flex_ring_blocks_equal_the_masked_blocks_at_every_mask_shape(cp):
+    """Every visible ring block (each rank's queries against each source's keys), through FlexAttention with the
+    block mask of its global positions, against the boolean-mask block the ring trains with: output and
+    log-sum-exp (-inf where a row's document has no key in the block)."""
+    q, k, v, _, _ = inputs()
+    for case, doc in document_cases().items():
+        for rank in range(cp):
+            local_q = shard_sequence(q, cp, rank, dim=2)
+            for source in range(cp):
+                local_k, local_v = (shard_sequence(x, cp, source, dim=2) for x in (k, v))
+                out, lse = context.flex_block_forward(local_q, local_k, local_v, doc, cp, rank, source, SCALE)
+                rows, cols, causal = context.block_plan(cp, rank, source, local_q.shape[2])
+                mask = context._block_mask(doc, cp, rank, source, rows, cols, causal)
+                want_out, want_lse = context._block_forward(
+                    local_q[:, :, rows], local_k[:, :, cols], local_v[:, :, cols], causal, mask, SCALE
+                )
+                where = f"{case}, cp {cp}, rank {rank} against {source}"
+                assert torch.equal(lse.isinf(), want_lse.isinf()), where
+                assert (lse - want_lse).nan_to_num(0.0).abs().max() <= 1e-12, where
+                assert (out - want_out).abs().max() <= 1e-12, where

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotron.models.attention import document_mask
+from nanotron.models.attention import cached_document_block_mask, document_mask, flex
 from nanotron.parallel.torch_private import attention_with_lse, attention_with_lse_backward
 
 
@@ -173,6 +173,20 @@ def _block_mask(doc, cp, rank, source, rows, cols, causal) -> torch.Tensor | Non
     doc_q = shard_sequence(doc, cp, rank)[:, rows]
     doc_k = shard_sequence(doc, cp, source)[:, cols]
     return document_mask(doc_q, doc_k, causal)
+
+
+def flex_block_forward(q, k, v, doc, cp: int, rank: int, source: int, scale: float):
+    """(output, log-sum-exp) of `rank`'s queries against `source`'s keys and values through FlexAttention, its block
+    mask built from the block's *global* positions (cached per microbatch and block): empty tiles skipped, no
+    boolean mask. Forward only: the ring's backward needs each block's gradient from the merged output and
+    log-sum-exp, which FlexAttention's public API does not take, so training keeps `_block_forward`; gpu_check
+    measures this against it on CUDA, the tests on CPU."""
+    rows, cols, _ = block_plan(cp, rank, source, q.shape[2])
+    seq = doc.shape[1]
+    q_positions = zigzag_positions(seq, cp, rank).to(doc.device)[rows]
+    k_positions = zigzag_positions(seq, cp, source).to(doc.device)[cols]
+    mask = cached_document_block_mask(doc, ("ring", cp, rank, source), q_positions, k_positions)
+    return flex(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, scale, lse=True, compiled=q.is_cuda)
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
