@@ -59,6 +59,7 @@ def document_block_mask(doc: torch.Tensor, q_positions: torch.Tensor, k_position
 _block_masks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # doc tensor -> {key: BlockMask}, for its microbatch
 
 
+@torch.compiler.disable  # a cache lookup and, once per microbatch, the mask's construction: eager in compiled layers
 def cached_document_block_mask(doc: torch.Tensor, key: Hashable, q_positions, k_positions) -> BlockMask:
     """`document_block_mask`, built once per `doc` tensor (one microbatch: every layer gets the same one) and `key`
     (which positions: the whole sequence, or one ring block); forgotten with the tensor."""
@@ -74,6 +75,8 @@ _compiled_flex: list = []
 def flex(q, k, v, block_mask: BlockMask, scale: float | None, lse: bool = False, compiled: bool = True):
     """FlexAttention, compiled once per process (eager FlexAttention is the unfused reference: scores in memory).
     With `lse`, also the natural log-sum-exp per query row (-inf for rows that see no key, whose output is 0)."""
+    if torch.compiler.is_compiling():  # inside a compiled layer (training.compile): compiled with it
+        compiled = False
     if compiled and not _compiled_flex:
         _compiled_flex.append(torch.compile(flex_attention, dynamic=False))
     kernel = _compiled_flex[0] if compiled else flex_attention
