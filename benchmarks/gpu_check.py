@@ -7,10 +7,13 @@ layouts) and how fast is it (tokens/s, TFLOP/s, MFU against the detected peak)?
 Every row is a fresh `python -m nanotron.train` of the ~1.1B model (TinyLlama's shape, seq 2048, bf16) on
 a synthetic corpus, with a warm-up and a sane LR (3e-4, cosine to 3e-5), and the same global batch so
 that losses compare step by step. One device: compile off and on, compile with selective recompute (every
-matmul output kept, and every other one). With two or more: dp2 (NCCL, FSDP2 ZeRO-3, async checkpoints every
-`steps/2` steps), a resume from the middle checkpoint, and tp2 with compile and async TP, and cp2 (ring
-attention over NCCL). Then context parallelism's attention on one device (`benchmarks/cp_check.py`: float64
-numerics of the ring's CUDA kernels, then its speed against SDPA).
+matmul output kept, and every other one), and a checkpoint saved mid-run in each `checkpoint.async_mode` (sync,
+async, async_pinned: the step's stall, `save_stall_sec`). With two or more: dp2 (NCCL, FSDP2 ZeRO-3, async_pinned
+checkpoints every `steps/2` steps), a resume from the middle checkpoint, and tp2 with compile and async TP, and cp2
+(ring attention over NCCL). Then, on one device, context parallelism's attention (`benchmarks/cp_check.py`: the
+matmul path in float64, then the fused CUDA block kernels, flash and memory-efficient, against float64 at cp 2/4;
+then speed and peak memory against SDPA at 8k, 32k and 128k tokens) and the experts' grouped GEMM
+(`benchmarks/moe.py`'s kernel check: padded and unpadded groups against the loop at 8 and 64 experts, then speed).
 Each row is checked, and the command exits 1 if any check fails:
 - every loss finite, and the last loss below the first by at least 1 nat (the model learns);
 - compile, compile selective (both policies), dp2, tp2, cp2: step-1 loss within 1e-3 and the last 5 within 2e-2
@@ -19,6 +22,7 @@ Each row is checked, and the command exits 1 if any check fails:
   eager bf16 row (float8's own error; a first guess to calibrate); dp2 float8 all-gather (FSDP2, ZeRO-3, tensorwise)
   within the bf16 tolerances of the 1-device float8 row;
 - qwen3 (QK-norm, head_dim 128): learns on one device; qwen3 tp2 sp within the bf16 tolerances of it;
+- checkpoint sync/async/async_pinned: within the bf16 tolerances of eager (saving changes no math);
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran;
 - host syncs: one device, in this process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
@@ -63,6 +67,7 @@ COLUMNS = (
     "mfu",
     "peak_tflops",
     "memory_gib",
+    "save_stall_sec",
     "first_loss",
     "last_loss",
     "verdict",
@@ -85,6 +90,7 @@ class Check:
     reference: str | None = None  # the row whose losses this one must match
     resume_of: str | None = None  # resumes this row's middle checkpoint
     async_tp: bool = False
+    save_step: int | None = None  # a checkpoint is saved after this step: the next step's excess time is its stall
     # (step-1 loss, mean of the last 5) relative tolerances against `reference`
     tolerance: tuple[float, float] = (1e-3, 2e-2)
     problems: list[str] = field(default_factory=list)
@@ -106,10 +112,12 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
     # and sequence-parallel TP held to it on two (the norm's replicated weight, its gradient summed over tp).
     qwen3 = [] if settings.quick else ["--model.qk_norm=true", "--model.head_dim=128"]
     rows += [Check("qwen3 bf16", 1, qwen3)] if qwen3 else []
+    rows += checkpoint_checks(settings)
     if n_devices < 2:
         return rows
     half = settings.steps // 2
-    saving = [f"--checkpoint.interval={half}", "--checkpoint.async_save=true", "--checkpoint.keep_last=0"]
+    pinned = "async" if settings.quick else "async_pinned"  # CPU has no pinned memory (refused there)
+    saving = [f"--checkpoint.interval={half}", f"--checkpoint.async_mode={pinned}", "--checkpoint.keep_last=0"]
     rows += [
         Check("dp2 fsdp2", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3", *saving], "bf16 eager"),
         Check("dp2 resumed", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3"], resume_of="dp2 fsdp2"),
@@ -129,6 +137,26 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
         rows.append(Check("tp2 compile async", 2, async_tp, "bf16 eager", async_tp=True))
         rows.append(Check("qwen3 tp2 sp", 2, [*qwen3, "--parallelism.tp=2"], "qwen3 bf16"))
     return rows
+
+
+def checkpoint_checks(settings: argparse.Namespace) -> list[Check]:
+    """The training step's stall when a checkpoint is saved mid-run, per checkpoint.async_mode (one device): the
+    step after the save against the median step. sync: the whole write; async: the copy to pageable host memory;
+    async_pinned: the copy to pinned memory, overlapped. Losses held to bf16 eager (saving changes no math). Not
+    in --quick (CPU has no pinned memory; tests/test_checkpoint.py covers the modes there)."""
+    if settings.quick:
+        return []
+    half = settings.steps // 2
+    return [
+        Check(
+            f"checkpoint {mode}",
+            1,
+            [f"--checkpoint.interval={half}", f"--checkpoint.async_mode={mode}", "--checkpoint.keep_last=0"],
+            "bf16 eager",
+            save_step=half,
+        )
+        for mode in ("sync", "async", "async_pinned")
+    ]
 
 
 FLOAT8_COMPILE = ["--training.compile=true"]
@@ -176,6 +204,11 @@ def run_check(check: Check, settings: argparse.Namespace, common: list[str], don
         row[key] = statistics.median(r[key] for r in steady)
     row["step_time_sec"] = median_after_warmup([r["step_time_sec"] for r in records], settings.warmup)
     row["memory_gib"] = max(r["memory_gib"] for r in records)
+    if check.save_step is not None:
+        times = {r["step"]: r["step_time_sec"] for r in records}
+        others = [t for step, t in times.items() if step > settings.warmup and step != check.save_step + 1]
+        row["save_stall_sec"] = times[check.save_step + 1] - statistics.median(others)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~13 GB each at 1B: the disk is 64 GB
     row["first_loss"], row["last_loss"] = losses[min(losses)], losses[max(losses)]
     row["losses"] = losses
     if check.async_tp and "tp_linear_async_communication" in stdout + stderr:
@@ -334,13 +367,16 @@ def training_checks(
         print(
             f"{check.name:20s} {row.get('tokens_per_sec', 0):10.0f} tokens/s {row.get('tflops', 0):8.1f} TFLOP/s "
             f"MFU {100 * row.get('mfu', 0):5.1f}%  loss {row.get('first_loss', math.nan):.3f} -> "
-            f"{row.get('last_loss', math.nan):.3f}  ({row['seconds']:.0f} s)  {row['verdict']}",
+            f"{row.get('last_loss', math.nan):.3f}  ({row['seconds']:.0f} s)  "
+            + (f"save stall {row['save_stall_sec']:.2f} s  " if "save_stall_sec" in row else "")
+            + row["verdict"],
             flush=True,
         )
     print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
     from benchmarks.cp_check import check as cp_attention_check
 
-    failed |= not cp_attention_check(device, 256 if settings.quick else 8192)  # the CUDA block kernels, one device
+    cp_seq_lens = (256,) if settings.quick else (8192, 32768, 131072)
+    failed |= not cp_attention_check(device, cp_seq_lens)  # the CUDA block kernels, one device
     from benchmarks.moe import kernel_check
 
     failed |= not kernel_check(device)  # the experts' grouped GEMM against the loop

@@ -11,7 +11,8 @@ tokens/s from metrics.jsonl (steps after the first), and the share of the step t
 all-to-alls (counts and tokens, forward and backward): every `all_to_all_single` call timed by a worker that wraps
 it and runs the real trainer.
 
-Kernel (`kernel_check`, from `benchmarks/gpu_check.sh`): the experts' grouped GEMM on CUDA against the per-expert
+Kernel (`kernel_check`, from `benchmarks/gpu_check.sh`): the experts' grouped GEMM (padded groups, and unpadded
+offsets where the kernel takes them) at 8 and 64 experts against the per-expert
 loop, numerics then speed.
 
 Memory: MoE layouts through `benchmarks.memory`'s probe (the real Trainer, what each rank holds) against
@@ -213,44 +214,78 @@ def memory_rows(work_dir: Path, data: list[str]) -> list[dict]:
 
 
 def kernel_check(device: str) -> bool:
-    """The experts' CUDA kernel (torch's grouped GEMM, bf16) against the per-expert loop, forward and backward,
-    with an expert left without rows; then its speed. Prints one line; False when the numbers disagree."""
+    """The experts' grouped GEMM (torch's, bf16, over groups padded to 8 rows) against the per-expert loop, forward
+    and backward, at 8 and 64 experts with empty experts and uneven groups; then forward+backward speed of both
+    and of the grouped GEMM over unpadded offsets (or the kernel's refusal of them). One line per expert count;
+    False when the numbers disagree. On CPU (the smoke test) the same at a tiny size."""
     import torch
 
-    from nanotron.models.moe import expert_mlp, loop_matmul
-    from nanotron.parallel.expert import grouped_gemm
+    from nanotron.models.moe import expert_mlp
+    from nanotron.parallel.expert import aligned_grouped_matmul, padded_grouped_mlp
 
-    g = torch.Generator(device=device).manual_seed(0)
-    experts, hidden, inter = 8, 1024, 704
-    counts = torch.tensor([512, 0, 300, 700, 128, 1000, 64, 1296], device=device)
-    if device == "cpu":  # the smoke test: the loop on both sides, at a size that takes no time
-        hidden, inter, counts = 64, 48, counts // 16
-    x = torch.randn(int(counts.sum()), hidden, device=device, generator=g, dtype=torch.bfloat16, requires_grad=True)
-    weights = [
-        (torch.randn(experts, *shape, device=device, generator=g) * 0.03).to(torch.bfloat16).requires_grad_()
-        for shape in ((2 * inter, hidden), (hidden, inter))
-    ]
-    results = {}
-    for name, matmul in (("loop", loop_matmul), ("grouped", grouped_gemm)):
-        out = expert_mlp(x, counts, *weights, matmul)
-        grads = torch.autograd.grad(out.float().square().sum(), [x, *weights])
-        results[name] = [out, *grads]
-        timer = time.perf_counter()
-        for _ in range(10):
-            expert_mlp(x, counts, *weights, matmul)
+    def unpadded(x, counts, gate_up, down):
+        return expert_mlp(x, counts, gate_up, down, aligned_grouped_matmul)
+
+    ok = True
+    hidden, inter, tokens = (2048, 1408, 16384) if device == "cuda" else (64, 48, 512)  # 1b MoE row; tokens x top 2
+    for experts in (8, 64):
+        g = torch.Generator(device=device).manual_seed(experts)
+        share = torch.rand(experts, device=device, generator=g) * (torch.arange(experts, device=device) % 5 != 1)
+        counts = (share / share.sum() * tokens).long()  # every 5th expert empty, the rest uneven
+        x = torch.randn(int(counts.sum()), hidden, device=device, generator=g).bfloat16().requires_grad_()
+        weights = [
+            (torch.randn(experts, *shape, device=device, generator=g) * 0.03).bfloat16().requires_grad_()
+            for shape in ((2 * inter, hidden), (hidden, inter))
+        ]
+        dout = torch.randn(x.shape, device=device, generator=g).bfloat16()
+        results, times = {}, {}
+        for name, mlp in (("loop", expert_mlp), ("grouped", padded_grouped_mlp), ("unpadded", unpadded)):
+            try:
+                out = mlp(x, counts, *weights)
+                results[name] = [out, *torch.autograd.grad(out, [x, *weights], dout)]
+                leaves = [x, *weights]
+                step = (
+                    lambda mlp=mlp, leaves=leaves, counts=counts, dout=dout: torch.autograd.grad(  # noqa: E731
+                        mlp(leaves[0], counts, *leaves[1:]), leaves, dout
+                    )
+                )
+                times[name] = _time_ms(step, device)
+            except RuntimeError as error:  # the kernel may refuse unaligned groups
+                times[name] = f"refused ({str(error).splitlines()[0][:80]})"
+        errors = {
+            name: max(
+                ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+                for a, b in zip(results[name], results["loop"])
+            )
+            for name in ("grouped", "unpadded")
+            if name in results
+        }
+        good = errors.get("grouped", float("inf")) <= 2e-2  # bf16 accumulation order
+        ok &= good
+        speed = ", ".join(f"{n} {t:.2f} ms" if isinstance(t, float) else f"{n} {t}" for n, t in times.items())
+        print(
+            f"moe grouped GEMM ({device}, {experts} experts, {tokens} rows): relative error vs the loop (out, dx, dW) "
+            f"padded {errors.get('grouped', float('nan')):.2e}, unpadded {errors.get('unpadded', float('nan')):.2e}; "
+            f"forward+backward {speed}  {'ok' if good else 'FAILED'}",
+            flush=True,
+        )
+    return ok
+
+
+def _time_ms(fn, device: str, rounds: int = 10) -> float:
+    """Median ms of fn() after one warm-up call."""
+    import torch
+
+    times = []
+    for _ in range(rounds + 1):
         if device == "cuda":
             torch.cuda.synchronize()
-        results[name + "_ms"] = (time.perf_counter() - timer) * 100
-    errors = [
-        ((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(results["grouped"], results["loop"])
-    ]
-    ok = max(errors) <= 2e-2  # bf16 accumulation order
-    print(
-        f"moe grouped GEMM ({device}): max relative error {max(errors):.2e} vs the loop (out, dx, dW); forward "
-        f"{results['grouped_ms']:.2f} ms vs loop {results['loop_ms']:.2f} ms  {'ok' if ok else 'FAILED'}",
-        flush=True,
-    )
-    return ok
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[1:])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,9 +91,11 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
-    for kernel in ("fused", "matmul"):  # context parallelism's block kernels (CUDA runs the matmul one)
+    for kernel in ("fused", "matmul"):  # the ring's block kernels in float64 (CUDA: matmul here, its fused ones after)
         assert f"cp attention {kernel} cp4 document: max error vs full attention" in stdout
-    assert "moe grouped GEMM (cpu): max relative error" in stdout  # the experts' CUDA kernel on a GPU
+    assert "cp attention cpu_flash bfloat16 cp4 document: max error vs float64" in stdout
+    assert "document masks flex ring blocks cp4 (cpu)" in stdout  # FlexAttention: forward on CPU
+    assert "moe grouped GEMM (cpu, 64 experts, 512 rows): relative error vs the loop" in stdout  # CUDA: the GPU row
     assert "FAILED" not in stdout and "doctor" not in stdout
 
 

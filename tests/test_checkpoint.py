@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import time
@@ -82,7 +83,7 @@ def reference(tiny_data, tmp_path_factory) -> list[float]:
 
 @pytest.fixture(scope="module")
 def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, list[float]]:
-    """The same run saving step 0 and every 10 steps with async_save: its checkpoint folder and losses."""
+    """The same run saving step 0 and every 10 steps with async_mode=async: its checkpoint folder and losses."""
     root = tmp_path_factory.mktemp("saved")
     run_train(
         args_for(
@@ -91,7 +92,7 @@ def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, list[float]]:
             "saved",
             "--checkpoint.interval=10",
             "--checkpoint.save_initial_state=true",
-            "--checkpoint.async_save=true",
+            "--checkpoint.async_mode=async",
             "--checkpoint.save_final=true",
         )
     )
@@ -389,7 +390,7 @@ def test_async_save_keeps_the_state_as_of_the_save_while_training_changes_it(tmp
 
     monkeypatch.setattr(DefaultStager, "_stage", stage_slowly)
     weights, progress = Box(w=torch.zeros(1000)), Box(step=0)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=True), {"model": weights}, progress)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(async_mode="async"), {"model": weights}, progress)
     for step in (1, 2):
         progress.state["step"] = step
         manager.save(step)
@@ -400,6 +401,58 @@ def test_async_save_keeps_the_state_as_of_the_save_while_training_changes_it(tmp
         loaded = Box(w=torch.full((1000,), -1.0))
         CheckpointManager(tmp_path, CheckpointConfig(), {"model": loaded}, Box(step=0)).load(tmp_path / f"step-{step}")
         assert torch.all(loaded.state["w"] == value), step
+
+
+def test_async_saves_reuse_one_stager_and_a_save_waits_for_the_previous_to_commit(tmp_path, monkeypatch):
+    """One stager for the run (its host buffers, filled again at every save: the same memory for the same
+    state), and a save starts only once the previous one is written and committed, however slow the write."""
+    slow_save = CheckpointManager._async_save
+
+    def save_slowly(self, *args):  # the background write of the previous save is still running when the next starts
+        slow_save(self, *args)
+        future = self.pending[0]
+        self.pending = (_Delayed(future), *self.pending[1:])
+
+    monkeypatch.setattr(CheckpointManager, "_async_save", save_slowly)
+    weights, progress = Box(w=torch.zeros(1000)), Box(step=0)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(async_mode="async"), {"model": weights}, progress)
+    stagers = []
+    for step in (1, 2):
+        progress.state["step"] = step
+        manager.save(step)
+        assert [path.name for path in committed_steps(tmp_path)] == [
+            f"step-{s}" for s in range(1, step)
+        ]  # committed first
+        stagers.append(manager.stager)
+        manager.wait_for_staging()
+    assert stagers[0] is stagers[1]
+    state = {"model": weights.state_dict()}
+    first, second = (manager.stager.stage(state).result() for _ in range(2))
+    assert first["model"]["w"].data_ptr() == second["model"]["w"].data_ptr()  # refilled, not allocated again
+    manager.close()
+    assert [path.name for path in committed_steps(tmp_path)] == ["step-1", "step-2"]
+
+
+class _Delayed:
+    """A save's write future that takes 0.3 s longer to finish, as a multi-GB write does."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def result(self):
+        time.sleep(0.3)
+        return self.future.result()
+
+
+def test_async_pinned_is_refused_in_one_line_where_there_is_no_pinned_memory(tmp_path):
+    from nanotron.errors import ConfigError
+
+    expected = "checkpoint.async_mode=async_pinned needs pinned host memory, which a cpu device has not; use "
+    overrides = [("checkpoint.async_mode", "async_pinned"), ("training.device", "cpu")]
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config("configs/tiny.toml", overrides)
+    with pytest.raises(ConfigError, match=re.escape(expected)):  # training.device=auto, resolved to cpu at start
+        CheckpointManager(tmp_path, CheckpointConfig(async_mode="async_pinned"), {}, Box(step=0), device="cpu")
 
 
 def trainer_state(tmp_path: Path) -> dict:

@@ -72,9 +72,9 @@ def reference_grads(doc):
 def _ring_worker(rank: int, cp: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", rank=rank, world_size=cp)
-    fused, results = context._fused, {}
+    chosen, results = context.block_kernel, {}
     for kernel in ("cpu_kernel", "reference_path"):  # the fused CPU kernel; the plain matmuls other devices run
-        context._fused = fused if kernel == "cpu_kernel" else (lambda q: False)
+        context.block_kernel = chosen if kernel == "cpu_kernel" else (lambda q, masked: "matmul")
         for masking in ("causal", "document"):
             q, k, v, dout, doc = inputs()
             q, k, v = (shard_sequence(x, cp, rank, dim=2).clone().requires_grad_() for x in (q, k, v))
@@ -201,10 +201,122 @@ def test_ring_attention_takes_sdpas_default_scale_when_none_on_both_kernels(monk
 
     q, k, v, _, _ = inputs()
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    for fused in (True, False):
-        monkeypatch.setattr(context, "_fused", lambda t, fused=fused: fused)
+    for kernel in ("cpu_flash", "matmul"):
+        monkeypatch.setattr(context, "block_kernel", lambda t, masked, kernel=kernel: kernel)
         outs = run_ring(
             2, lambda r: RingAttention(None, None, 2, r)(*(shard_sequence(x, 2, r, dim=2) for x in (q, k, v)))
         )
         for rank, out in enumerate(outs):
             assert (out - shard_sequence(expected, 2, rank, dim=2)).abs().max() <= 1e-10
+
+
+# ---- the ring's block kernels: which one runs where, and the fused ones' numerics -------------------------
+
+
+@pytest.mark.parametrize(
+    "device, dtype, head_dim, masked, capability, expected",
+    [
+        ("cpu", torch.float64, 64, True, None, "cpu_flash"),  # the CPU kernel takes every dtype and masks
+        ("cuda", torch.bfloat16, 64, False, (9, 0), "flash"),
+        ("cuda", torch.float16, 256, False, (8, 0), "flash"),
+        ("cuda", torch.bfloat16, 64, True, (9, 0), "efficient"),  # flash takes no mask: documents go here
+        ("cuda", torch.bfloat16, 64, False, (7, 5), "efficient"),  # no flash before sm80
+        ("cuda", torch.bfloat16, 512, False, (9, 0), "efficient"),  # flash stops at head dim 256
+        ("cuda", torch.float32, 64, False, (9, 0), "efficient"),
+        ("cuda", torch.float64, 64, False, (9, 0), "matmul"),  # no fused fp64 kernel: the exact reference
+        ("cuda", torch.bfloat16, 60, False, (9, 0), "matmul"),  # head dim not a multiple of 8
+        ("mps", torch.float32, 64, False, None, "matmul"),
+    ],
+)
+def test_ring_block_kernel_is_chosen_by_device_dtype_head_dim_and_mask(
+    device, dtype, head_dim, masked, capability, expected
+):
+    assert context.choose_block_kernel(device, dtype, head_dim, masked, capability) == expected
+
+
+def test_fused_ring_blocks_merge_by_their_log_sum_exp_to_float64_within_the_matmul_paths_error():
+    """The CPU fused kernel through the ring (ranks as threads) in bf16 and fp32, cp 2 and 4, causal and document
+    masks: output and gradients no further from float64 than KERNEL_ERROR_RATIO times the matmul path's error
+    (the check the GPU runs on its own kernels, benchmarks.cp_check)."""
+    from benchmarks.cp_check import kernel_numerics
+
+    assert kernel_numerics("cpu")
+
+
+@pytest.mark.parametrize("kernel, masked", [("flash", False), ("efficient", False), ("efficient", True)])
+def test_cuda_block_kernels_are_called_with_the_shapes_the_ring_merges(kernel, masked, monkeypatch):
+    """The CUDA kernels' calls, checked with torch's meta kernels: the arguments parse, and the log-sum-exp comes
+    back [batch, heads, rows] in fp32 (memory-efficient pads it to 32 rows: cut) with gradients of the inputs'
+    shapes (flash takes no mask: the selection above never gives it one)."""
+    monkeypatch.setattr(context, "block_kernel", lambda q, m: kernel)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, dout = torch.empty(2, 4, 40, 16, **meta), torch.empty(2, 4, 40, 16, **meta)
+    k, v = torch.empty(2, 2, 24, 16, **meta), torch.empty(2, 2, 24, 16, **meta)
+    mask = torch.empty(2, 1, 40, 24, dtype=torch.bool, device="meta") if masked else None
+    out, lse = context._block_forward(q, k, v, False, mask, 0.25)
+    assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    grads = context._block_backward(dout, q, k, v, out, lse, False, mask, 0.25)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+# ---- FlexAttention's document block masks (CUDA's path; forward checked here, backward on the GPU) -------------
+
+
+def document_cases() -> dict[str, torch.Tensor]:
+    """Document ids of the mask shapes that break a block mask: documents crossing the cp chunk boundaries (chunks
+    of 12 tokens at cp 2, 6 at cp 4), a document longer than a chunk pair, and chunks of only EOS tokens."""
+    long_document = torch.ones(BATCH, SEQ, dtype=torch.long)
+    long_document[:, [2, 44]] = 0
+    only_eos = torch.ones(BATCH, SEQ, dtype=torch.long)
+    only_eos[:, 12:24] = 0
+    only_eos[1, 40] = 0
+    return {
+        "crossing chunks": inputs()[4],
+        "longer than a chunk": document_ids(long_document, eos_id=0),
+        "a chunk of only EOS": document_ids(only_eos, eos_id=0),
+    }
+
+
+def test_document_kernel_is_flex_on_cuda_only():
+    from nanotron.models.attention import document_kernel
+
+    assert document_kernel("cuda") == "flex" and document_kernel("cpu") == "mask"
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+@pytest.mark.parametrize("case", list(document_cases()))
+def test_flex_document_attention_forward_equals_the_boolean_mask_path(case):
+    from nanotron.models.attention import cached_document_block_mask, flex
+
+    q, k, v, _, _ = inputs()
+    doc = document_cases()[case]
+    positions = torch.arange(SEQ)
+    mask = cached_document_block_mask(doc, "sequence", positions, positions)
+    assert mask is cached_document_block_mask(doc, "sequence", positions, positions)  # once per microbatch
+    got = flex(q, k, v, mask, SCALE, compiled=False)
+    assert (got - DotProductAttention(SCALE)(q, k, v, doc)).abs().max() <= 1e-12
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+def test_flex_ring_blocks_equal_the_masked_blocks_at_every_mask_shape():
+    """Every visible ring block (each rank's queries against each source's keys), through FlexAttention with the
+    block mask of its global positions, against the boolean-mask block the ring trains with: output and
+    log-sum-exp (-inf where a row's document has no key in the block). cp 4: chunks of 6 tokens, so every case
+    crosses chunks, and two whole chunks are EOS (cp 2 runs in gpu_check's CPU smoke test)."""
+    cp = 4
+    q, k, v, _, _ = inputs()
+    for case, doc in document_cases().items():
+        for rank in range(cp):
+            local_q = shard_sequence(q, cp, rank, dim=2)
+            for source in range(cp):
+                local_k, local_v = (shard_sequence(x, cp, source, dim=2) for x in (k, v))
+                out, lse = context.flex_block_forward(local_q, local_k, local_v, doc, cp, rank, source, SCALE)
+                rows, cols, causal = context.block_plan(cp, rank, source, local_q.shape[2])
+                mask = context._block_mask(doc, cp, rank, source, rows, cols, causal)
+                want_out, want_lse = context._block_forward(
+                    local_q[:, :, rows], local_k[:, :, cols], local_v[:, :, cols], causal, mask, SCALE
+                )
+                where = f"{case}, cp {cp}, rank {rank} against {source}"
+                assert torch.equal(lse.isinf(), want_lse.isinf()), where
+                assert (lse - want_lse).nan_to_num(0.0).abs().max() <= 1e-12, where
+                assert (out - want_out).abs().max() <= 1e-12, where

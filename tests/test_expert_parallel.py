@@ -240,3 +240,49 @@ def test_capacity_drops_per_sequence_so_batching_does_not_change_the_output():
     assert torch.allclose(together, torch.cat(alone), rtol=1e-12, atol=1e-12)
     assert dropped_together == dropped_alone > 0  # capacity 2 per expert per sequence: 16 pairs can't all fit
     assert int(moe.tokens_per_expert.sum()) + 2 * dropped_together == 2 * (3 * 8 * 2)  # kept + dropped, two passes
+
+
+# ---- the experts' grouped GEMM (CUDA's kernel; it also runs on CPU in bf16) -------------------------------
+
+
+@pytest.mark.parametrize(
+    "device, dtype, hidden, intermediate, expected",
+    [
+        ("cuda", torch.bfloat16, 2048, 1408, "grouped"),
+        ("cuda", torch.float32, 2048, 1408, "loop"),  # the kernel takes bf16 only
+        ("cuda", torch.bfloat16, 2048, 1410, "loop"),  # 16-byte aligned widths only
+        ("cuda", torch.bfloat16, 12, 16, "loop"),
+        ("cpu", torch.bfloat16, 2048, 1408, "loop"),  # runs on CPU, but training there keeps the loop
+    ],
+)
+def test_expert_kernel_is_chosen_by_device_dtype_and_alignment(device, dtype, hidden, intermediate, expected):
+    from nanotron.parallel.expert import choose_expert_kernel
+
+    assert choose_expert_kernel(device, dtype, hidden, intermediate) == expected
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [13, 0, 8, 1, 30, 0, 7, 9],  # an empty expert, a group already aligned, a group of one
+        [0, 0, 0, 0, 0, 0, 0, 0],  # no rows at all: the weights still get their (zero) gradients
+        [0, 0, 0, 0, 0, 0, 0, 17],  # every row to the last expert, which also takes the buffer's slack
+    ],
+)
+def test_padded_grouped_gemm_equals_the_per_expert_loop_in_bf16(counts):
+    """Forward and backward of the SwiGLU experts through torch's grouped GEMM over groups padded to 8 rows,
+    against the per-expert loop, in bf16 on CPU: the padding rows (zeros) must reach no output or gradient."""
+    from nanotron.models.moe import expert_mlp
+    from nanotron.parallel.expert import padded_grouped_mlp
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor(counts)
+    x = torch.randn(int(counts.sum()), 16, generator=g).bfloat16().requires_grad_()
+    gate_up, down = ((torch.randn(E, *s, generator=g) * 0.3).bfloat16().requires_grad_() for s in ((48, 16), (16, 24)))
+    dout = torch.randn(x.shape, generator=g).bfloat16()
+    results = []
+    for mlp in (expert_mlp, padded_grouped_mlp):
+        out = mlp(x, counts, gate_up, down)
+        results.append([out, *torch.autograd.grad(out, [x, gate_up, down], dout)])
+    for name, got, want in zip(("out", "dx", "d gate_up", "d down"), *reversed(results)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2, msg=name)  # bf16 rounding

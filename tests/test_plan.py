@@ -755,3 +755,19 @@ def test_the_plan_gathers_float8_weights_in_one_byte_under_tensorwise_fsdp():
     # ZeRO-3 with 8 microbatches: 16 gathers of 2 bytes and 8 fp32 reductions per parameter. The linears are 96 %
     # of large.toml's parameters, so a gather moves 1.04 bytes per parameter: (16 x 1.04 + 32) / (16 x 2 + 32) = 0.76.
     assert tensorwise / off == pytest.approx(0.76, abs=0.01), (tensorwise, off)
+
+
+def test_document_masks_cost_tile_tables_with_flexattention_and_a_dense_mask_without():
+    """One cp rank on CUDA masks documents with FlexAttention's block mask (four int32 tables of 128 x 128 tiles
+    per sample); on CPU, and in the ring, a boolean mask of seq x seq per sample."""
+    from nanotron.plan.memory import attention_transient_bytes
+
+    def transient(device: str, cp: int = 1) -> float:
+        overrides = [("model.attention", "document"), ("training.device", device), ("parallelism.cp", str(cp))]
+        return attention_transient_bytes(load_config("configs/long.toml", overrides), 0)
+
+    cfg = load_config("configs/long.toml", [])
+    seq, batch = cfg.training.seq_len, cfg.training.micro_batch_size
+    assert transient("cuda") == batch * 4 * 4 * (-(-seq // 128)) ** 2
+    assert transient("cpu") == batch * seq * seq
+    assert transient("cuda", cp=2) == transient("cpu", cp=2)  # the ring keeps its dense block masks

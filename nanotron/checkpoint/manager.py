@@ -28,6 +28,7 @@ import nanotron.checkpoint.layout as layout
 from nanotron import records
 from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, short
 from nanotron.config import CheckpointConfig
+from nanotron.config.validate import check_async_mode
 from nanotron.errors import CheckpointError, storage_errors
 from nanotron.step_end import StepInfo
 
@@ -108,7 +109,9 @@ class CheckpointManager:
         self.stager: DefaultStager | None = None
         self.last_saved_step, self.save_started = -1, 0.0
         # Async saves run collectives from a background thread: give them their own process group.
-        self.async_group = dist.new_group(backend="gloo") if options.async_save and dist.is_initialized() else None
+        check_async_mode(options.async_mode, self.device.type)
+        background = options.async_mode != "sync"
+        self.async_group = dist.new_group(backend="gloo") if background and dist.is_initialized() else None
         if self.rank == 0:
             layout.clean_stale(folder)
 
@@ -127,7 +130,7 @@ class CheckpointManager:
             return
         self.last_saved_step, self.save_started = step, time.perf_counter()
         target, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
-        asynchronous = self.options.async_save and not final
+        asynchronous = self.options.async_mode != "sync" and not final
         if self.rank == 0:
             self.log(f"checkpoint: saving step {step} to {target}" + (" (async)" if asynchronous else ""))
             with storage_errors("save checkpoint", tmp, self._kept()):
@@ -144,11 +147,14 @@ class CheckpointManager:
         self._commit(tmp, target, progress)
 
     def _async_save(self, state: dict, tmp: Path, target: Path, progress: dict) -> None:
-        if self.stager is None:
-            cuda = self.device.type == "cuda"
+        if self.stager is None:  # one per run: it keeps its host buffers and refills them at every save
+            pinned = self.options.async_mode == "async_pinned"
             self.stager = DefaultStager(
                 StagingOptions(
-                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+                    use_pinned_memory=pinned,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=pinned,
                 )
             )
         if self.device.type == "cuda":  # the staging stream must not copy before the optimizer step's kernels ran

@@ -23,7 +23,13 @@ class CheckpointConfig:
     save_final: bool = opt(True, "save when training ends")
     keep_last: int = opt(0, "keep only the newest N checkpoints; 0 keeps all", min=0)
     resume_from: str = opt("auto", "auto (latest in dir if any), latest, none, or a step-N path")
-    async_save: bool = opt(False, "write checkpoints in the background (dcp.async_save)")
+    async_mode: str = opt(
+        "sync",
+        "sync (training waits for the write), async (dcp.async_save: training waits only for the copy to host "
+        "memory, the write runs in the background) or async_pinned (async, staged in pinned host memory so the "
+        "device-to-host copy overlaps training; CUDA only)",
+        ("sync", "async", "async_pinned"),
+    )
     init_from: str = opt("", "checkpoint dir whose model weights start a new run (e.g. from-hf import)")
     allow_unverified: bool = opt(
         False,

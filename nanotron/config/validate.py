@@ -91,6 +91,16 @@ def _resolve_moe(m: ModelConfig) -> None:
         )
 
 
+def check_async_mode(mode: str, device_type: str) -> None:
+    """async_pinned stages in pinned host memory, which torch allocates only with an accelerator (on a CPU-only
+    build `pin_memory()` raises): refused on CPU here, and by the checkpoint manager once "auto" is resolved."""
+    if mode == "async_pinned" and device_type == "cpu":
+        raise ConfigError(
+            "checkpoint.async_mode=async_pinned needs pinned host memory, which a cpu device has not; use "
+            "checkpoint.async_mode=async"
+        )
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Resolves presets and derived values, then checks every constraint between keys."""
     for section in fields(cfg):
@@ -137,6 +147,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             "hooks added after it was compiled; measure activations in an eager run, or set "
             "logging.activation_stats_interval=0"
         )
+    check_async_mode(cfg.checkpoint.async_mode, t.device)
     _validate_stability(cfg)
     _validate_parallelism(cfg)
     _validate_float8(cfg)

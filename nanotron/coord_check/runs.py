@@ -109,7 +109,7 @@ def run_overrides(cfg: Config, steps: int, out_dir: Path, name: str, seed: int) 
         f"--checkpoint.interval={steps}",
         "--checkpoint.keep_last=0",
         "--checkpoint.save_final=true",
-        "--checkpoint.async_save=false",
+        "--checkpoint.async_mode=sync",
         "--checkpoint.dir=",
         "--checkpoint.resume_from=none",
         "--checkpoint.init_from=",

@@ -7,8 +7,8 @@ contiguous slice, and the outputs are weighted by their gates and summed back pe
 
 Two parameterless seams let the parallel layer change how, never what, is computed (no parameter name changes):
 `dispatcher` moves the grouped tokens to the experts and back (expert parallelism swaps it for all-to-all), and
-`GroupedExperts.matmul` multiplies each group by its expert's weight (a loop over experts here; CUDA swaps in
-torch's grouped GEMM).
+`GroupedExperts.mlp` runs each group through its expert (a loop over experts here; expert parallelism takes the
+local experts' weights, CUDA swaps in torch's grouped GEMM over padded groups).
 
 Load balancing: the router adds a per-expert bias to the scores it chooses by (never to the gates), which the
 trainer moves towards the mean load after each step (DeepSeek-V3's auxiliary-loss-free balancing, arXiv:2412.19437
@@ -46,10 +46,10 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = loop_matmul
+        self.mlp: Callable[..., torch.Tensor] = expert_mlp  # (x, counts, gate_up, down) -> out
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return expert_mlp(x, counts, self.gate_up_proj, self.down_proj, self.matmul)
+        return self.mlp(x, counts, self.gate_up_proj, self.down_proj)
 
 
 def expert_mlp(x, counts, gate_up: torch.Tensor, down: torch.Tensor, matmul=loop_matmul) -> torch.Tensor:

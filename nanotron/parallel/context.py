@@ -17,6 +17,12 @@ tokens and 8 KV heads of 128, 512 MB per layer in bf16 for K and V, kept for bac
 cannot start computing before the gather ends; the ring holds two blocks and overlaps its transfers. Both
 move the same bytes per rank ((cp-1)/cp of the sequence's K/V forward, twice that backward).
 
+Block kernels (`choose_block_kernel`): each block runs a fused attention kernel that also returns the log-sum-exp
+the merge needs — on CPU torch's flash kernel for CPU; on CUDA FlashAttention-2 for unmasked bf16/fp16 blocks
+(sm80+, head dim <= 256) and the memory-efficient kernel for document-masked or fp32 blocks — causal on the own
+block, full on the visible off-diagonal ones, with no [q, k] scores in memory. The plain-matmul path (scores in
+fp32) stays as the exact reference and for devices and dtypes without such a kernel (fp64 on CUDA).
+
 Document masking (`doc`: a document id per token of the whole sequence, from the EOS tokens) adds a
 same-document mask to each block; the ids are tiny (one int per token) and every cp rank has them all, so a
 block's mask needs no communication.
@@ -31,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotron.models.attention import document_mask
+from nanotron.models.attention import cached_document_block_mask, document_mask, flex
 from nanotron.parallel.torch_private import attention_with_lse, attention_with_lse_backward
 
 
@@ -169,6 +175,20 @@ def _block_mask(doc, cp, rank, source, rows, cols, causal) -> torch.Tensor | Non
     return document_mask(doc_q, doc_k, causal)
 
 
+def flex_block_forward(q, k, v, doc, cp: int, rank: int, source: int, scale: float):
+    """(output, log-sum-exp) of `rank`'s queries against `source`'s keys and values through FlexAttention, its block
+    mask built from the block's *global* positions (cached per microbatch and block): empty tiles skipped, no
+    boolean mask. Forward only: the ring's backward needs each block's gradient from the merged output and
+    log-sum-exp, which FlexAttention's public API does not take, so training keeps `_block_forward`; gpu_check
+    measures this against it on CUDA, the tests on CPU."""
+    rows, cols, _ = block_plan(cp, rank, source, q.shape[2])
+    seq = doc.shape[1]
+    q_positions = zigzag_positions(seq, cp, rank).to(doc.device)[rows]
+    k_positions = zigzag_positions(seq, cp, source).to(doc.device)[cols]
+    mask = cached_document_block_mask(doc, ("ring", cp, rank, source), q_positions, k_positions)
+    return flex(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, scale, lse=True, compiled=q.is_cuda)
+
+
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     """K/V heads repeated for grouped-query attention (the kernels want equal head counts)."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
@@ -180,23 +200,46 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, s, d).sum(dim=2)
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu"
+def choose_block_kernel(
+    device_type: str, dtype: torch.dtype, head_dim: int, masked: bool, capability: tuple[int, int] | None = None
+) -> str:
+    """Which kernel computes a ring block: a fused one that returns the log-sum-exp where the device has one
+    ("cpu_flash"; on CUDA "flash" for unmasked bf16/fp16 blocks on sm80+, else "efficient", which takes the
+    document mask as an additive bias), otherwise "matmul" (the reference, which materialises the block's scores:
+    at 128k tokens over cp 8, 16k x 16k per head)."""
+    if device_type == "cpu":
+        return "cpu_flash"
+    if device_type != "cuda" or head_dim % 8 or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return "matmul"
+    if not masked and dtype != torch.float32 and head_dim <= 256 and capability is not None and capability >= (8, 0):
+        return "flash"
+    return "efficient"
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+def block_kernel(q: torch.Tensor, masked: bool) -> str:
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return choose_block_kernel(q.device.type, q.dtype, q.shape[-1], masked, capability)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype, heads: int) -> torch.Tensor:
+    """The boolean mask [batch, 1, q, k] as an additive one over `heads`: the memory-efficient kernel wants each
+    row 16-element aligned (as SDPA pads it) and every head given (a stride-0 view of one)."""
+    b, _, rows, cols = mask.shape
+    bias = torch.zeros(b, 1, rows, -(-cols // 16) * 16, dtype=dtype, device=mask.device)[..., :cols]
+    return bias.masked_fill_(~mask, float("-inf")).expand(b, heads, rows, cols)
 
 
 def _block_forward(q, k, v, causal, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp per query row) of q against one block of keys; -inf for rows that see no key."""
     heads = q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
-    if _fused(q):
+    kernel = block_kernel(q, mask is not None)
+    if kernel != "matmul":
         if mask is None:
-            return attention_with_lse(q, k, v, causal, None, scale)
-        out, lse = attention_with_lse(q, k, v, False, _additive(mask, q.dtype), scale)
-        return out, lse.masked_fill(~mask.any(dim=-1), float("-inf"))
+            return attention_with_lse(q, k, v, causal, None, scale, kernel)
+        out, lse = attention_with_lse(q, k, v, False, _additive(mask, q.dtype, heads), scale, kernel)
+        empty = ~mask.any(dim=-1)  # [batch, 1, q]: rows whose document has no key in this block
+        return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
     scores = _scores(q, k, causal, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
@@ -207,11 +250,12 @@ def _block_backward(dout, q, k, v, out, lse, causal, mask, scale):
     """(dq, dk, dv) of one block, from the final output and log-sum-exp of the block's query rows."""
     heads, kv_heads = q.shape[1], k.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
-    if _fused(q):
-        additive = None if mask is None else _additive(mask, q.dtype)
+    kernel = block_kernel(q, mask is not None)
+    if kernel != "matmul":
+        additive = None if mask is None else _additive(mask, q.dtype, heads)
         dq, dk, dv = attention_with_lse_backward(
             dout, q, k, v, out, lse.to(torch.promote_types(q.dtype, torch.float32)), causal and mask is None,
-            additive, scale,
+            additive, scale, kernel,
         )  # fmt: skip
     else:
         scores = _scores(q, k, causal, mask, scale)

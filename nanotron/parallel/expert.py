@@ -13,7 +13,11 @@ backward) and over "edp" (FSDP), divided by dp x cp like every other gradient.
 Cost at scale (DeepSeek-V3-like: 61 layers, 256 experts, top-8, 7168 hidden, 4k tokens per rank in bf16): per layer
 and microbatch, the token all-to-all moves top_k x tokens x hidden x 2 bytes each way (~470 MB per rank forward,
 the same back and twice again in backward) and the counts all-to-all 8 bytes x num_experts; it needs the counts on
-the host (one device sync per layer and microbatch, which dropless expert parallelism cannot avoid).
+the host (one device sync per layer and microbatch). Kept: all_to_all_single takes its split sizes as host integers,
+and dropless routing has no fixed sizes; removing it would take a device-initiated all-to-all (NVSHMEM, not a public
+torch API on 2.13) or fixed-capacity buffers (dropped tokens, or worst-case padding of E x tokens). Without expert
+parallelism the grouped GEMM path has no host sync at all (`padded_grouped_mlp` sizes its buffer from row counts
+the host knows).
 
 `ExpertBalance` moves each router's bias (auxiliary-loss-free balancing) from the step's global load, one all-
 reduce of num_layers x num_experts counts over dp x cp per step on the device (61 x 256 floats: 62 KB, latency-
@@ -29,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanotron.config import Config
-from nanotron.models.moe import MoE, loop_matmul
+from nanotron.models.moe import MoE, expert_mlp
 from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.torch_private import grouped_mm
 from nanotron.step_end import StepInfo, StepReport
@@ -95,23 +99,65 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def local_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The grouped matmul on this rank's experts: an ep-sharded weight's local part (its own experts)."""
-    return loop_matmul(x, weight.to_local() if isinstance(weight, DTensor) else weight, counts)
+def local_expert_mlp(x: torch.Tensor, counts: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """The per-expert loop on this rank's experts: an ep-sharded weight's local part (its own experts)."""
+    return expert_mlp(x, counts, _local(gate_up), _local(down))
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """`loop_matmul` as one grouped GEMM (CUDA; bf16 rows and a width that is a multiple of 8), no host sync;
-    elsewhere the loop, which gives the same numbers."""
-    weight = weight.to_local() if isinstance(weight, DTensor) else weight
-    if not x.is_cuda or x.dtype != torch.bfloat16 or x.shape[-1] % 8 or weight.shape[-1] % 8:
-        return loop_matmul(x, weight, counts)
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+# torch's grouped GEMM wants 16-byte aligned rows and columns (torch/_meta_registrations.py, `_grouped_mm`'s stride
+# checks): bf16 widths that are multiples of 8. Each expert's group of rows is padded to a multiple of 8 too, so
+# every group starts 16-byte aligned, as torchtitan pads its token groups for bf16.
+GROUP_ALIGNMENT = 8
+
+
+def choose_expert_kernel(device_type: str, dtype: torch.dtype, hidden: int, intermediate: int) -> str:
+    """ "grouped" (torch's grouped GEMM over padded groups: CUDA, bf16, widths multiples of 8) or "loop" (one matmul
+    per expert, the reference; CPU trains with it: the grouped GEMM runs there but is not the fast path)."""
+    aligned = hidden % GROUP_ALIGNMENT == 0 and intermediate % GROUP_ALIGNMENT == 0
+    return "grouped" if device_type == "cuda" and dtype == torch.bfloat16 and aligned else "loop"
+
+
+def grouped_expert_mlp(x: torch.Tensor, counts: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """`expert_mlp` with the grouped GEMM where `choose_expert_kernel` says so, else the loop (same numbers)."""
+    gate_up, down = _local(gate_up), _local(down)
+    if choose_expert_kernel(x.device.type, x.dtype, x.shape[-1], down.shape[-1]) == "loop":
+        return expert_mlp(x, counts, gate_up, down)
+    return padded_grouped_mlp(x, counts, gate_up, down)
+
+
+def padded_grouped_mlp(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+    """Both expert GEMMs as grouped GEMMs over one padded copy of the rows, with no host sync: each expert's group
+    is padded with zero rows to a multiple of GROUP_ALIGNMENT, in a buffer of rows + E x (GROUP_ALIGNMENT - 1)
+    rows (a size the host knows without reading `counts`), the slack going to the last expert so that no row of
+    the buffer is outside a group. Zero rows stay zero through SwiGLU and the GEMMs, and only the real rows are
+    read back. Cost per layer and microbatch, at DeepSeek-V3's shape (4k tokens x top 8 x 7168 per rank, bf16): the
+    zeroed buffer, the copy in and the copy out, ~1.4 GB of memory traffic (~0.5 ms at ~3 TB/s) against ~2.9 TFLOP
+    of forward expert GEMMs (~5 ms at ~600 TFLOP/s), about 10%, plus E x 7 zero rows; constant in the world size.
+    `benchmarks/moe.py`'s kernel check measures it against unpadded offsets where the kernel takes those."""
+    experts, rows = counts.numel(), x.shape[0]
+    total = rows + experts * (GROUP_ALIGNMENT - 1)
+    padded = (counts + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT * GROUP_ALIGNMENT
+    padded[-1] += total - padded.sum()
+    # Row i (of expert e) goes to e's padded start + its rank within e's group.
+    ends = counts.cumsum(0)
+    expert = torch.searchsorted(ends, torch.arange(rows, device=x.device), right=True)
+    position = (padded.cumsum(0) - padded - ends + counts)[expert] + torch.arange(rows, device=x.device)
+    buffer = x.new_zeros(total, x.shape[-1]).index_copy(0, position, x)
+    return expert_mlp(buffer, padded, gate_up, down, aligned_grouped_matmul)[position]
+
+
+def aligned_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`loop_matmul` as one grouped GEMM, for groups that already start aligned and cover every row of `x`."""
     return grouped_mm(x, weight, counts.cumsum(0).to(torch.int32))
 
 
 def use_grouped_gemm(module: nn.Module) -> None:
     for moe in expert_layers(module):
-        moe.experts.matmul = grouped_gemm
+        moe.experts.mlp = grouped_expert_mlp
 
 
 def expert_layers(module: nn.Module) -> list[MoE]:
@@ -126,7 +172,7 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded))
-        experts.matmul = local_matmul
+        experts.mlp = local_expert_mlp
         moe.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep)
 
 

@@ -177,19 +177,53 @@ def fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def attention_with_lse(q, k, v, causal: bool, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention on CPU that also returns the log-sum-exp of each query row (context parallelism merges
-    blocks with it); public SDPA returns only the output. `mask` is additive in q's dtype (or None). Rows
-    with every key masked come back as zeros with a log-sum-exp of 0, not -inf: callers must fix those."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+def attention_with_lse(q, k, v, causal: bool, mask, scale: float, kernel: str = "cpu_flash"):
+    """Fused attention that also returns the log-sum-exp of each query row, [batch, heads, q] in fp32 (context
+    parallelism merges blocks with it); public SDPA returns only the output. `mask` is additive in q's dtype (or
+    None); `kernel` (see `context.choose_block_kernel`):
+    - "cpu_flash": the CPU kernel, any float dtype, masks too;
+    - "flash": CUDA FlashAttention-2 (sm80+, bf16/fp16, head dim <= 256, no mask);
+    - "efficient": CUDA memory-efficient attention (bf16/fp16/fp32, additive mask; its log-sum-exp comes padded
+      to a multiple of 32 rows, cut here).
+    Rows with every key masked come back with an undefined output and log-sum-exp (zeros and 0 on CPU): callers
+    must fix those."""
+    if kernel == "cpu_flash":
+        aten = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return aten(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    if kernel == "flash":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+    if kernel == "efficient":
+        aten = torch.ops.aten._scaled_dot_product_efficient_attention
+        out, lse, _, _ = aten(q, k, v, mask, True, 0.0, causal, scale=scale)
+        return out, lse[..., : q.shape[2]]
+    raise ValueError(f"no fused attention kernel {kernel!r}")
 
 
-def attention_with_lse_backward(dout, q, k, v, out, lse, causal: bool, mask, scale: float):
+def attention_with_lse_backward(dout, q, k, v, out, lse, causal: bool, mask, scale: float, kernel: str = "cpu_flash"):
     """The gradients (dq, dk, dv) of `attention_with_lse` given the *final* output and log-sum-exp of each row
-    (a block's share of the full attention's gradient when those come from the merged result)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
-    )
+    (a block's share of the full attention's gradient when those come from the merged result). Dropout is off, so
+    the kernels' random-state arguments are placeholders they never read."""
+    if kernel == "cpu_flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    seeds = dict(dtype=torch.uint64 if kernel == "flash" else torch.int64, device=q.device)
+    if kernel == "flash":
+        rows = q.shape[2]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, rows, k.shape[2], 0.0, causal,
+            torch.empty(2, **seeds), torch.empty((), **seeds), scale=scale,
+        )  # fmt: skip
+    if kernel == "efficient":  # the kernel reads the log-sum-exp with its forward's padded row stride
+        padded = lse.new_zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32)
+        padded[..., : lse.shape[-1]] = lse
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, mask, out, padded, torch.empty((), **seeds), torch.empty((), **seeds), 0.0,
+            [True, True, True, False], causal, scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
+    raise ValueError(f"no fused attention kernel {kernel!r}")
 
 
 def pytree_logger() -> logging.Logger:

@@ -14,7 +14,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from nanotron.config import PP_ENGINES, Config, ModelConfig
+from nanotron.models.attention import document_kernel
 from nanotron.models.shapes import element_bytes, is_expert_param, is_moe_layer, layer_shapes, root_shapes
 from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
 from nanotron.parallel.recompute import recompute_mode
@@ -23,6 +26,7 @@ from nanotron.parallel.tensor import tp_shard_dim
 
 GIB = 2**30
 FP32 = 4
+INT32 = 4
 # Memory parts in report order: (key, label).
 PARTS = (
     ("params", "parameters"),
@@ -262,7 +266,8 @@ def attention_transient_bytes(cfg: Config, tokens: int) -> float:
     Ring attention (cp > 1) keeps two K/V blocks (this step's and the one arriving), an fp32 accumulator of
     the output (forward) or of dq and of two travelling dK/dV (backward), and the GQA-expanded K/V and
     block gradients of one block; the backward is the larger. Document masking adds each block's mask
-    (boolean and additive, per sample, in the compute dtype): quadratic in the rank's sequence.
+    (boolean and additive, per sample, in the compute dtype): quadratic in the rank's sequence; on one cp rank on
+    CUDA (FlexAttention, `document_kernel`) a block mask instead: four int32 tables of 128 x 128 tiles.
     """
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
@@ -275,7 +280,11 @@ def attention_transient_bytes(cfg: Config, tokens: int) -> float:
         total += blocks + travelling + tokens * q_width * FP32 + expanded
     if m.attention == "document":
         seq = t.seq_len // p.cp
-        total += t.micro_batch_size * seq * seq * (1 + (e if p.cp > 1 else 0))
+        device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if p.cp == 1 and document_kernel(device) == "flex":
+            total += t.micro_batch_size * 4 * INT32 * math.ceil(seq / 128) ** 2
+        else:
+            total += t.micro_batch_size * seq * seq * (1 + (e if p.cp > 1 else 0))
     return total
 
 
