@@ -28,7 +28,15 @@ from nanotron.parallel.torch_private import AsyncCollectiveTensor
 
 # The linears of a decoder layer: column-parallel ones shard their output features (weight dim 0), row-parallel
 # ones their input features (weight dim 1). The vocab-parallel embedding and head shard vocab rows (dim 0).
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+COLWISE = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.q_b_proj",  # MLA's per-head up-projections: heads split; the latents' down-projections replicated
+    "self_attn.kv_b_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+)
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 VOCAB_PARALLEL = ("model.embed_tokens", "lm_head")
 
