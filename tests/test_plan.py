@@ -755,3 +755,30 @@ def test_the_plan_gathers_float8_weights_in_one_byte_under_tensorwise_fsdp():
     # ZeRO-3 with 8 microbatches: 16 gathers of 2 bytes and 8 fp32 reductions per parameter. The linears are 96 %
     # of large.toml's parameters, so a gather moves 1.04 bytes per parameter: (16 x 1.04 + 32) / (16 x 2 + 32) = 0.76.
     assert tensorwise / off == pytest.approx(0.76, abs=0.01), (tensorwise, off)
+
+
+MLA_TINY = [
+    "--model.kv_lora_rank=32",
+    "--model.q_lora_rank=48",
+    "--model.qk_nope_head_dim=32",
+    "--model.qk_rope_head_dim=16",
+    "--model.v_head_dim=24",
+]
+
+
+@pytest.mark.slow
+def test_check_builds_latent_attention_ranks_and_the_ring_carries_expanded_keys_and_values():
+    """Multi-head latent attention from the facts table: at tp 4 the per-head up-projections split and the latents'
+    down-projections and norms stay whole on every rank, as the real ranks built on a fake 16-rank world hold
+    (dp 2, tp 4, pp 2); the cp ring moves each rank's keys (nope + rope) and values (v_head_dim) of its heads."""
+    layout = ["--parallelism.dp=2", "--parallelism.tp=4", "--parallelism.pp=2", "--parallelism.zero_stage=3"]
+    proc = plan("--config", "configs/tiny.toml", "--nodes", "2", "--gpus_per_node", "8", "--check", *MLA_TINY, *layout)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert {r[1] for r in rows} == {"0", "1"} and all(int(r[5]) == int(r[6]) > 0 for r in rows), rows
+    long = [("training.seq_len", "256"), ("parallelism.cp", "2"), ("parallelism.tp", "2")]
+    cfg = load_config("configs/tiny.toml", [*(arg[2:].split("=") for arg in MLA_TINY), *long])
+    m, n_micro, tokens = cfg.model, cfg.training.grad_accum_steps, cfg.training.micro_batch_size * 128
+    kv = tokens * 4 * (48 + 24) / 2  # 4 heads of keys (32 + 16) and values (24), over tp 2
+    got = estimate_step(cfg, parse_gpu("h100"), 8, 0.5).comm["cp"].gb
+    assert got == pytest.approx(n_micro * m.num_layers * (4 * kv + 4 * kv + 2 * 4 * kv) / 1e9)

@@ -27,6 +27,9 @@ class MoEConfig:
         ("softmax_topk", "sigmoid"),
     )
     renormalize: bool = opt(True, "softmax_topk: gates of the chosen experts renormalised to sum to 1")
+    routed_scaling_factor: float = opt(
+        1.0, "the routed experts' gates multiplied by this (DeepSeek-V3's routed_scaling_factor, 2.5 there)", min=0.0
+    )
     bias_update_rate: float = opt(
         0.0,
         "auxiliary-loss-free load balancing (DeepSeek-V3): after each step every expert's routing bias moves "

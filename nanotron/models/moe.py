@@ -74,6 +74,7 @@ class Router(nn.Module):
         self.sigmoid = moe.router == "sigmoid"
         self.top_k = moe.top_k
         self.renormalize = self.sigmoid or moe.renormalize
+        self.scaling = moe.routed_scaling_factor
         # Chooses experts only (DeepSeek-V3's b_i); moved by the trainer from the step's global load; checkpointed.
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
 
@@ -85,6 +86,8 @@ class Router(nn.Module):
         gates = scores.gather(-1, index)
         if self.renormalize:
             gates = gates / gates.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            gates = gates * self.scaling
         return scores, gates, index
 
 
