@@ -231,6 +231,8 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     regather = regathers(cfg)
     gathered = e * h / sp if regather else e * h
     norms = 2 * ((FP32 + e) * h / sp + gathered)
+    if regather and m.mla:  # MLA's replicated down-projections take the gathered input as a plain tensor: kept whole
+        norms += e * h - gathered
     if regather and is_moe_layer(m, index):
         norms += e * h - gathered
     qk_norm = (FP32 + e) * (q + kv) / tp if m.qk_norm else 0.0  # each norm keeps its fp32 input and its output
