@@ -117,6 +117,10 @@ def test_both_override_spellings_parse():
             "model.head_dim=32 (MLA's is qk_nope_head_dim + qk_rope_head_dim = 24; unset it) does not go with",
         ),
         (
+            ["--model.moe.num_experts=4", "--model.moe.num_expert_groups=2", "--model.moe.top_expert_groups=3"],
+            "model.moe.top_expert_groups=3 with num_expert_groups=2: expected at most 2 groups holding at least top_k",
+        ),
+        (
             ["--model.q_lora_rank=16"],
             "model.q_lora_rank=16 is a multi-head latent attention width, but model.kv_lora_rank=0",
         ),

@@ -560,8 +560,8 @@ def test_a_moe_model_qwen3_moe_cannot_express_is_refused_in_one_line():
 def hf_deepseek_v3(moe: bool, seed: int = 0, **overrides):
     """A random HF DeepSeek-V3: 3 layers of MLA (query latent 24 or one q_proj, key/value latent 16, heads of 8 + 4
     for queries/keys and 6 for values, RoPE rows interleaved as DeepSeek stores them); with `moe` the first layer
-    dense, then 4 experts of 16, top-2, a shared expert, gates x 2.5. Routers, routing biases and norms drawn at
-    random so routing, the bias's name and every norm matter."""
+    dense, then 4 experts of 16 in 2 groups of which each token may use 1, top-2, a shared expert, gates x 2.5.
+    Routers, routing biases and norms drawn at random so routing, the bias's name and every norm matter."""
     torch.manual_seed(seed)
     config = transformers.DeepseekV3Config(
         **{
@@ -582,7 +582,7 @@ def hf_deepseek_v3(moe: bool, seed: int = 0, **overrides):
             "n_shared_experts": 1,
             "moe_intermediate_size": 16,
             "routed_scaling_factor": 2.5,
-            "n_group": 1,
+            "n_group": 2,
             "topk_group": 1,
             "tie_word_embeddings": False,
             **overrides,
@@ -603,8 +603,8 @@ def hf_deepseek_v3(moe: bool, seed: int = 0, **overrides):
 
 @pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense_q_proj"])
 def test_deepseek_v3_imports_exports_and_generates_like_transformers(tmp_path, moe):
-    """from-hf: MLA's widths, the interleaved RoPE rows, the sigmoid router with its bias and scaling, the shared
-    expert and the dense first layer read, our logits equal transformers'; to-hf: the same files back and a
+    """from-hf: MLA's widths, the interleaved RoPE rows, the sigmoid router with its bias, scaling and groups, the
+    shared expert and the dense first layer read, our logits equal transformers'; to-hf: the same files back and a
     DeepseekV3ForCausalLM; greedy decoding is the same tokens."""
     source = tmp_path / "source"
     original = hf_deepseek_v3(moe)
@@ -617,6 +617,7 @@ def test_deepseek_v3_imports_exports_and_generates_like_transformers(tmp_path, m
         m = cfg.moe
         assert (m.num_experts, m.top_k, m.num_shared_experts, m.first_dense_layers) == (4, 2, 1, 1)
         assert m.router == "sigmoid" and m.routed_scaling_factor == 2.5
+        assert (m.num_expert_groups, m.top_expert_groups) == (2, 1)
     assert cfg.moe.enabled == moe
     assert_round_trip(original, ours, source, tmp_path, "DeepseekV3ForCausalLM")
 
@@ -624,7 +625,7 @@ def test_deepseek_v3_imports_exports_and_generates_like_transformers(tmp_path, m
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"n_group": 2, "topk_group": 1}, "n_group=2, topk_group=1: grouped routing"),
+        ({"n_group": 3}, "n_group=3 must divide n_routed_experts=4 into groups of at least 2 experts"),
         ({"norm_topk_prob": False}, "norm_topk_prob is false; nanotron's sigmoid router always normalises"),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}},

@@ -27,6 +27,18 @@ class MoEConfig:
         ("softmax_topk", "sigmoid"),
     )
     renormalize: bool = opt(True, "softmax_topk: gates of the chosen experts renormalised to sum to 1")
+    num_expert_groups: int = opt(
+        1,
+        "grouped routing (DeepSeek-V3's n_group): the experts in this many equal groups, each scored by the sum of "
+        "its two best experts' scores (+ routing bias); 1 = no groups",
+        min=1,
+    )
+    top_expert_groups: int = opt(
+        0,
+        "grouped routing (DeepSeek-V3's topk_group): each token chooses its experts from this many best groups; "
+        "0 = all groups",
+        min=0,
+    )
     routed_scaling_factor: float = opt(
         1.0, "the routed experts' gates multiplied by this (DeepSeek-V3's routed_scaling_factor, 2.5 there)", min=0.0
     )

@@ -120,6 +120,17 @@ def _resolve_moe(m: ModelConfig) -> None:
             f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}; each token is routed "
             "to top_k distinct experts"
         )
+    groups, top_groups = moe.num_expert_groups, moe.top_expert_groups or moe.num_expert_groups
+    if groups > 1 and (moe.num_experts % groups or moe.num_experts // groups < 2):
+        raise ConfigError(
+            f"model.moe.num_expert_groups={groups} must divide model.moe.num_experts={moe.num_experts} into groups of "
+            "at least 2 experts (a group scores its two best); pick a divisor, or 1 for no groups"
+        )
+    if top_groups > groups or moe.top_k > top_groups * (moe.num_experts // groups):
+        raise ConfigError(
+            f"model.moe.top_expert_groups={moe.top_expert_groups} with num_expert_groups={groups}: expected at most "
+            f"{groups} groups holding at least top_k={moe.top_k} experts ({moe.num_experts // groups} per group)"
+        )
     if moe.first_dense_layers >= m.num_layers:
         raise ConfigError(
             f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer in model.num_layers="

@@ -6,10 +6,11 @@ The attention's names are transformers' (`q_a_proj`, `q_a_layernorm`, `q_b_proj`
 (`rope_interleave`, true by default); nanotron's RoPE rotates split halves, so import reorders those rows (evens,
 then odds: the same dot products, bit for bit) and export restores the pairs. The MoE maps onto nanotron's:
 sigmoid router with the routing bias (`e_score_correction_bias` = `mlp.gate.expert_bias`), gates normalised over
-the chosen experts then times `routed_scaling_factor`, shared experts, the first `first_k_dense_replace` layers
-dense; experts are stored per expert (`mlp.experts.{e}.{gate,up,down}_proj`, as Qwen3-MoE). Refused in one line
-each: grouped routing that drops groups (n_group > topk_group), unnormalised gates (norm_topk_prob false), YaRN or
-any scaled RoPE (with its mscale on the softmax scale; `llama._rope_theta`). DeepSeek-V3's multi-token prediction
+the chosen experts then times `routed_scaling_factor`, grouped routing (`n_group`, `topk_group` as
+`model.moe.num_expert_groups`, `top_expert_groups`), shared experts, the first `first_k_dense_replace` layers dense;
+experts are stored per expert (`mlp.experts.{e}.{gate,up,down}_proj`, as Qwen3-MoE). Refused in one line each:
+unnormalised gates (norm_topk_prob false), YaRN or any scaled RoPE (with its mscale on the softmax scale;
+`llama._rope_theta`). DeepSeek-V3's multi-token prediction
 layers (num_nextn_predict_layers) are not model weights transformers loads, so none are read or written.
 """
 
@@ -40,17 +41,13 @@ MOE_FIELDS = {
     "moe.moe_intermediate_size": ("moe_intermediate_size", int, None),
     "moe.num_shared_experts": ("n_shared_experts", int, 0),
     "moe.routed_scaling_factor": ("routed_scaling_factor", float, 1.0),
+    "moe.num_expert_groups": ("n_group", int, 1),
+    "moe.top_expert_groups": ("topk_group", int, 0),  # null: every group
 }
 
 
 def check_importable(src: Source) -> None:
     """Refuses, by name, the DeepSeek-V3 settings nanotron's model lacks."""
-    groups, top_groups = src.get("n_group", int, 1), src.get("topk_group", int, 1)
-    if top_groups < groups:
-        raise CheckpointError(
-            f"{src.file}: n_group={groups}, topk_group={top_groups}: grouped routing (experts only from the best "
-            "topk_group groups) is not nanotron's router; only n_group = topk_group (every group open) imports"
-        )
     if not src.get("norm_topk_prob", bool, True):
         raise CheckpointError(
             f"{src.file}: norm_topk_prob is false; nanotron's sigmoid router always normalises the chosen experts' "
@@ -96,8 +93,8 @@ def hf_config(model: ModelConfig) -> dict:
         "moe_intermediate_size": moe.moe_intermediate_size if moe.enabled else model.intermediate_size,
         "routed_scaling_factor": moe.routed_scaling_factor,
         "norm_topk_prob": True,
-        "n_group": 1,
-        "topk_group": 1,
+        "n_group": moe.num_expert_groups if moe.enabled else 1,
+        "topk_group": (moe.top_expert_groups or moe.num_expert_groups) if moe.enabled else 1,
         "num_nextn_predict_layers": 0,
     }
 
