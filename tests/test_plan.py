@@ -782,3 +782,13 @@ def test_check_builds_latent_attention_ranks_and_the_ring_carries_expanded_keys_
     kv = tokens * 4 * (48 + 24) / 2  # 4 heads of keys (32 + 16) and values (24), over tp 2
     got = estimate_step(cfg, parse_gpu("h100"), 8, 0.5).comm["cp"].gb
     assert got == pytest.approx(n_micro * m.num_layers * (4 * kv + 4 * kv + 2 * 4 * kv) / 1e9)
+
+
+def test_the_deepseek_v3_config_counts_its_published_671b_parameters_and_37b_active():
+    """The facts table at DeepSeek-V3's shape (MLA with both latents, 3 dense layers, 256 grouped experts + a shared
+    one) gives the paper's 671B parameters, 37B of them active per token (arXiv:2412.19437; MTP not modelled)."""
+    from nanotron.models.shapes import active_params, num_params
+
+    model = load_config("configs/deepseek_v3.toml", []).model
+    assert 671.0e9 <= num_params(model) < 671.1e9
+    assert 37.0e9 <= active_params(model) < 38.0e9
