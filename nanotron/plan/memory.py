@@ -15,7 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
-from nanotron.models.shapes import element_bytes, is_expert_param, is_moe_layer, layer_shapes, root_shapes
+from nanotron.models.shapes import (
+    element_bytes,
+    is_expert_param,
+    is_moe_layer,
+    kv_bytes_per_token,
+    layer_shapes,
+    root_shapes,
+)
 from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
@@ -273,7 +280,7 @@ def attention_transient_bytes(cfg: Config, tokens: int) -> float:
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
     q_width, out_width = m.num_heads * m.head_dim / p.tp, m.num_heads * m.value_dim / p.tp
-    kv_width = m.num_kv_heads * (m.head_dim + m.value_dim) / p.tp  # K and V (MLA: expanded, as the ring carries)
+    kv_width = kv_bytes_per_token(m, 1)["expanded"] / p.tp  # K and V elements (MLA: expanded, as the ring carries)
     total = 0.0
     if p.cp > 1:
         blocks = 2 * tokens * kv_width * e  # K and V, current and arriving

@@ -18,7 +18,13 @@ from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
 from nanotron.gpu import GPUS, Device, math_mode
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
+from nanotron.models.shapes import (
+    element_bytes,
+    flops_per_token,
+    is_moe_layer,
+    kv_bytes_per_token,
+    layer_forward_flops,
+)
 from nanotron.parallel.float8 import Float8Plan, fsdp_float8_all_gather
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
@@ -261,7 +267,7 @@ def cp_gb(cfg: Config, modes: list[str]) -> float:
     e = element_bytes(t.dtype)
     tokens_micro = micro_tokens(cfg)
     recomputed = modes.count("full") + modes.count("selective")
-    kv_block = tokens_micro * m.num_kv_heads * (m.head_dim + m.value_dim) / p.tp  # MLA: the expanded K/V
+    kv_block = tokens_micro * kv_bytes_per_token(m, 1)["expanded"] / p.tp  # elements; MLA: the expanded K/V
     forward = (p.cp - 1) * kv_block * e
     cp_layer = 2 * forward + p.cp * kv_block * FP32
     layers_per_rank = m.num_layers / p.pp
