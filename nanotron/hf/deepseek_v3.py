@@ -10,8 +10,9 @@ the chosen experts then times `routed_scaling_factor`, grouped routing (`n_group
 `model.moe.num_expert_groups`, `top_expert_groups`), shared experts, the first `first_k_dense_replace` layers dense;
 experts are stored per expert (`mlp.experts.{e}.{gate,up,down}_proj`, as Qwen3-MoE). Refused in one line each:
 unnormalised gates (norm_topk_prob false), YaRN or any scaled RoPE (with its mscale on the softmax scale;
-`llama._rope_theta`). DeepSeek-V3's multi-token prediction
-layers (num_nextn_predict_layers) are not model weights transformers loads, so none are read or written.
+`llama._rope_theta`). DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers) are not weights that
+transformers loads, so none are read, and the export states none. transformers' own num_key_value_heads and
+head_dim (the RoPE width there) are not read: MLA derives both.
 """
 
 from __future__ import annotations
