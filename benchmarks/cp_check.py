@@ -8,8 +8,8 @@ in-process mailbox, so one GPU checks the CUDA path (multi-GPU runs check the tr
 
 - numerics: float64, causal and document masks (documents crossing chunk boundaries), cp 2 and 4, every
   rank's output and dq/dk/dv against a naive full attention: max error <= 1e-10; then each fused block
-  kernel the ring selects in bf16 and fp32 (CPU: its one) (flash: bf16 unmasked; memory-efficient: masked, or fp32) against float64, bounded by
-  the matmul path's error in the same dtype;
+  kernel the ring selects in bf16 and fp32 (CPU: its one; CUDA: flash for bf16 unmasked, memory-efficient for
+  masked or fp32) against float64, bounded by the matmul path's error in the same dtype;
 - speed and peak memory: forward + backward of bf16 attention over each `--seq-len` (1B shape: 32 heads, 4 KV
   heads, head dim 64), all cp=2 ranks' blocks on the one device against one full SDPA call (flash on CUDA): the
   block kernels' cost (with cp GPUs each rank does half of the ring's time); the matmul path too up to 8192

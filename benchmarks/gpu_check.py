@@ -23,6 +23,8 @@ Each row is checked, and the command exits 1 if any check fails:
   within the bf16 tolerances of the 1-device float8 row;
 - qwen3 (QK-norm, head_dim 128): learns on one device; qwen3 tp2 sp within the bf16 tolerances of it;
 - checkpoint sync/async/async_pinned: within the bf16 tolerances of eager (saving changes no math);
+- mla (DeepSeek-V3's multi-head latent attention at the 1B width): learns on one device; mla tp2 sp within the bf16
+  tolerances of it;
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran;
 - host syncs: one device, in this process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
@@ -81,6 +83,14 @@ MOE = [  # each expert a quarter of the dense MLP (1b: 1408 = 5632 / 4; nano: 32
     "--model.moe.bias_update_rate=0.001",
 ]
 
+MLA = [
+    "--model.q_lora_rank=512",
+    "--model.kv_lora_rank=256",
+    "--model.qk_nope_head_dim=64",
+    "--model.qk_rope_head_dim=32",
+    "--model.v_head_dim=64",
+]
+
 
 @dataclass
 class Check:
@@ -112,6 +122,11 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
     # and sequence-parallel TP held to it on two (the norm's replicated weight, its gradient summed over tp).
     qwen3 = [] if settings.quick else ["--model.qk_norm=true", "--model.head_dim=128"]
     rows += [Check("qwen3 bf16", 1, qwen3)] if qwen3 else []
+    # DeepSeek-V3's multi-head latent attention at the 1B width (32 heads of 64 + 32 for queries/keys and 64 for
+    # values from latents of 512 and 256): learns on one device, and sequence-parallel TP held to it on two (heads
+    # split, the latents' down-projections replicated, the shared RoPE key's gradient summed over tp).
+    mla = [] if settings.quick else [*MLA, "--model.num_kv_heads=32"]
+    rows += [Check("mla bf16", 1, mla)] if mla else []
     rows += checkpoint_checks(settings)
     if n_devices < 2:
         return rows
@@ -136,6 +151,7 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
         async_tp = ["--parallelism.tp=2", "--training.compile=true", "--parallelism.tp_linear_async_communication=true"]
         rows.append(Check("tp2 compile async", 2, async_tp, "bf16 eager", async_tp=True))
         rows.append(Check("qwen3 tp2 sp", 2, [*qwen3, "--parallelism.tp=2"], "qwen3 bf16"))
+        rows.append(Check("mla tp2 sp", 2, [*mla, "--parallelism.tp=2"], "mla bf16"))
     return rows
 
 

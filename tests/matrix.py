@@ -98,6 +98,18 @@ MOE = (
 EXPERTS = Family("experts", "tiny_data", (*MOE, *EVALUATE, "--logging.log_interval=1", STATS))
 # Qwen3's attention on the tiny model: QK-norm, and 4 heads of 12 (48 != hidden 32).
 QWEN3 = Family("qwen3", "tiny_data", (*EVALUATE, STATS, "--model.qk_norm=true", "--model.head_dim=12"))
+# DeepSeek-V3's multi-head latent attention on the tiny model at 2 layers: latents of 16 (queries and keys/values),
+# heads of 8 + 4 (nope + rope) for queries/keys and 6 for values (narrower: the ring pads them), 4 K/V heads.
+MLA_MODEL = (
+    "--model.q_lora_rank=16",
+    "--model.kv_lora_rank=16",
+    "--model.qk_nope_head_dim=8",
+    "--model.qk_rope_head_dim=4",
+    "--model.v_head_dim=6",
+    "--model.num_kv_heads=4",
+    "--model.num_layers=2",
+)
+MLA = Family("mla", "tiny_data", (*MLA_MODEL, *EVALUATE, STATS))
 # TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
 MUP = Family(
     "mup",

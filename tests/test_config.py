@@ -58,6 +58,16 @@ def test_head_dim_defaults_to_hidden_over_heads_and_may_be_set_apart():
     assert decoupled.model.head_dim == 48
 
 
+MLA = [("model.kv_lora_rank", "32"), ("model.qk_nope_head_dim", "16"), ("model.qk_rope_head_dim", "8")]
+
+
+def test_latent_attention_keys_resolve_the_head_shape():
+    """MLA: head_dim is the query/key head (nope + rope), every head its own keys/values (the preset's 2 kv heads
+    of 4 heads do not apply)."""
+    model = load_config(f"{REPO}/configs/tiny.toml", [*MLA, ("model.v_head_dim", "12")]).model
+    assert (model.mla, model.head_dim, model.num_kv_heads, model.rope_dim, model.value_dim) == (True, 24, 4, 8, 12)
+
+
 def test_both_override_spellings_parse():
     assert parse_overrides(["--config", "a.toml", "--training.steps=3", "--model.num_layers", "2"]) == (
         "a.toml",
@@ -89,6 +99,35 @@ def test_both_override_spellings_parse():
             "model.parametrization='mup' does not support",
         ),
         (["--training.steps"], "--training.steps: missing value"),
+        (
+            [f"--{k}={v}" for k, v in MLA],
+            "model.v_head_dim: expected a value >= 1 with model.kv_lora_rank=32 (multi-head latent attention needs",
+        ),
+        (
+            [f"--{k}={v}" for k, v in MLA] + ["--model.v_head_dim=8", "--model.num_kv_heads=2"],
+            "model.num_kv_heads=2 (MLA expands keys and values for every head; unset it or set it to num_heads=4) "
+            "does not go with multi-head latent attention",
+        ),
+        (
+            [f"--{k}={v}" for k, v in MLA] + ["--model.v_head_dim=8", "--model.qk_norm=true"],
+            "model.qk_norm=true (MLA normalises its latents, not its heads; set it false) does not go with",
+        ),
+        (
+            [f"--{k}={v}" for k, v in MLA] + ["--model.v_head_dim=8", "--model.head_dim=32"],
+            "model.head_dim=32 (MLA's is qk_nope_head_dim + qk_rope_head_dim = 24; unset it) does not go with",
+        ),
+        (
+            ["--model.moe.num_experts=4", "--model.moe.num_expert_groups=2", "--model.moe.top_expert_groups=3"],
+            "model.moe.top_expert_groups=3 with num_expert_groups=2: expected at most 2 groups holding at least top_k",
+        ),
+        (
+            ["--model.q_lora_rank=16"],
+            "model.q_lora_rank=16 is a multi-head latent attention width, but model.kv_lora_rank=0",
+        ),
+        (
+            [f"--{k}={v}" for k, v in MLA[:2]] + ["--model.qk_rope_head_dim=5", "--model.v_head_dim=8"],
+            "model.qk_rope_head_dim=5: expected an even number",
+        ),
     ],
 )
 def test_bad_overrides_print_one_line_and_exit_2(args, expected, capsys):
@@ -224,6 +263,7 @@ def test_nanotrons_config_file_spelling_and_yaml_get_a_one_line_hint(tmp_path, c
         ("data.tokenize_workers", "4", "`nanotron tokenize SOURCE --tokenizer T --out DIR --workers N`"),
         ("data.text_column", "body", "`nanotron tokenize SOURCE --tokenizer T --out DIR --text_column NAME`"),
         ("data.validation_split", "0.1", "`nanotron tokenize SOURCE --tokenizer T --out DIR --validation_split"),
+        ("checkpoint.async_save", "true", 'use checkpoint.async_mode = "async" (was true) or "sync" (was false)'),
     ],
 )
 def test_a_removed_key_is_one_line_naming_what_replaces_it(tmp_path, capsys, key, value, replacement):

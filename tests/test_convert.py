@@ -460,7 +460,10 @@ def test_qwen3_imports_exports_and_generates_like_transformers(tmp_path, tied):
     [
         ({"use_sliding_window": True}, "use_sliding_window is true; nanotron's attention is full causal"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, 'layer_types holds "sliding_attention"'),
-        ({"attention_bias": True}, "attention_bias is true; only plain Llama, Mixtral, Qwen3 or Qwen3-MoE"),
+        (
+            {"attention_bias": True},
+            "attention_bias is true; only plain Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3",
+        ),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 'rope_scaling: RoPE scaling "yarn" is set'),
         ({"head_dim": 7}, "head_dim=7: expected an even number"),
         ({"head_dim": "wide"}, 'head_dim: expected an integer, got "wide"'),
@@ -549,3 +552,99 @@ def test_a_moe_model_qwen3_moe_cannot_express_is_refused_in_one_line():
     shared = load_config(*parse_overrides([*TINY_MODEL, *moe, "--model.moe.num_shared_experts=1"])).model
     with pytest.raises(CheckpointError, match="num_shared_experts=1, which Hugging Face's Qwen3-MoE cannot express"):
         mixtral.check_exportable(shared, {}, qwen3.EXPERT_FILES)
+
+
+# ---- DeepSeek-V3: multi-head latent attention, its MoE after a dense first layer ----------------------------------
+
+
+def hf_deepseek_v3(moe: bool, seed: int = 0, **overrides):
+    """A random HF DeepSeek-V3: 3 layers of MLA (query latent 24 or one q_proj, key/value latent 16, heads of 8 + 4
+    for queries/keys and 6 for values, RoPE rows interleaved as DeepSeek stores them); with `moe` the first layer
+    dense, then 4 experts of 16 in 2 groups of which each token may use 1, top-2, a shared expert, gates x 2.5.
+    Routers, routing biases and norms drawn at random so routing, the bias's name and every norm matter."""
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "vocab_size": 512,
+            "max_position_embeddings": 32,
+            "q_lora_rank": 24 if moe else None,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 6,
+            "first_k_dense_replace": 1 if moe else 3,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "routed_scaling_factor": 2.5,
+            "n_group": 2,
+            "topk_group": 1,
+            "tie_word_embeddings": False,
+            **overrides,
+        }
+    )
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):
+                param.normal_(1.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense_q_proj"])
+def test_deepseek_v3_imports_exports_and_generates_like_transformers(tmp_path, moe):
+    """from-hf: MLA's widths, the interleaved RoPE rows, the sigmoid router with its bias, scaling and groups, the
+    shared expert and the dense first layer read, our logits equal transformers'; to-hf: the same files back and a
+    DeepseekV3ForCausalLM; greedy decoding is the same tokens."""
+    source = tmp_path / "source"
+    original = hf_deepseek_v3(moe)
+    original.save_pretrained(source)
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
+    cfg = ours.config
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim, cfg.num_kv_heads) == (16, 24 if moe else 0, 12, 4)
+    if moe:
+        m = cfg.moe
+        assert (m.num_experts, m.top_k, m.num_shared_experts, m.first_dense_layers) == (4, 2, 1, 1)
+        assert m.router == "sigmoid" and m.routed_scaling_factor == 2.5
+        assert (m.num_expert_groups, m.top_expert_groups) == (2, 1)
+    assert cfg.moe.enabled == moe
+    assert_round_trip(original, ours, source, tmp_path, "DeepseekV3ForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"n_group": 3}, "n_group=3 must divide n_routed_experts=4 into groups of at least 2 experts"),
+        ({"norm_topk_prob": False}, "norm_topk_prob is false; nanotron's sigmoid router always normalises"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}},
+            'rope_parameters: RoPE scaling "yarn" is set',
+        ),
+        ({"kv_lora_rank": None}, "kv_lora_rank: missing; every deepseek_v3 config.json states it"),
+    ],
+)
+def test_a_deepseek_v3_config_nanotron_cannot_carry_is_refused_in_one_line(tmp_path, capsys, edit, message):
+    assert message in refused_import(hf_deepseek_v3(moe=True), tmp_path, capsys, edit)
+
+
+def test_a_latent_attention_model_deepseek_v3_cannot_express_is_refused_in_one_line():
+    """MLA models export as DeepSeek-V3, whose MoE routes by sigmoid scores without a capacity limit."""
+    from nanotron.hf import deepseek_v3
+
+    mla = ["--model.kv_lora_rank=16", "--model.qk_nope_head_dim=8", "--model.qk_rope_head_dim=4"]
+    mla += ["--model.v_head_dim=8", "--model.num_kv_heads=4", "--model.moe.num_experts=4"]
+    deepseek_v3.check_exportable(load_config(*parse_overrides([*TINY_MODEL, *mla, "--model.moe.router=sigmoid"])).model)
+    softmax = load_config(*parse_overrides([*TINY_MODEL, *mla, "--model.moe.capacity_factor=1.5"])).model
+    with pytest.raises(CheckpointError, match="router='softmax_topk', model.moe.capacity_factor=1.5 \\(drops tokens"):
+        deepseek_v3.check_exportable(softmax)

@@ -39,8 +39,16 @@ def qwen3_config(**overrides) -> ModelConfig:
     return small_config(qk_norm=True, head_dim=12, **overrides)
 
 
+def mla_config(**overrides) -> ModelConfig:
+    """small_config with DeepSeek-V3's multi-head latent attention: latents of 24 (queries) and 16 (keys/values),
+    heads of 8 + 4 (nope + rope) for queries/keys and 6 for values, every head its own keys and values."""
+    fields = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    return small_config(**{"num_kv_heads": None, **fields, **overrides})
+
+
 def hf_twin(cfg: ModelConfig, family: str = "Llama") -> "transformers.PreTrainedModel":
-    """transformers' `family` (Llama or Qwen3) model of the same shape, eager attention, random weights."""
+    """transformers' `family` (Llama, Qwen3 or DeepseekV3) model of the same shape, eager attention, random
+    weights."""
     fields = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -56,6 +64,10 @@ def hf_twin(cfg: ModelConfig, family: str = "Llama") -> "transformers.PreTrained
     )
     if family == "Qwen3":
         fields |= dict(head_dim=cfg.head_dim, use_sliding_window=False)
+    elif family == "DeepseekV3":  # dense MLA: every layer below first_k_dense_replace; RoPE on split halves
+        mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        fields |= {key: getattr(cfg, key) for key in mla}
+        fields |= dict(q_lora_rank=cfg.q_lora_rank or None, first_k_dense_replace=cfg.num_layers, rope_interleave=False)
     else:
         fields |= dict(mlp_bias=False)
     hf_cfg = getattr(transformers, f"{family}Config")(**fields)
@@ -89,12 +101,28 @@ def test_logits_match_transformers_qwen3_with_qk_norm_and_decoupled_head_dim(tie
     cfg = qwen3_config(tie_word_embeddings=tied)
     model = LlamaForCausalLM(cfg)
     init_weights(model, seed=0)
+    random_norms(model)
+    assert_same_logits(model, hf_twin(cfg, "Qwen3"))
+
+
+def random_norms(model: LlamaForCausalLM) -> None:
+    """Every RMSNorm weight drawn around 1, so a norm applied to the wrong tensor (or skipped) shows."""
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.5 * torch.randn(param.shape, generator=gen))
-    assert_same_logits(model, hf_twin(cfg, "Qwen3"))
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, 0])
+def test_logits_match_transformers_deepseek_v3_latent_attention(q_lora_rank):
+    """DeepSeek-V3's MLA (queries through a latent, or one q_proj at q_lora_rank 0) with random norm weights: the
+    latents' norms, the decoupled RoPE part with its one shared key head and the 1/sqrt(nope + rope) scale."""
+    cfg = mla_config(q_lora_rank=q_lora_rank)
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, seed=0)
+    random_norms(model)
+    assert_same_logits(model, hf_twin(cfg, "DeepseekV3"))
 
 
 def test_parameter_names_are_hf_names():
@@ -139,10 +167,12 @@ def moe_config(**overrides) -> ModelConfig:
 def config_of(kind: str) -> ModelConfig:
     if kind == "moe":
         return moe_config()
+    if kind.startswith("mla"):  # mla: queries through a latent; mla_q: one q_proj
+        return mla_config(q_lora_rank=24 if kind == "mla" else 0)
     return (qwen3_config if kind == "qwen3" else small_config)(tie_word_embeddings=kind == "tied")
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3"])
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3", "mla", "mla_q"])
 def test_shapes_table_is_the_built_models(kind):
     """models/shapes.py (what the planner and MFU read) names every parameter of the model with its shape."""
     cfg = config_of(kind)
@@ -162,9 +192,11 @@ def test_param_count_follows_the_config():
     assert num_params(tied) == sum(p.numel() for p in LlamaForCausalLM(tied).parameters())
     qwen3 = qwen3_config()
     assert num_params(qwen3) == sum(p.numel() for p in LlamaForCausalLM(qwen3).parameters())
+    mla = mla_config()
+    assert num_params(mla) == sum(p.numel() for p in LlamaForCausalLM(mla).parameters())
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3"])
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3", "mla"])
 def test_flops_per_token_equals_the_matmul_flops_torch_counts(kind):
     """An independent count: FlopCounterMode over a real forward + backward (SDPA's math backend, whose
     matmuls the counter sees; the fused CPU kernel is invisible to it). A mixture of experts counts its active

@@ -14,6 +14,7 @@ from matrix import (
     DENSE,
     FLOAT8,
     FLOAT8_ROWWISE,
+    MLA,
     QWEN3,
     RTOL,
     Layout,
@@ -101,6 +102,25 @@ def test_qwen3_attention_matches_one_process(layout, references, tiny_data, tmp_
     run = QWEN3.run(tiny_data, tmp_path, "run", layout)
     assert any(name.endswith("self_attn.k_norm.weight") for name in ref.weights)
     print(f"qwen3 {layout}: {assert_matches(run, ref, QWEN3)}")
+
+
+# Multi-head latent attention: heads split over tp with the latents' down-projections replicated and the shared RoPE
+# key's gradient summed over tp (sequence parallel: the gathered input reaches them as a plain tensor); FSDP ZeRO-3
+# over its replicated and per-head weights; the cp ring carrying keys and narrower values (expanded, not the latent).
+MLA_LAYOUTS = [
+    Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
+    Layout(dp=2, flags=("--parallelism.zero_stage=3",)),
+    Layout(cp=2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MLA_LAYOUTS, ids=str)
+def test_latent_attention_matches_one_process(layout, references, tiny_data, tmp_path):
+    ref = references[MLA]
+    run = MLA.run(tiny_data, tmp_path, "run", layout)
+    assert any(name.endswith("self_attn.kv_b_proj.weight") for name in ref.weights)
+    print(f"mla {layout}: {assert_matches(run, ref, MLA)}")
 
 
 @pytest.mark.slow

@@ -771,3 +771,42 @@ def test_document_masks_cost_tile_tables_with_flexattention_and_a_dense_mask_wit
     assert transient("cuda") == batch * 4 * 4 * (-(-seq // 128)) ** 2
     assert transient("cpu") == batch * seq * seq
     assert transient("cuda", cp=2) == transient("cpu", cp=2)  # the ring keeps its dense block masks
+
+
+MLA_TINY = [
+    "--model.kv_lora_rank=32",
+    "--model.q_lora_rank=48",
+    "--model.qk_nope_head_dim=32",
+    "--model.qk_rope_head_dim=16",
+    "--model.v_head_dim=24",
+]
+
+
+@pytest.mark.slow
+def test_check_builds_latent_attention_ranks_and_the_ring_carries_expanded_keys_and_values():
+    """Multi-head latent attention from the facts table: at tp 4 the per-head up-projections split and the latents'
+    down-projections and norms stay whole on every rank, as the real ranks built on a fake 16-rank world hold
+    (dp 2, tp 4, pp 2); the cp ring moves each rank's keys (nope + rope) and values (v_head_dim) of its heads."""
+    layout = ["--parallelism.dp=2", "--parallelism.tp=4", "--parallelism.pp=2", "--parallelism.zero_stage=3"]
+    proc = plan("--config", "configs/tiny.toml", "--nodes", "2", "--gpus_per_node", "8", "--check", *MLA_TINY, *layout)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert {r[1] for r in rows} == {"0", "1"} and all(int(r[5]) == int(r[6]) > 0 for r in rows), rows
+    long = [("training.seq_len", "256"), ("parallelism.cp", "2"), ("parallelism.tp", "2")]
+    cfg = load_config("configs/tiny.toml", [*(arg[2:].split("=") for arg in MLA_TINY), *long])
+    m, n_micro, tokens = cfg.model, cfg.training.grad_accum_steps, cfg.training.micro_batch_size * 128
+    kv = tokens * 4 * (48 + 24) / 2  # 4 heads of keys (32 + 16) and values (24), over tp 2
+    got = estimate_step(cfg, parse_gpu("h100"), 8, 0.5).comm["cp"].gb
+    assert got == pytest.approx(n_micro * m.num_layers * (4 * kv + 4 * kv + 2 * 4 * kv) / 1e9)
+
+
+def test_the_deepseek_v3_config_counts_its_published_671b_parameters_and_37b_active():
+    """The facts table at DeepSeek-V3's shape (MLA with both latents, 3 dense layers, 256 grouped experts + a shared
+    one) gives the paper's 671B parameters, 37B of them active per token (arXiv:2412.19437; MTP not modelled), and
+    the K/V bytes per token and layer that docs/parallelism.md states (bf16: expanded per head vs the latent)."""
+    from nanotron.models.shapes import active_params, kv_bytes_per_token, num_params
+
+    model = load_config("configs/deepseek_v3.toml", []).model
+    assert 671.0e9 <= num_params(model) < 671.1e9
+    assert 37.0e9 <= active_params(model) < 38.0e9
+    assert kv_bytes_per_token(model, 2) == {"expanded": 81920, "compressed": 1152}

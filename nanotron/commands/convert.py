@@ -1,6 +1,6 @@
 """Hugging Face interop: export a checkpoint to `transformers` Llama (Mixtral for a mixture of experts, see
-`nanotron.hf.mixtral`; Qwen3 or Qwen3-MoE with QK-norm, `nanotron.hf.qwen3`), import HF Llama, Mixtral, Qwen3 or
-Qwen3-MoE weights for training.
+`nanotron.hf.mixtral`; Qwen3 or Qwen3-MoE with QK-norm, `nanotron.hf.qwen3`; DeepSeek-V3 with multi-head latent
+attention, `nanotron.hf.deepseek_v3`), import HF Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 weights for training.
 
     nanotron convert to-hf   CHECKPOINT OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
     nanotron convert from-hf HF_DIR CKPT_DIR
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--tokenizer", type=Path, help="tokenizer dir/file to ship instead of the checkpoint's")
     export.add_argument("--allow_unverified", action="store_true", help=UNVERIFIED_HELP)
     imp = commands.add_parser(
-        "from-hf", help="Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE folder -> checkpoint for init_from"
+        "from-hf",
+        help="Hugging Face Llama, Mixtral, Qwen3(-MoE) or DeepSeek-V3 folder -> checkpoint for init_from",
     )
     imp.add_argument("hf_dir", type=Path, help="local folder with config.json and safetensors weights")
     imp.add_argument("ckpt_dir", type=Path, help="new folder for the DCP checkpoint")

@@ -27,6 +27,21 @@ class MoEConfig:
         ("softmax_topk", "sigmoid"),
     )
     renormalize: bool = opt(True, "softmax_topk: gates of the chosen experts renormalised to sum to 1")
+    num_expert_groups: int = opt(
+        1,
+        "grouped routing (DeepSeek-V3's n_group): the experts in this many equal groups, each scored by the sum of "
+        "its two best experts' scores (+ routing bias); 1 = no groups",
+        min=1,
+    )
+    top_expert_groups: int = opt(
+        0,
+        "grouped routing (DeepSeek-V3's topk_group): each token chooses its experts from this many best groups; "
+        "0 = all groups",
+        min=0,
+    )
+    routed_scaling_factor: float = opt(
+        1.0, "the routed experts' gates multiplied by this (DeepSeek-V3's routed_scaling_factor, 2.5 there)", min=0.0
+    )
     bias_update_rate: float = opt(
         0.0,
         "auxiliary-loss-free load balancing (DeepSeek-V3): after each step every expert's routing bias moves "
@@ -83,6 +98,20 @@ class ModelConfig:
         min=2,
     )
     qk_norm: bool = opt(False, "RMSNorm over head_dim on every query and key head before RoPE (Qwen3's QK-norm)")
+    kv_lora_rank: int = opt(
+        0,
+        "multi-head latent attention (DeepSeek-V2/V3's MLA) when > 0: keys and values are expanded per head from a "
+        "latent of this width (kv_a_proj_with_mqa, its RMSNorm, kv_b_proj); 0 = standard attention",
+        min=0,
+    )
+    q_lora_rank: int = opt(
+        0, "MLA: queries through a latent of this width (q_a_proj, its RMSNorm, q_b_proj); 0 = one q_proj", min=0
+    )
+    qk_nope_head_dim: int = opt(0, "MLA: the part of each query/key head without RoPE (from the latents)", min=0)
+    qk_rope_head_dim: int = opt(
+        0, "MLA: the RoPE part of each query/key head; the key's is one head shared by all heads (even)", min=0
+    )
+    v_head_dim: int = opt(0, "MLA: width of each value head (o_proj reads num_heads x v_head_dim)", min=0)
     vocab_size: int | None = opt(None, "embedding rows; at least the tokenizer's vocab", min=1)
     max_seq_len: int | None = opt(None, "longest sequence RoPE is precomputed for", min=1)
     rope_theta: float | None = opt(None, "RoPE base", min=1.0)
@@ -114,6 +143,21 @@ class ModelConfig:
         "the LR of each layer's parameters x r^(alpha-1); 1 = CompleteP, 0.5 = depth-µP",
         min=0.5,
     )
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3) in place of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates in each query/key head: MLA's decoupled part, else the whole head."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """The width of each value head (and of each head's attention output)."""
+        return self.v_head_dim if self.mla else self.head_dim
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` has a mixture of experts in place of its dense MLP."""

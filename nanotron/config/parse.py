@@ -36,6 +36,7 @@ RETIRED = {
     "data.tokenize_workers": f"{_TOKENIZE} --workers N`",
     "data.text_column": f"{_TOKENIZE} --text_column NAME`",
     "data.validation_split": f"{_TOKENIZE} --validation_split FRACTION`",
+    "checkpoint.async_save": 'use checkpoint.async_mode = "async" (was true) or "sync" (was false)',
 }
 
 

@@ -36,12 +36,21 @@ def check_ranges(section_name: str, section: object) -> None:
 def resolve_model(model: ModelConfig) -> None:
     """Fills the fields left unset from the `model.size` preset, then checks the shape is a valid Llama."""
     check_ranges("model", model)
+    kv_heads_unset = model.num_kv_heads is None
     for key, value in {**PRESET_COMMON, **PRESETS[model.size]}.items():
         if getattr(model, key) is None:
             setattr(model, key, value)
     check_ranges("model", model)
     m = model
-    if m.head_dim is None:
+    stray = [key for key in MLA_KEYS if getattr(m, key) and not m.mla]
+    if stray:
+        raise ConfigError(
+            f"model.{stray[0]}={getattr(m, stray[0])} is a multi-head latent attention width, but model.kv_lora_rank"
+            "=0 (standard attention); set kv_lora_rank > 0 for MLA, or leave it unset"
+        )
+    if m.mla:
+        _resolve_mla(m, kv_heads_unset)
+    elif m.head_dim is None:
         if m.hidden_size % m.num_heads:
             raise ConfigError(
                 f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; change "
@@ -67,6 +76,38 @@ def resolve_model(model: ModelConfig) -> None:
     _resolve_moe(m)
 
 
+MLA_KEYS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _resolve_mla(m: ModelConfig, kv_heads_unset: bool) -> None:
+    """Multi-head latent attention: its head widths all stated, every head its own keys and values (num_kv_heads
+    = num_heads), head_dim the query/key head (nope + rope parts: SDPA's default 1/sqrt scale is DeepSeek's)."""
+    missing = [key for key in MLA_KEYS[1:] if not getattr(m, key)]
+    if missing:
+        raise ConfigError(
+            f"model.{missing[0]}: expected a value >= 1 with model.kv_lora_rank={m.kv_lora_rank} (multi-head latent "
+            "attention needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim), got 0; set it, or kv_lora_rank=0"
+        )
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim}: expected an even number (RoPE rotates pairs)")
+    qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+    conflicts = {
+        f"model.head_dim={m.head_dim} (MLA's is qk_nope_head_dim + qk_rope_head_dim = {qk_head_dim}; unset it)": (
+            m.head_dim not in (None, qk_head_dim)
+        ),
+        "model.qk_norm=true (MLA normalises its latents, not its heads; set it false)": m.qk_norm,
+        f"model.num_kv_heads={m.num_kv_heads} (MLA expands keys and values for every head; unset it or set it to "
+        f"num_heads={m.num_heads})": not kv_heads_unset and m.num_kv_heads != m.num_heads,
+        "model.parametrization='mup' (µP's rules for the latent projections are not implemented; use 'standard')": (
+            m.parametrization == "mup"
+        ),
+    }
+    for what, bad in conflicts.items():
+        if bad:
+            raise ConfigError(f"{what} does not go with multi-head latent attention (model.kv_lora_rank > 0)")
+    m.head_dim, m.num_kv_heads = qk_head_dim, m.num_heads
+
+
 def _resolve_moe(m: ModelConfig) -> None:
     """[model.moe]: moe_intermediate_size filled from the model; the routing settings checked together."""
     moe = m.moe
@@ -78,6 +119,17 @@ def _resolve_moe(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}; each token is routed "
             "to top_k distinct experts"
+        )
+    groups, top_groups = moe.num_expert_groups, moe.top_expert_groups or moe.num_expert_groups
+    if groups > 1 and (moe.num_experts % groups or moe.num_experts // groups < 2):
+        raise ConfigError(
+            f"model.moe.num_expert_groups={groups} must divide model.moe.num_experts={moe.num_experts} into groups of "
+            "at least 2 experts (a group scores its two best); pick a divisor, or 1 for no groups"
+        )
+    if top_groups > groups or moe.top_k > top_groups * (moe.num_experts // groups):
+        raise ConfigError(
+            f"model.moe.top_expert_groups={moe.top_expert_groups} with num_expert_groups={groups}: expected at most "
+            f"{groups} groups holding at least top_k={moe.top_k} experts ({moe.num_experts // groups} per group)"
         )
     if moe.first_dense_layers >= m.num_layers:
         raise ConfigError(

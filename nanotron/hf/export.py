@@ -16,7 +16,7 @@ from nanotron.checkpoint.full_model import check_tokenizer_flag, expected_shapes
 from nanotron.checkpoint.safe_io import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
 from nanotron.errors import CheckpointError, UserError
-from nanotron.hf import mixtral, qwen3
+from nanotron.hf import deepseek_v3, mixtral, qwen3
 from nanotron.hf.llama import hf_config
 from nanotron.models.parametrization import fold_multipliers, is_mup
 from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
@@ -78,7 +78,10 @@ def to_hf(
         print(f"µP: attention, residual and logit multipliers folded into the weights{note if untied else ''}")
     names = [n for n in expected if not (tied and n == "lm_head.weight")]
     tensors = {name: weights[name] for name in names}
-    if model.moe.enabled:  # Qwen3-MoE with QK-norm, else Mixtral
+    if model.mla:  # DeepSeek-V3, with or without its MoE
+        deepseek_v3.check_exportable(model)
+        tensors = deepseek_v3.to_hf(model, tensors)
+    elif model.moe.enabled:  # Qwen3-MoE with QK-norm, else Mixtral
         names = qwen3.EXPERT_FILES if model.qk_norm else mixtral.MIXTRAL
         mixtral.check_exportable(model, tensors, names)
         tensors = mixtral.to_hf(tensors, model.moe.num_experts, names)
@@ -88,7 +91,9 @@ def to_hf(
     source_tokenizer = tokenizer or (step_dir / "tokenizer")
     eos_id = _export_tokenizer(source_tokenizer, out, tokenizer_source(step_dir, tokenizer))
     config = hf_config(model, DTYPES[dtype], eos_id, tied)
-    if model.qk_norm:
+    if model.mla:
+        config |= deepseek_v3.hf_config(model)
+    elif model.qk_norm:
         config |= qwen3.hf_config(model)
     elif model.moe.enabled:
         config |= mixtral.hf_config(model)

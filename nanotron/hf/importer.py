@@ -1,5 +1,5 @@
-"""A Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE folder -> a weights-only nanotron checkpoint (`nanotron convert
-from-hf`), to start training from with `checkpoint.init_from` at any layout."""
+"""A Hugging Face Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 folder -> a weights-only nanotron checkpoint
+(`nanotron convert from-hf`), to start training from with `checkpoint.init_from` at any layout."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from nanotron.checkpoint.full_model import expected_shapes
 from nanotron.checkpoint.layout import publish
 from nanotron.config import ModelConfig, toml_text
 from nanotron.errors import CheckpointError
-from nanotron.hf import mixtral, qwen3
+from nanotron.hf import deepseek_v3, mixtral, qwen3
 from nanotron.hf.export import _empty_output
 from nanotron.hf.llama import model_config_from_hf
 from nanotron.tokenize.tokenizer import copy_tokenizer
@@ -89,7 +89,12 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     model = model_config_from_hf(config, config_file)
     expected = expected_shapes(model)
     stored = [n for n in expected if not (model.tie_word_embeddings and n == "lm_head.weight")]
-    if model.moe.enabled:
+    if model.mla:  # DeepSeek-V3 (its MoE too)
+        wanted = {n: expected[n] for n in stored}
+        stacked = f"model.layers.{model.moe.first_dense_layers}.mlp.experts.down_proj" in stored_names(hf_dir)
+        files = read_hf_weights(hf_dir, deepseek_v3.file_names(model, wanted, stacked))
+        weights = deepseek_v3.from_hf(model, files, wanted, config.get("rope_interleave", True))
+    elif model.moe.enabled:
         names = qwen3.EXPERT_FILES if model.qk_norm else mixtral.MIXTRAL
         stacked = f"model.layers.{model.moe.first_dense_layers}.mlp.experts.down_proj" in stored_names(hf_dir)
         files = read_hf_weights(hf_dir, mixtral.file_names(expected, model.moe.num_experts, stacked, names))

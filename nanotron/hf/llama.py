@@ -13,7 +13,7 @@ from nanotron.config import ModelConfig
 from nanotron.config.conversion import Source, show
 from nanotron.config.validate import resolve_model
 from nanotron.errors import CheckpointError, ConfigError
-from nanotron.hf import mixtral, qwen3
+from nanotron.hf import deepseek_v3, mixtral, qwen3
 
 
 def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None, tied: bool) -> dict:
@@ -65,10 +65,10 @@ _ROPE_KEYS = {"rope_type", "type", "rope_theta"}  # all a table of default (unsc
 
 
 def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
-    """The nanotron [model] of an HF Llama, Mixtral, Qwen3 or Qwen3-MoE config.json. The file is untrusted input:
-    every field read is type-checked (a bool is no layer count, NaN no epsilon) and range-checked, each refusal one
-    line in the file's own keys; anything our Llama can't express (biases, scaled RoPE, sliding windows) is refused
-    by name."""
+    """The nanotron [model] of an HF Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 config.json. The file is
+    untrusted input: every field read is type-checked (a bool is no layer count, NaN no epsilon) and range-checked,
+    each refusal one line in the file's own keys; anything our model can't express (biases, scaled RoPE, sliding
+    windows, grouped routing) is refused by name."""
     src = Source(config, f"'{where}'")
     try:
         read = _read_fields(src)
@@ -90,33 +90,41 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
 
 def _unsupported(src: Source, what: str) -> CheckpointError:
     return CheckpointError(
-        f"{src.file}: {what}; only plain Llama, Mixtral, Qwen3 or Qwen3-MoE (no biases, SiLU, unscaled RoPE, full "
-        "attention) imports"
+        f"{src.file}: {what}; only plain Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 (no biases, SiLU, unscaled "
+        "RoPE, full attention) imports"
     )
 
 
 def _read_fields(src: Source) -> dict[str, tuple[Any, str]]:
     """{[model] key: (value, the config.json key behind it)} for every field the import reads, each type-checked."""
     model_type = src.get("model_type", str)
-    if model_type not in ("llama", "mixtral", "qwen3", "qwen3_moe"):
-        raise _unsupported(src, f"model_type is {show(model_type)}, not 'llama', 'mixtral', 'qwen3' or 'qwen3_moe'")
+    if model_type not in ("llama", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3"):
+        raise _unsupported(
+            src, f"model_type is {show(model_type)}, not 'llama', 'mixtral', 'qwen3', 'qwen3_moe' or 'deepseek_v3'"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if src.get(key, bool, False):
             raise _unsupported(src, f"{key} is true")
     if (act := src.get("hidden_act", str, "silu")) != "silu":
         raise _unsupported(src, f"hidden_act is {show(act)}")
-    fields = FIELDS | {"mixtral": mixtral.FIELDS, "qwen3_moe": qwen3.MOE_FIELDS}.get(model_type, {})
+    family = {"mixtral": mixtral.FIELDS, "qwen3_moe": qwen3.MOE_FIELDS, "deepseek_v3": deepseek_v3.FIELDS}
+    fields = FIELDS | family.get(model_type, {})
     if model_type == "mixtral":
         mixtral.check_importable(src)
     if model_type.startswith("qwen3"):
         qwen3.check_importable(src)
+    if model_type == "deepseek_v3":
+        deepseek_v3.check_importable(src)
     read = {}
     for ours, (key, kind, default) in fields.items():
         read[ours] = (src.get(key, kind, default), key)
         if read[ours][0] is None:
             raise ConfigError(f"{src.file}: {key}: missing; every {model_type} config.json states it")
-    read["num_kv_heads"] = (src.get("num_key_value_heads", int, read["num_heads"][0]), "num_key_value_heads")
-    read["head_dim"] = (src.get("head_dim", int), "head_dim")  # absent: hidden_size / num_attention_heads
+    if model_type == "deepseek_v3":  # MLA: head_dim (transformers': the RoPE width) and kv heads follow from it
+        read |= deepseek_v3.read_moe(src, read["num_layers"][0])
+    else:
+        read["num_kv_heads"] = (src.get("num_key_value_heads", int, read["num_heads"][0]), "num_key_value_heads")
+        read["head_dim"] = (src.get("head_dim", int), "head_dim")  # absent: hidden_size / num_attention_heads
     read["qk_norm"] = (model_type.startswith("qwen3"), "model_type")
     if model_type == "qwen3_moe":
         read["moe.num_experts"] = qwen3.num_experts(src)

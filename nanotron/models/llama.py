@@ -77,6 +77,50 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 section 2.1; V3): keys and values expanded per
+    head from one compressed latent per token (kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj), queries likewise
+    when q_lora_rank > 0; RoPE only on a decoupled part of each head, the key's one head shared by every head.
+    Names are transformers' DeepseekV3Attention's. The softmax scale is 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    (SDPA's default at that width); YaRN's mscale is not carried (a scaled RoPE is refused at import)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nope, self.rope_dim, self.value_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        heads, qk_head_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.core = DotProductAttention(None)
+        # Where the one RoPE key head meets the heads (parameterless): tensor parallelism sums its gradient over
+        # the tp ranks, each of which sees only its own heads' share.
+        self.shared_key = nn.Identity()
+        self.q_lora = cfg.q_lora_rank > 0
+        if self.q_lora:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_rope = (
+            q.view(bsz, seq, -1, self.nope + self.rope_dim).transpose(1, 2).split([self.nope, self.rope_dim], dim=-1)
+        )
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(bsz, seq, -1, self.nope + self.value_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.value_dim], dim=-1)
+        k_rope = apply_rope(self.shared_key(k_rope).view(bsz, 1, seq, self.rope_dim), rope)  # one for all heads
+        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        out = self.core(q, k, v.contiguous(), doc)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -103,7 +147,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = LatentAttention(cfg) if cfg.mla else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = feed_forward(cfg, index)
         self.residual_multiplier = multipliers(cfg).residual
@@ -121,7 +165,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("rope", rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+        self.register_buffer("rope", rope_cache(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
         # The sequence positions of this module's tokens when they are not 0..seq-1 (a context-parallel rank's
         # chunks): the RoPE table keeps only their rows, in order.
         self.positions: torch.Tensor | None = None
@@ -161,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recomputes the RoPE table and zeroes the MoE buffers (a model built on the meta device has none)."""
         cfg = self.config
-        rope = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        rope = rope_cache(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
         positions = self.model.positions
         self.model.rope = rope if positions is None else rope[:, positions.to(rope.device)].contiguous()
         for module in self.modules():

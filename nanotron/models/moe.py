@@ -74,6 +74,9 @@ class Router(nn.Module):
         self.sigmoid = moe.router == "sigmoid"
         self.top_k = moe.top_k
         self.renormalize = self.sigmoid or moe.renormalize
+        self.scaling = moe.routed_scaling_factor
+        self.groups = moe.num_expert_groups
+        self.top_groups = moe.top_expert_groups or moe.num_expert_groups
         # Chooses experts only (DeepSeek-V3's b_i); moved by the trainer from the step's global load; checkpointed.
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
 
@@ -81,11 +84,24 @@ class Router(nn.Module):
         logits = F.linear(x, self.weight)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 routes in fp32, as in HF
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
-        index = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+        choice = scores + self.expert_bias
+        if self.top_groups < self.groups:
+            choice = self._best_groups_only(choice)
+        index = choice.topk(self.top_k, dim=-1).indices
         gates = scores.gather(-1, index)
         if self.renormalize:
             gates = gates / gates.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            gates = gates * self.scaling
         return scores, gates, index
+
+    def _best_groups_only(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with the experts outside each token's top_groups groups at -inf (DeepSeek-V3's node-limited
+        routing): a group scores the sum of its two best experts' choice scores."""
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.top_groups, dim=-1).indices
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
 class MoE(nn.Module):

@@ -30,13 +30,16 @@ def layer_shapes(m: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
     q = m.num_heads * m.head_dim
     kv = m.num_kv_heads * m.head_dim
     i = m.intermediate_size
-    shapes = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-    }
+    shapes = {"input_layernorm.weight": (h,)}
+    if m.mla:
+        shapes |= _latent_attention_shapes(m)
+    else:
+        shapes |= {
+            "self_attn.q_proj.weight": (q, h),
+            "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q),
+        }
     if m.qk_norm:
         shapes |= {"self_attn.q_norm.weight": (m.head_dim,), "self_attn.k_norm.weight": (m.head_dim,)}
     shapes["post_attention_layernorm.weight"] = (h,)
@@ -57,6 +60,34 @@ def layer_shapes(m: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
             "mlp.shared_experts.down_proj.weight": (h, shared),
         }
     return shapes
+
+
+def _latent_attention_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention's parameters (`LatentAttention`): the latents' down-projections and norms, the
+    per-head up-projections (queries: nope + rope parts; keys and values: nope + value parts), o_proj."""
+    h, heads = m.hidden_size, m.num_heads
+    if m.q_lora_rank:
+        query = {
+            "self_attn.q_a_proj.weight": (m.q_lora_rank, h),
+            "self_attn.q_a_layernorm.weight": (m.q_lora_rank,),
+            "self_attn.q_b_proj.weight": (heads * m.head_dim, m.q_lora_rank),
+        }
+    else:
+        query = {"self_attn.q_proj.weight": (heads * m.head_dim, h)}
+    return query | {
+        "self_attn.kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+        "self_attn.kv_a_layernorm.weight": (m.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        "self_attn.o_proj.weight": (h, heads * m.v_head_dim),
+    }
+
+
+def kv_bytes_per_token(m: ModelConfig, element: int) -> dict[str, int]:
+    """Bytes of one token's keys and values in one layer: what attention reads (`expanded`: every key/value head),
+    and under MLA the latent they are expanded from (`compressed`: kv_lora_rank + the shared RoPE key head)."""
+    expanded = m.num_kv_heads * (m.head_dim + m.value_dim) * element
+    compressed = (m.kv_lora_rank + m.qk_rope_head_dim) * element if m.mla else expanded
+    return {"expanded": expanded, "compressed": compressed}
 
 
 def is_expert_param(name: str) -> bool:
@@ -111,10 +142,11 @@ def _matmul_weights(m: ModelConfig, index: int) -> int:
 def layer_forward_flops(m: ModelConfig, seq_len: int, index: int | None = None) -> int:
     """Forward FLOPs of decoder layer `index` per token (None: the mean over the layers): 2 per matmul weight a
     token meets (active parameters: a routed token pays for top_k experts and the router), plus attention's QK^T
-    and AV (4·seq_len·num_heads·head_dim, no discount for the causal mask: the PaLM/Megatron MFU convention)."""
+    and AV (2·seq_len·num_heads·(head_dim + value head dim), = 4·seq_len·num_heads·head_dim outside MLA; no discount
+    for the causal mask: the PaLM/Megatron MFU convention)."""
     indices = range(m.num_layers) if index is None else [index]
     matmul = sum(_matmul_weights(m, i) for i in indices) / len(indices)
-    return int(2 * matmul) + 4 * m.num_heads * m.head_dim * seq_len
+    return int(2 * matmul) + 2 * m.num_heads * (m.head_dim + m.value_dim) * seq_len
 
 
 def head_forward_flops(m: ModelConfig) -> int:

@@ -106,18 +106,17 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         # [batch, seq, heads, dim] in memory, as SDPA returns it: the caller's transpose and reshape into the
         # output projection's input is then a view, not a copy that autograd would keep.
-        b, h, s, d = q.shape
-        out = torch.empty(b, s, h, d, dtype=acc, device=q.device).transpose(1, 2)
+        b, h, s, _ = q.shape
+        out = torch.empty(b, s, h, v.shape[-1], dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        kv, split = _joined(k, v)
         for step in range(cp):
             source = (rank - step) % cp
             ring = _Ring(kv, module.group, cp, rank) if step < cp - 1 else None
             rows, cols, causal = block_plan(cp, rank, source, q.shape[2])
             mask = _block_mask(doc, cp, rank, source, rows, cols, causal)
-            block_out, block_lse = _block_forward(
-                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, mask, scale
-            )
+            block_k, block_v = split(kv[:, :, cols])
+            block_out, block_lse = _block_forward(q[:, :, rows], block_k, block_v, causal, mask, scale)
             if step == 0:  # the own block: every query sees itself, so the running log-sum-exp is finite from here
                 out.copy_(block_out)
                 lse.copy_(block_lse)
@@ -140,7 +139,7 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        kv, split = _joined(k, v)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         for step in range(cp):
             source = (rank - step) % cp
@@ -148,18 +147,18 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, causal = block_plan(cp, rank, source, q.shape[2])
             mask = _block_mask(doc, cp, rank, source, rows, cols, causal)
             grads = _block_backward(
-                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                dout[:, :, rows], q[:, :, rows], *split(kv[:, :, cols]),
                 out[:, :, rows], lse[:, :, rows], causal, mask, scale,
             )  # fmt: skip
             dq[:, :, rows] += grads[0]
-            dkv[0][:, :, cols] += grads[1]
-            dkv[1][:, :, cols] += grads[2]
+            dkv[:, :, cols] += torch.cat(grads[1:], dim=-1)
             # The gradient of `source`'s keys moves on with them; after the last step one more hop takes
             # every rank's accumulated gradient home.
             dkv = _Ring(dkv, module.group, cp, rank).wait()
             if ring is not None:
                 kv = ring.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dk, dv = split(dkv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _scale(module: RingAttention, q: torch.Tensor) -> float:
@@ -187,6 +186,19 @@ def flex_block_forward(q, k, v, doc, cp: int, rank: int, source: int, scale: flo
     k_positions = zigzag_positions(seq, cp, source).to(doc.device)[cols]
     mask = cached_document_block_mask(doc, ("ring", cp, rank, source), q_positions, k_positions)
     return flex(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, scale, lse=True, compiled=q.is_cuda)
+
+
+def _joined(k: torch.Tensor, v: torch.Tensor):
+    """K and V as one tensor for the ring (joined on the head dim: multi-head latent attention's values are
+    narrower than its keys), and the function that splits a block of it again."""
+    width = k.shape[-1]
+    return torch.cat([k, v], dim=-1), lambda kv: (kv[..., :width], kv[..., width:])
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x with zero columns up to `width`: the fused CPU kernel wants values as wide as queries and keys (MLA's
+    are narrower); the zeros add nothing to the output's other columns or to any gradient."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -235,11 +247,14 @@ def _block_forward(q, k, v, causal, mask, scale) -> tuple[torch.Tensor, torch.Te
     k, v = _expand(k, heads), _expand(v, heads)
     kernel = block_kernel(q, mask is not None)
     if kernel != "matmul":
+        width = v.shape[-1]
+        v = _padded(v, q.shape[-1])
         if mask is None:
-            return attention_with_lse(q, k, v, causal, None, scale, kernel)
+            out, lse = attention_with_lse(q, k, v, causal, None, scale, kernel)
+            return out[..., :width], lse
         out, lse = attention_with_lse(q, k, v, False, _additive(mask, q.dtype, heads), scale, kernel)
         empty = ~mask.any(dim=-1)  # [batch, 1, q]: rows whose document has no key in this block
-        return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
+        return out[..., :width].masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
     scores = _scores(q, k, causal, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
@@ -253,10 +268,12 @@ def _block_backward(dout, q, k, v, out, lse, causal, mask, scale):
     kernel = block_kernel(q, mask is not None)
     if kernel != "matmul":
         additive = None if mask is None else _additive(mask, q.dtype, heads)
+        width, qk = v.shape[-1], q.shape[-1]
         dq, dk, dv = attention_with_lse_backward(
-            dout, q, k, v, out, lse.to(torch.promote_types(q.dtype, torch.float32)), causal and mask is None,
-            additive, scale, kernel,
+            _padded(dout, qk), q, k, _padded(v, qk), _padded(out, qk),
+            lse.to(torch.promote_types(q.dtype, torch.float32)), causal and mask is None, additive, scale, kernel,
         )  # fmt: skip
+        dv = dv[..., :width]
     else:
         scores = _scores(q, k, causal, mask, scale)
         probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)

@@ -7,7 +7,9 @@ it again the first time its backward unpacks it, once for all the projections th
 re-gather in backward): per layer 2 x hidden x (1 - 1/tp) fewer bytes per token, and 2 more all-gathers of the
 sequence in backward. Recomputed layers need none of this (full recompute keeps only the layer's input;
 selective reruns the all-gathers), nor does a mixture of experts (it keeps its own copies); a compiled layer
-decides what it saves itself. Implemented with saved-tensor hooks around the block's forward.
+decides what it saves itself. Multi-head latent attention keeps its gathered input whole (it reaches the replicated
+down-projections as a plain tensor, which these hooks leave alone): only its MLP block re-gathers. Implemented with
+saved-tensor hooks around the block's forward.
 """
 
 from __future__ import annotations

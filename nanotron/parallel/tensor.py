@@ -4,6 +4,12 @@ all_reduce:     Megatron TP. q/k/v and gate/up column-sharded, o/down row-sharde
 reduce_scatter: sequence parallel on top. Norms and the residual stream are sharded on the sequence
                 dim; inputs of column linears are all-gathered, outputs of row linears reduce-scattered.
 QK-norm (Qwen3) in both: a replicated weight over each rank's heads, its gradient summed over tp.
+Multi-head latent attention (DeepSeek-V3) in both: q_b_proj/kv_b_proj split by heads, o_proj row-parallel; the
+latents' down-projections and norms replicated (each tp rank computes them on the whole sequence, as torchtitan
+does: kv_a is (kv_lora_rank + rope) x hidden, small beside the per-head matrices); the shared RoPE key head's
+gradient summed over tp (one all-reduce of [tokens, qk_rope_head_dim] per layer in backward: at 70B-like widths
+64 of the 8192 elements per token that a row-parallel output moves). Under sequence parallelism its input arrives
+as the gathered local tensor, the replicated down-projections being plain modules.
 In both modes the embedding and lm_head are vocab-parallel and logits stay sharded for loss_parallel.
 """
 
@@ -12,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -28,7 +34,15 @@ from nanotron.parallel.torch_private import AsyncCollectiveTensor
 
 # The linears of a decoder layer: column-parallel ones shard their output features (weight dim 0), row-parallel
 # ones their input features (weight dim 1). The vocab-parallel embedding and head shard vocab rows (dim 0).
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+COLWISE = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.q_b_proj",  # MLA's per-head up-projections: heads split; the latents' down-projections replicated
+    "self_attn.kv_b_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+)
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 VOCAB_PARALLEL = ("model.embed_tokens", "lm_head")
 
@@ -84,7 +98,10 @@ def apply_tensor_parallel(
             use_local_output=True,
         )
     for layer in model.model.layers.values():
-        parallelize_module(layer, tp_mesh, moe_plan if isinstance(layer.mlp, MoE) else layer_plan)
+        plan = moe_plan if isinstance(layer.mlp, MoE) else layer_plan
+        if model.config.mla:
+            plan = _latent_attention_plan(plan, layer, tp_mesh, sequence_parallel)
+        parallelize_module(layer, tp_mesh, plan)
 
     top_plan: dict[str, nn.Module] = {}
     if model.model.embed_tokens is not None:
@@ -100,6 +117,24 @@ def apply_tensor_parallel(
     if model.config.tie_word_embeddings and model.lm_head is not None:
         # Both plans shard the shared [vocab, hidden] weight on dim 0: re-tie the two DTensors.
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _latent_attention_plan(plan: dict, layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> dict:
+    """`plan` for a layer with multi-head latent attention: the linears it has (q_proj or q_a/q_b), the gathered
+    input handed on as a plain tensor, and the shared RoPE key head's gradient summed over tp."""
+    names = {name for name, _ in layer.named_modules()}
+    plan = {name: style for name, style in plan.items() if not name.startswith("self_attn.") or name in names}
+    if sequence_parallel:
+        plan["self_attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+        )
+    layer.self_attn.shared_key.register_forward_hook(lambda module, args, out: _gradient_summed(out, tp_mesh))
+    return plan
+
+
+def _gradient_summed(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """x unchanged; in backward its gradient, each tp rank's partial sum (its own heads' share), all-reduced."""
+    return DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
 
 
 def _materialise_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:

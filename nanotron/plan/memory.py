@@ -18,7 +18,14 @@ import torch
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.attention import document_kernel
-from nanotron.models.shapes import element_bytes, is_expert_param, is_moe_layer, layer_shapes, root_shapes
+from nanotron.models.shapes import (
+    element_bytes,
+    is_expert_param,
+    is_moe_layer,
+    kv_bytes_per_token,
+    layer_shapes,
+    root_shapes,
+)
 from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
@@ -206,8 +213,9 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
 
     none: each RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its normalised value in the
     compute dtype; the q/k/v and gate/up projections save the norm output (with parallelism.sp_regather on, its
-    sequence shard, gathered again in backward); attention saves roped q, k, v, its
-    output and the fp32 log-sum-exp; the MLP saves gate, up, silu(gate) and their product. A mixture of experts
+    sequence shard, gathered again in backward); attention saves roped q, k, v, its output and the fp32
+    log-sum-exp (multi-head latent attention: keys and values expanded per head, values v_head_dim wide, plus its
+    latents' norms on every tp rank); the MLP saves gate, up, silu(gate) and their product. A mixture of experts
     (layer `index`) runs on every tp rank's whole sequence: it saves the gathered input (sequence parallel), the
     fp32 router scores, and per routed copy (top_k per token) the permuted input, the expert's gate/up, silu and
     product, and its output; plus its shared experts' MLP.
@@ -225,19 +233,24 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     h = m.hidden_size
     q = m.num_heads * m.head_dim
     kv = m.num_kv_heads * m.head_dim
+    heads = q + kv + m.num_kv_heads * m.value_dim + m.num_heads * m.value_dim  # roped q, k, v and the output
+    # MLA: the latents' norms (fp32 input and output), replicated on every tp rank
+    latents = (FP32 + e) * (m.q_lora_rank + m.kv_lora_rank)
     i = m.intermediate_size
     # With parallelism.sp_regather on, a layer that is not recomputed keeps the shard of each gathered norm output
     # and gathers it again in backward (`nanotron.parallel.regather`); a mixture of experts keeps its own gather.
     regather = regathers(cfg)
     gathered = e * h / sp if regather else e * h
     norms = 2 * ((FP32 + e) * h / sp + gathered)
+    if regather and m.mla:  # MLA's replicated down-projections take the gathered input as a plain tensor: kept whole
+        norms += e * h - gathered
     if regather and is_moe_layer(m, index):
         norms += e * h - gathered
     qk_norm = (FP32 + e) * (q + kv) / tp if m.qk_norm else 0.0  # each norm keeps its fp32 input and its output
-    attention = e * (2 * q + 2 * kv) / tp + FP32 * m.num_heads / tp + qk_norm
+    attention = e * heads / tp + FP32 * m.num_heads / tp + qk_norm + latents
     mlp = 4 * e * i / tp
     reduced = (e * h / tp if sp > 1 else e * h) if tp > 1 else 0.0  # a row-parallel linear's reduced output
-    kept_attention = e * (2 * q + 2 * kv) / tp + FP32 * m.num_heads / tp + qk_norm + e * h + reduced
+    kept_attention = e * heads / tp + FP32 * m.num_heads / tp + qk_norm + latents + e * h + reduced
     kept_mlp = 2 * e * i / tp + e * h + reduced
     if p.selective_matmuls == "every_other":  # k, o (its pre-reduction output) and up are rerun
         kept_attention -= e * kv / tp + e * h
@@ -271,13 +284,15 @@ def attention_transient_bytes(cfg: Config, tokens: int) -> float:
     """
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
-    q_width, kv_width = m.num_heads * m.head_dim / p.tp, m.num_kv_heads * m.head_dim / p.tp
+    q_width, out_width = m.num_heads * m.head_dim / p.tp, m.num_heads * m.value_dim / p.tp
+    kv_width = kv_bytes_per_token(m, 1)["expanded"] / p.tp  # K and V elements (MLA: expanded, as the ring carries)
     total = 0.0
     if p.cp > 1:
-        blocks = 2 * 2 * tokens * kv_width * e  # K and V, current and arriving
-        travelling = 2 * 2 * tokens * kv_width * FP32  # dK and dV, held and arriving
-        expanded = 2 * tokens * q_width * e + 3 * tokens * q_width * e  # expanded K/V and block dq/dk/dv
-        total += blocks + travelling + tokens * q_width * FP32 + expanded
+        blocks = 2 * tokens * kv_width * e  # K and V, current and arriving
+        travelling = 2 * tokens * kv_width * FP32  # dK and dV, held and arriving
+        expanded = tokens * (q_width + out_width) * e  # K and V expanded to every query head (GQA)
+        expanded += tokens * (2 * q_width + out_width) * e  # the block's dq, dk, dv
+        total += blocks + travelling + tokens * out_width * FP32 + expanded
     if m.attention == "document":
         seq = t.seq_len // p.cp
         device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,7 +18,13 @@ from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
 from nanotron.gpu import GPUS, Device, math_mode
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
+from nanotron.models.shapes import (
+    element_bytes,
+    flops_per_token,
+    is_moe_layer,
+    kv_bytes_per_token,
+    layer_forward_flops,
+)
 from nanotron.parallel.float8 import Float8Plan, fsdp_float8_all_gather
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
@@ -183,7 +189,8 @@ def compute_time(
     selective = modes.count("selective")
     recompute_flops = tokens_step * full * layer_forward_flops(m, t.seq_len)  # one more forward of those layers
     if p.selective_matmuls == "every_other":  # selective reruns the k, o and up projections too
-        rerun_matmuls = 2 * m.hidden_size * ((m.num_kv_heads + m.num_heads) * m.head_dim + m.intermediate_size)
+        rerun_matmuls = 2 * m.hidden_size * (m.num_kv_heads * m.head_dim + m.num_heads * m.value_dim)
+        rerun_matmuls += 2 * m.hidden_size * m.intermediate_size
         recompute_flops += tokens_step * selective * rerun_matmuls
     flops = model_flops + recompute_flops
     bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, t.grad_accum_steps, p.pp_stages_per_rank)
@@ -260,7 +267,7 @@ def cp_gb(cfg: Config, modes: list[str]) -> float:
     e = element_bytes(t.dtype)
     tokens_micro = micro_tokens(cfg)
     recomputed = modes.count("full") + modes.count("selective")
-    kv_block = 2 * tokens_micro * m.num_kv_heads * m.head_dim / p.tp
+    kv_block = tokens_micro * kv_bytes_per_token(m, 1)["expanded"] / p.tp  # elements; MLA: the expanded K/V
     forward = (p.cp - 1) * kv_block * e
     cp_layer = 2 * forward + p.cp * kv_block * FP32
     layers_per_rank = m.num_layers / p.pp
@@ -318,7 +325,8 @@ def elementwise_rerun_bytes(cfg: Config) -> float:
     e = element_bytes(cfg.training.dtype)
     sp = sequence_shards(cfg)
     norms = 2 * (8 * FP32 + 4 * e) * m.hidden_size / sp
-    rope = 10 * e * (m.num_heads + m.num_kv_heads) * m.head_dim / p.tp
+    key_rope = m.qk_rope_head_dim if m.mla else m.num_kv_heads * m.head_dim / p.tp  # MLA: one head, every rank
+    rope = 10 * e * (m.num_heads * m.rope_dim / p.tp + key_rope)
     swiglu = 5 * e * m.intermediate_size / p.tp
     return norms + rope + swiglu
 
