@@ -1,0 +1,314 @@
+"""Muon for the decoder layers' hidden matrices, AdamW for everything else, exact at every layout.
+
+The update of a matrix W with gradient G (Keller Jordan's Muon; Moonlight's scaling, arXiv:2502.16982):
+    B <- mu B + G;  U = G + mu B (Nesterov) or B;  O = NewtonSchulz(U);  W <- W (1 - lr wd) - lr rms sqrt(max(m, n)) O
+Newton-Schulz needs the whole matrix while FSDP, TP and EP hold shards, so each step every rank sends its shards
+of the matrices to their owners (one all-to-all over the pipeline stage's ranks: dp x cp x tp), each owner
+orthogonalises the whole matrices it owns (owners chosen to balance the FLOPs: the work is spread, no rank does
+all of it), and a second all-to-all brings each rank its shards of the updates. Momentum stays sharded like the
+parameters (elementwise, on the local shards), so DCP saves and reshards it as it does AdamW's moments.
+
+A logical matrix is what the model multiplies by: q/k/v/o and gate/up/down are separate parameters here
+(`models/llama.py`), each one matrix; the experts' stacked [E, 2I, H] gate_up is 2E matrices (each expert's gate
+and up halves: fused only for the grouped GEMM, they act on the input separately) and [E, H, I] down is E.
+Which parameters: 2-D or stacked matrices inside `model.layers` (the hidden matrices), except names containing one
+of `optimizer.muon_adamw_names` (the routers by default). The embedding and head (a lookup and the output
+classifier, outside the layers), norms and biases (1-D) go to AdamW.
+
+Cost at 512 GPUs / 70B (tp 8 x FSDP 64, pp 1): each rank sends its fp32 shard of the Muon matrices once and
+receives its owned matrices' other shards (about 68e9 x 4 B / 512 = 0.53 GB each way, twice per step: ~2.1 GB
+per rank, ~45 ms at 50 GB/s), and orthogonalises 1/512 of the 5-iteration Newton-Schulz FLOPs
+(`plan.timing.muon_seconds` has the numbers). Blocks of whole matrices are not split: a 28672 x 8192 MLP matrix
+alone is 5 x 3 x 2 x 28672 x 8192^2 ~ 58 TFLOP... at ~400 TFLOP/s about 0.15 s on its owner, the step's floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from nanotron.config import OptimizerConfig
+from nanotron.errors import ConfigError
+from nanotron.parallel.torch_private import local_block
+
+COEFFICIENTS = {"jordan": (3.4445, -4.7750, 2.0315), "cubic": (1.5, -0.5, 0.0)}
+
+
+def is_muon_matrix(name: str, param: torch.Tensor, adamw_names: list[str]) -> bool:
+    """The stated rule: hidden matrices (2-D, or stacked experts) of the decoder layers, minus the named ones."""
+    return name.startswith("model.layers.") and param.ndim >= 2 and not any(part in name for part in adamw_names)
+
+
+@torch.no_grad()
+def newton_schulz(matrix: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
+    """The orthogonal factor's approximation U V^T of matrix = U S V^T, in fp32 (X X^T on the shorter side)."""
+    a, b, c = coefficients
+    x = matrix.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One logical matrix: rows [start, stop) of param[lead] (all columns), orthogonalised by rank `owner`."""
+
+    param: int
+    lead: tuple[int, ...]
+    start: int
+    stop: int
+    cols: int
+    owner: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.stop - self.start, self.cols
+
+
+Block = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, local shape) of a rank's shard
+
+
+def logical_matrices(name: str, shape: torch.Size) -> list[tuple[tuple[int, ...], int, int]]:
+    """(lead index, row start, row stop) of every matrix in a parameter: its own for a 2-D one; for stacked
+    experts each expert's, the fused gate_up split into gate and up."""
+    if len(shape) == 2:
+        return [((), 0, shape[0])]
+    halves = 2 if name.endswith("gate_up_proj") else 1
+    rows = shape[1] // halves
+    return [((e,), h * rows, (h + 1) * rows) for e in range(shape[0]) for h in range(halves)]
+
+
+def assign_owners(pieces: list[tuple[int, tuple, int, int, int]], ranks: int) -> list[Matrix]:
+    """Largest Newton-Schulz cost first to the least-loaded rank: the same choice on every rank."""
+    cost = [(stop - start) * cols * min(stop - start, cols) for _, _, start, stop, cols in pieces]
+    load = [0] * ranks
+    owners = [0] * len(pieces)
+    for i in sorted(range(len(pieces)), key=lambda i: (-cost[i], i)):
+        owner = min(range(ranks), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += cost[i]
+    return [Matrix(*piece, owner) for piece, owner in zip(pieces, owners)]
+
+
+def overlap(block: Block, m: Matrix) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Where a rank's block meets matrix m: (index into the rank's local tensor, index into the whole matrix)."""
+    offset, shape = block
+    lead = len(m.lead)
+    local: list[slice | int] = []
+    for dim, index in enumerate(m.lead):
+        if not offset[dim] <= index < offset[dim] + shape[dim]:
+            return None
+        local.append(index - offset[dim])
+    row0, row1 = max(offset[lead], m.start), min(offset[lead] + shape[lead], m.stop)
+    col0, col1 = offset[lead + 1], offset[lead + 1] + shape[lead + 1]
+    if row0 >= row1 or col0 >= col1:
+        return None
+    local += [slice(row0 - offset[lead], row1 - offset[lead]), slice(None)]
+    return tuple(local), (slice(row0 - m.start, row1 - m.start), slice(col0, col1))
+
+
+class Plan:
+    """Who sends which shard of which matrix to whom, fixed for the run: the blocks every rank of the stage
+    group holds (gathered once at start-up) and the owners."""
+
+    def __init__(self, names: list[str], params: list[torch.Tensor], group: dist.ProcessGroup | None):
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        mine = [local_block(p) for p in params]
+        blocks = [mine]
+        if self.size > 1:
+            blocks = [None] * self.size
+            dist.all_gather_object(blocks, mine, group=group)
+        self.blocks: list[list[Block]] = blocks
+        # A block held by several ranks (replicated dims) is sent by the first of them only.
+        self.sender = [
+            [blocks[r][i] not in [blocks[q][i] for q in range(r)] for i in range(len(params))] for r in range(self.size)
+        ]
+        pieces = [
+            (i, *where, p.shape[-1])
+            for i, (n, p) in enumerate(zip(names, params))
+            for where in logical_matrices(n, p.shape)
+        ]
+        self.matrices = assign_owners(pieces, self.size)
+
+    def owned(self) -> list[Matrix]:
+        return [m for m in self.matrices if m.owner == self.rank]
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon's groups stepped here, AdamW's by an inner `torch.optim.AdamW` sharing the param groups' dicts and
+    the state, so one `state_dict` (and DCP's view of it) holds both."""
+
+    def __init__(
+        self,
+        muon_groups: list[dict],
+        adamw: torch.optim.AdamW,
+        names: list[str],
+        cfg: OptimizerConfig,
+        group: dist.ProcessGroup | None,
+    ):
+        defaults = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "momentum": cfg.muon_momentum}
+        super().__init__([*muon_groups, *adamw.param_groups], defaults)
+        self.adamw = adamw
+        self.cfg = cfg
+        self._link()
+        params = [p for g in self.param_groups if g.get("muon") for p in g["params"]]
+        self.plan = Plan(names, params, group)
+
+    def _link(self) -> None:
+        self.adamw.param_groups = [g for g in self.param_groups if not g.get("muon")]
+        self.adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.adamw.step()
+        muon = [(p, g) for g in self.param_groups if g.get("muon") for p in g["params"]]
+        directions = [self._momentum(p) for p, _ in muon]
+        updates = self._orthogonalised(directions)
+        for (p, g), update in zip(muon, updates):
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.mul_(1 - g["lr"] * g["weight_decay"])
+            local.add_(update, alpha=-g["lr"])
+
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the direction to orthogonalise (momentum on the local shards: elementwise)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        grad = torch.zeros_like(local(p)) if p.grad is None else local(p.grad)
+        buffer = local(state["momentum_buffer"])
+        buffer.mul_(self.cfg.muon_momentum).add_(grad)
+        return grad.add(buffer, alpha=self.cfg.muon_momentum) if self.cfg.muon_nesterov else buffer.clone()
+
+    def _orthogonalised(self, directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Shards in, whole matrices to their owners (one all-to-all), Newton-Schulz there, shards of the scaled
+        updates back (a second all-to-all)."""
+        plan = self.plan
+        mine = plan.blocks[plan.rank]
+        sends: list[list[torch.Tensor]] = [[] for _ in range(plan.size)]
+        for m in plan.matrices:
+            where = overlap(mine[m.param], m)
+            if where is not None and plan.sender[plan.rank][m.param]:
+                sends[m.owner].append(directions[m.param][where[0]].reshape(-1))
+        received = self._exchange(sends, self._sizes(incoming=True))
+        wholes = {}
+        for r, flat in enumerate(received):
+            offset = 0
+            for m in plan.owned():
+                where = overlap(plan.blocks[r][m.param], m)
+                if where is None or not plan.sender[r][m.param]:
+                    continue
+                whole = wholes.setdefault(m, directions[0].new_zeros(m.shape))
+                size = whole[where[1]].numel()
+                whole[where[1]] = flat[offset : offset + size].view_as(whole[where[1]])
+                offset += size
+        coefficients = COEFFICIENTS[self.cfg.muon_coefficients]
+        results = {}
+        for m in plan.owned():
+            scale = self.cfg.muon_update_rms * math.sqrt(max(m.shape))
+            whole = wholes.get(m, directions[0].new_zeros(m.shape))
+            results[m] = newton_schulz(whole, self.cfg.muon_ns_steps, coefficients).mul_(scale).to(whole.dtype)
+        back: list[list[torch.Tensor]] = [[] for _ in range(plan.size)]
+        for m in plan.owned():
+            for r in range(plan.size):
+                where = overlap(plan.blocks[r][m.param], m)
+                if where is not None:
+                    back[r].append(results[m][where[1]].reshape(-1))
+        returned = self._exchange(back, self._sizes(incoming=False))
+        updates = [torch.zeros_like(d) for d in directions]
+        for r, flat in enumerate(returned):
+            offset = 0
+            for m in plan.matrices:
+                where = overlap(mine[m.param], m) if m.owner == r else None
+                if where is None:
+                    continue
+                target = updates[m.param][where[0]]
+                target.copy_(flat[offset : offset + target.numel()].view_as(target))
+                offset += target.numel()
+        return updates
+
+    def _sizes(self, incoming: bool) -> list[int]:
+        """Elements this rank receives from each rank: shards of the matrices it owns (incoming), or its own
+        shards of the updates (returning)."""
+        plan = self.plan
+        sizes = [0] * plan.size
+        for m in plan.matrices:
+            for r in range(plan.size):
+                if incoming and m.owner == plan.rank and plan.sender[r][m.param]:
+                    where = overlap(plan.blocks[r][m.param], m)
+                elif not incoming and m.owner == r:
+                    where = overlap(plan.blocks[plan.rank][m.param], m)
+                else:
+                    continue
+                if where is not None:
+                    sizes[r] += math.prod(s.stop - s.start for s in where[1])
+        return sizes
+
+    def _exchange(self, sends: list[list[torch.Tensor]], recv_sizes: list[int]) -> list[torch.Tensor]:
+        """One all-to-all of the concatenated pieces (uneven splits); one process keeps its own."""
+        flat = [torch.cat(pieces) if pieces else torch.zeros(0) for pieces in sends]
+        if self.plan.size == 1:
+            return flat
+        send = torch.cat(flat)
+        out = send.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(out, send, recv_sizes, [t.numel() for t in flat], group=self.plan.group)
+        return list(out.split(recv_sizes))
+
+
+def build_muon(module: nn.Module, cfg: OptimizerConfig, adamw_groups: dict, make_adamw, group) -> Muon:
+    """Splits `adamw_groups` ({settings key: params}) into Muon's and AdamW's by the rule; refuses a rule that
+    leaves Muon nothing."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    muon_groups, rest = [], []
+    muon_names: list[str] = []
+    for key, params in adamw_groups.items():
+        chosen = [p for p in params if is_muon_matrix(names[id(p)], p, cfg.muon_adamw_names)]
+        others = [p for p in params if not any(p is c for c in chosen)]
+        if chosen:
+            decay, lr_scale = key[0], key[1]
+            muon_groups.append({"params": chosen, "weight_decay": decay, "lr_scale": lr_scale, "muon": True})
+            muon_names += [names[id(p)] for p in chosen]
+        if others:
+            rest.append((key, others))
+    if not muon_groups:
+        raise ConfigError(
+            f"optimizer.name=muon: no parameter goes to Muon (optimizer.muon_adamw_names={cfg.muon_adamw_names} "
+            "leaves no decoder-layer matrix); name fewer matrices there, or use optimizer.name=adamw"
+        )
+    return Muon(muon_groups, make_adamw(rest), muon_names, cfg, group)
+
+
+def describe(optimizer: Muon, module: nn.Module) -> str:
+    """The start-up line: which parameters each optimizer steps (this stage's, on its first rank)."""
+    muon = {id(p) for g in optimizer.param_groups if g.get("muon") for p in g["params"]}
+    counts: dict[str, int] = defaultdict(int)
+    adamw = []
+    for name, p in module.named_parameters():
+        if id(p) in muon:
+            counts["muon"] += p.numel()
+        else:
+            counts["adamw"] += p.numel()
+            adamw.append(name.split(".")[-2] if "." in name else name)
+    plan = optimizer.plan
+    return (
+        f"optimizer: muon on {len(plan.matrices)} matrices of the decoder layers ({counts['muon']:,} parameters; "
+        f"q/k/v/o, gate/up/down, each expert's own, fused gate_up split), spread over {plan.size} rank(s); "
+        f"adamw on {counts['adamw']:,} parameters ({', '.join(sorted(set(adamw)))})"
+    )
