@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from conftest import REPO, TINY_MODEL
 from matrix import MOE
@@ -16,6 +17,8 @@ from nanotron.models.llama import LlamaForCausalLM
 from nanotron.optim import build_optimizer, set_lr
 from nanotron.optim.muon import COEFFICIENTS, Muon, newton_schulz
 from nanotron.parallel.init import init_weights
+from nanotron.plan.memory import stage_memory
+from nanotron.plan.timing import estimate_step, parse_gpu, peak_tflops
 
 
 def test_cubic_newton_schulz_converges_to_the_orthogonal_factor_and_jordans_lands_near_it():
@@ -87,3 +90,30 @@ def test_an_unknown_coefficient_set_is_one_line(capsys):
     assert nanotron.train.main(flags) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(errors) == 1 and "optimizer.muon_coefficients" in errors[0] and "jordan" in errors[0], errors
+
+
+def test_the_plan_counts_one_momentum_buffer_the_exchange_and_newton_schulz():
+    """Optimizer state: the bytes the real optimizer holds (Muon's matrices one fp32 buffer, AdamW two moments and
+    a step). Step time: Muon adds its all-to-alls (2 x its fp32 shards, over the stage's other ranks) and the
+    Newton-Schulz FLOPs of every matrix (5 x (4 m^2 n + 2 m^3), m the shorter side), spread over the ranks."""
+    cfg, model = muon_model()
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
+    held = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
+    assert stage_memory(cfg, 0)["optimizer"] == held
+
+    dense = [f"--model.num_layers={cfg.model.num_layers}", "--training.global_batch_size=8"]
+    gpu = parse_gpu("h100")
+    for world in (1, 2):
+        layout = [f"--parallelism.dp={world}", "--parallelism.zero_stage=3"]
+        adamw, muon = (
+            load_config(*parse_overrides([*TINY_MODEL, *dense, *layout, f"--optimizer.name={name}"]))
+            for name in ("adamw", "muon")
+        )
+        base, step = (estimate_step(c, gpu, gpus_per_node=8, efficiency=0.5) for c in (adamw, muon))
+        shapes = [(32, 32), (16, 32), (16, 32), (32, 32), (64, 32), (64, 32), (32, 64)]  # q k v o gate up down
+        flops = 4 * sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+        elements = 4 * sum(r * c for r, c in shapes) // world  # this rank's FSDP shards
+        gb = 2 * 4 * elements * (world - 1) / world / 1e9
+        newton_schulz_s = flops / world / (peak_tflops(muon, gpu)[1] * 1e12 * 0.5)
+        assert step.comm["muon"].gb == pytest.approx(gb, rel=1e-9)
+        assert step.step_s - base.step_s == pytest.approx(newton_schulz_s + step.comm["muon"].seconds, rel=1e-6)

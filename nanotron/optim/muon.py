@@ -15,11 +15,11 @@ Which parameters: 2-D or stacked matrices inside `model.layers` (the hidden matr
 of `optimizer.muon_adamw_names` (the routers by default). The embedding and head (a lookup and the output
 classifier, outside the layers), norms and biases (1-D) go to AdamW.
 
-Cost at 512 GPUs / 70B (tp 8 x FSDP 64, pp 1): each rank sends its fp32 shard of the Muon matrices once and
-receives its owned matrices' other shards (about 68e9 x 4 B / 512 = 0.53 GB each way, twice per step: ~2.1 GB
-per rank, ~45 ms at 50 GB/s), and orthogonalises 1/512 of the 5-iteration Newton-Schulz FLOPs
-(`plan.timing.muon_seconds` has the numbers). Blocks of whole matrices are not split: a 28672 x 8192 MLP matrix
-alone is 5 x 3 x 2 x 28672 x 8192^2 ~ 58 TFLOP... at ~400 TFLOP/s about 0.15 s on its owner, the step's floor.
+Cost at 512 GPUs / 70B (tp 8 x FSDP 64; `nanotron plan`, docs/configuration.md#muon): each rank sends its fp32
+shards of the matrices and then its owned matrices' update shards, 1.07 GB per step (0.024 s over 45 GB/s
+InfiniBand), and orthogonalises about 1/512 of the 1.3e16 Newton-Schulz FLOPs, but at least one whole MLP matrix
+(4.4e13 FLOPs, ~0.1 s): +0.8 % on a 15.5 s step. The plan (two lists of ints per parameter and rank) is gathered
+once at start-up.
 """
 
 from __future__ import annotations
@@ -40,9 +40,16 @@ from nanotron.parallel.torch_private import local_block
 COEFFICIENTS = {"jordan": (3.4445, -4.7750, 2.0315), "cubic": (1.5, -0.5, 0.0)}
 
 
-def is_muon_matrix(name: str, param: torch.Tensor, adamw_names: list[str]) -> bool:
+def is_muon_matrix(name: str, ndim: int, adamw_names: list[str]) -> bool:
     """The stated rule: hidden matrices (2-D, or stacked experts) of the decoder layers, minus the named ones."""
-    return name.startswith("model.layers.") and param.ndim >= 2 and not any(part in name for part in adamw_names)
+    return name.startswith("model.layers.") and ndim >= 2 and not any(part in name for part in adamw_names)
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
+    """X X^T, its square and the product with X, on the shorter side m of an m x n matrix: (4 m^2 n + 2 m^3)
+    per iteration."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m**3)
 
 
 @torch.no_grad()
@@ -279,7 +286,7 @@ def build_muon(module: nn.Module, cfg: OptimizerConfig, adamw_groups: dict, make
     muon_groups, rest = [], []
     muon_names: list[str] = []
     for key, params in adamw_groups.items():
-        chosen = [p for p in params if is_muon_matrix(names[id(p)], p, cfg.muon_adamw_names)]
+        chosen = [p for p in params if is_muon_matrix(names[id(p)], p.ndim, cfg.muon_adamw_names)]
         others = [p for p in params if not any(p is c for c in chosen)]
         if chosen:
             decay, lr_scale = key[0], key[1]

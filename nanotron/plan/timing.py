@@ -4,8 +4,8 @@ moves per step over stated NVLink / InfiniBand bandwidths.
 Assumptions (printed with every plan): FSDP/DP collectives overlap compute (the step pays the larger of
 the two) except the first unit's gather of each pass and the last unit's reduction; tensor-parallel and
 pipeline transfers are exposed; context parallelism's K/V ring overlaps each block's attention and is exposed
-only where it takes longer; collectives run as rings at the link's bandwidth per GPU; a group inside one node
-uses NVLink, a group spanning nodes InfiniBand.
+only where it takes longer; Muon's all-to-alls and Newton-Schulz are exposed; collectives run as rings at the
+link's bandwidth per GPU; a group inside one node uses NVLink, a group spanning nodes InfiniBand.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from nanotron.errors import ConfigError
 from nanotron.gpu import GPUS, Device, math_mode
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.shapes import element_bytes, flops_per_token, is_moe_layer, layer_forward_flops
+from nanotron.optim.muon import is_muon_matrix, logical_matrices, newton_schulz_flops
 from nanotron.parallel.float8 import Float8Plan, fsdp_float8_all_gather
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
@@ -166,9 +167,46 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
     step_s = data_parallel_s + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds
     parts |= {"tp": comm["tp"].seconds, "pp": comm["pp"].seconds, "cp": exposed_cp, "ep": comm["ep"].seconds}
+    if cfg.optimizer.name == "muon":  # after backward, before the next forward: nothing to hide behind
+        comm["muon"], newton_schulz_s = muon_step(cfg, gpus_per_node, gpu, peak * efficiency)
+        parts["muon"] = comm["muon"].seconds + newton_schulz_s
+        step_s += parts["muon"]
     parts["dp"] = data_parallel_s - compute_s
     mfu = model_flops / (step_s * world * peak)
     return StepEstimate(step_s, compute_s, tokens_step / step_s, mfu, comm, parts)
+
+
+def muon_costs(cfg: Config, pp_rank: int) -> tuple[float, float, int]:
+    """(Newton-Schulz FLOPs of pipeline rank `pp_rank`'s Muon matrices, those of the largest one, the Muon
+    elements this rank holds): every logical matrix of every layer, as `optim.muon` splits them."""
+    o, p = cfg.optimizer, cfg.parallelism
+    split = coordinate_zero_split(p.tp, cfg.fsdp_shard_size, p.ep)
+    total = largest = 0.0
+    local = 0
+    for stage in rank_stages(cfg, pp_rank):
+        for param in stage.layers:
+            if not is_muon_matrix(param.name, len(param.shape), o.muon_adamw_names):
+                continue
+            local += split(param)[1]
+            for _, start, stop in logical_matrices(param.name, param.shape):
+                flops = newton_schulz_flops(stop - start, param.shape[-1], o.muon_ns_steps)
+                total, largest = total + flops, max(largest, flops)
+    return total, largest, local
+
+
+def muon_step(cfg: Config, gpus_per_node: int, gpu: Gpu, achieved_flops: float) -> tuple[Transfer, float]:
+    """Muon's two all-to-alls over a pipeline stage's ranks (each rank sends its fp32 shards of the matrices, then
+    its owned matrices' update shards: about its own share, twice) and the owners' Newton-Schulz seconds: the
+    stage's FLOPs spread over its ranks, but never less than one whole largest matrix. The worst pipeline rank."""
+    p = cfg.parallelism
+    ranks = cfg.world_size // p.pp
+    worst_gb = worst_s = 0.0
+    for pp_rank in range(p.pp):
+        total, largest, local = muon_costs(cfg, pp_rank)
+        worst_gb = max(worst_gb, 2 * FP32 * local * (ranks - 1) / ranks / 1e9)
+        worst_s = max(worst_s, max(total / ranks, largest) / achieved_flops)
+    link = ("NVLink", gpu.device.nvlink_gbps) if ranks <= gpus_per_node else ("InfiniBand", gpu.device.ib_gbps)
+    return Transfer(worst_gb, *link), worst_s
 
 
 def compute_time(
