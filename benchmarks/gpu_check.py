@@ -18,6 +18,7 @@ Each row is checked, and the command exits 1 if any check fails:
 - float8 tensorwise and rowwise (compile, one device): step-1 loss within 1e-2 and the last 5 within 3e-2 of the
   eager bf16 row (float8's own error; a first guess to calibrate); dp2 float8 all-gather (FSDP2, ZeRO-3, tensorwise)
   within the bf16 tolerances of the 1-device float8 row;
+- muon (optimizer.name = "muon", AdamW's lr): learns on one device; its step time against bf16 eager's is printed;
 - qwen3 (QK-norm, head_dim 128): learns on one device; qwen3 tp2 sp within the bf16 tolerances of it;
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran;
@@ -102,6 +103,8 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
     # A mixture of experts of the same shape (8 experts, top 2, each a quarter of the MLP): the grouped GEMM path.
     moe = [*MOE, f"--model.moe.moe_intermediate_size={32 if settings.quick else 1408}"]
     rows = [Check("bf16 eager", 1, []), *compile_, *float8_checks(settings), Check("moe bf16", 1, moe)]
+    # Muon (AdamW's lr carries over: Moonlight's scaling) must learn too; its step time is set against bf16 eager's.
+    rows.append(Check("muon bf16", 1, ["--optimizer.name=muon"]))
     # Qwen3's attention (QK-norm, head_dim 128 apart from hidden / heads): finite falling losses on one device,
     # and sequence-parallel TP held to it on two (the norm's replicated weight, its gradient summed over tp).
     qwen3 = [] if settings.quick else ["--model.qk_norm=true", "--model.head_dim=128"]
@@ -338,6 +341,7 @@ def training_checks(
             flush=True,
         )
     print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
+    print(optimizer_line(done), flush=True)
     from benchmarks.cp_check import check as cp_attention_check
 
     failed |= not cp_attention_check(device, 256 if settings.quick else 8192)  # the CUDA block kernels, one device
@@ -347,6 +351,15 @@ def training_checks(
     if device == "cuda":
         failed |= not host_sync_check(common, settings)
     return not failed
+
+
+def optimizer_line(done: dict[str, dict]) -> str:
+    """Muon's step time against AdamW's on one device (the same model, batch and steps): the orthogonalisation's
+    cost, all of it on the one rank here."""
+    muon, adamw = (done.get(name, {}).get("step_time_sec") for name in ("muon bf16", "bf16 eager"))
+    if not muon or not adamw:
+        return "optimizer: muon or adamw row missing, no step time comparison"
+    return f"optimizer: muon step {muon:.3f}s vs adamw {adamw:.3f}s ({muon / adamw:.2f}x) on one device"
 
 
 def host_sync_check(common: list[str], settings: argparse.Namespace) -> bool:

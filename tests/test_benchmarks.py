@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,13 +88,14 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     uninterrupted run)."""
     stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=300, extra=("--only", "rows"))
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
-    assert list(rows) == ["bf16 eager", "moe bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
+    assert list(rows) == ["bf16 eager", "moe bf16", "muon bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
     for kernel in ("fused", "matmul"):  # context parallelism's block kernels (CUDA runs the matmul one)
         assert f"cp attention {kernel} cp4 document: max error vs full attention" in stdout
     assert "moe grouped GEMM (cpu): max relative error" in stdout  # the experts' CUDA kernel on a GPU
+    assert re.search(r"optimizer: muon step [\d.]+s vs adamw [\d.]+s", stdout), stdout[-2000:]
     assert "FAILED" not in stdout and "doctor" not in stdout
 
 
