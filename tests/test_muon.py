@@ -15,7 +15,7 @@ import nanotron.train
 from nanotron.config import load_config, parse_overrides
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.optim import build_optimizer, set_lr
-from nanotron.optim.muon import COEFFICIENTS, Muon, newton_schulz
+from nanotron.optim.muon import COEFFICIENTS, Muon, assign_owners, is_muon_matrix, logical_matrices, newton_schulz
 from nanotron.parallel.init import init_weights
 from nanotron.plan.memory import stage_memory
 from nanotron.plan.timing import estimate_step, parse_gpu, peak_tflops
@@ -117,3 +117,18 @@ def test_the_plan_counts_one_momentum_buffer_the_exchange_and_newton_schulz():
         newton_schulz_s = flops / world / (peak_tflops(muon, gpu)[1] * 1e12 * 0.5)
         assert step.comm["muon"].gb == pytest.approx(gb, rel=1e-9)
         assert step.step_s - base.step_s == pytest.approx(newton_schulz_s + step.comm["muon"].seconds, rel=1e-6)
+
+
+def test_owners_spread_the_newton_schulz_work_over_the_ranks():
+    """Largest first to the least-loaded rank: every rank owns matrices and the loads differ by at most one matrix."""
+    _, model = muon_model()
+    pieces = [
+        (i, *where, p.shape[-1])
+        for i, (name, p) in enumerate(model.named_parameters())
+        if is_muon_matrix(name, p.ndim, [])
+        for where in logical_matrices(name, p.shape)
+    ]
+    cost = {piece: (piece[3] - piece[2]) * piece[4] * min(piece[3] - piece[2], piece[4]) for piece in pieces}
+    matrices = assign_owners(pieces, 4)
+    load = [sum(cost[(m.param, m.lead, m.start, m.stop, m.cols)] for m in matrices if m.owner == r) for r in range(4)]
+    assert min(load) > 0 and max(load) - min(load) <= max(cost.values()), load
