@@ -126,8 +126,9 @@ def overlap(block: Block, m: Matrix) -> tuple[tuple[slice, ...], tuple[slice, ..
 
 
 class Plan:
-    """Who sends which shard of which matrix to whom, fixed for the run: the blocks every rank of the stage
-    group holds (gathered once at start-up) and the owners."""
+    """Who sends which shard of which matrix to whom, fixed for the run: from the blocks every rank of the stage
+    group holds (gathered once at start-up) and the owners, four routes, each in matrix order on both sides of its
+    all-to-all. A step then touches only this rank's pieces (no loop over every rank and matrix)."""
 
     def __init__(self, names: list[str], params: list[torch.Tensor], group: dist.ProcessGroup | None):
         self.group = group
@@ -135,23 +136,46 @@ class Plan:
         self.rank = dist.get_rank(group) if group is not None else 0
         mine = [local_block(p) for p in params]
         blocks = [mine]
-        if self.size > 1:
+        if self.size > 1:  # at start-up only: two short lists of ints per parameter and rank
             blocks = [None] * self.size
             dist.all_gather_object(blocks, mine, group=group)
-        self.blocks: list[list[Block]] = blocks
         # A block held by several ranks (replicated dims) is sent by the first of them only.
-        self.sender = [
-            [blocks[r][i] not in [blocks[q][i] for q in range(r)] for i in range(len(params))] for r in range(self.size)
-        ]
+        first: list[dict[Block, int]] = [{} for _ in params]
+        for r in range(self.size):
+            for i, block in enumerate(blocks[r]):
+                first[i].setdefault(block, r)
         pieces = [
             (i, *where, p.shape[-1])
             for i, (n, p) in enumerate(zip(names, params))
             for where in logical_matrices(n, p.shape)
         ]
         self.matrices = assign_owners(pieces, self.size)
+        self.owned = [m for m in self.matrices if m.owner == self.rank]
+        ranks = range(self.size)
+        self.outgoing: list[list] = [[] for _ in ranks]  # by owner: (param, index into my shard)
+        self.returning: list[list] = [[] for _ in ranks]  # by owner: (param, index into my shard, elements)
+        self.incoming: list[list] = [[] for _ in ranks]  # by sender: (matrix, index into the whole matrix)
+        self.back: list[list] = [[] for _ in ranks]  # by receiver: (matrix, index into the whole matrix)
+        for m in self.matrices:
+            here = overlap(mine[m.param], m)
+            if here is not None:
+                if first[m.param][mine[m.param]] == self.rank:
+                    self.outgoing[m.owner].append((m.param, here[0]))
+                self.returning[m.owner].append((m.param, here[0], numel(here[1])))
+            if m.owner != self.rank:
+                continue
+            for r in ranks:
+                theirs = overlap(blocks[r][m.param], m)
+                if theirs is not None:
+                    self.back[r].append((m, theirs[1]))
+                    if first[m.param][blocks[r][m.param]] == r:
+                        self.incoming[r].append((m, theirs[1]))
+        self.incoming_sizes = [sum(numel(index) for _, index in route) for route in self.incoming]
+        self.returning_sizes = [sum(n for _, _, n in route) for route in self.returning]
 
-    def owned(self) -> list[Matrix]:
-        return [m for m in self.matrices if m.owner == self.rank]
+
+def numel(index: tuple[slice, ...]) -> int:
+    return math.prod(s.stop - s.start for s in index)
 
 
 class Muon(torch.optim.Optimizer):
@@ -208,69 +232,36 @@ class Muon(torch.optim.Optimizer):
         """Shards in, whole matrices to their owners (one all-to-all), Newton-Schulz there, shards of the scaled
         updates back (a second all-to-all)."""
         plan = self.plan
-        mine = plan.blocks[plan.rank]
-        sends: list[list[torch.Tensor]] = [[] for _ in range(plan.size)]
-        for m in plan.matrices:
-            where = overlap(mine[m.param], m)
-            if where is not None and plan.sender[plan.rank][m.param]:
-                sends[m.owner].append(directions[m.param][where[0]].reshape(-1))
-        received = self._exchange(sends, self._sizes(incoming=True))
-        wholes = {}
-        for r, flat in enumerate(received):
+        sends = [[directions[i][index].reshape(-1) for i, index in route] for route in plan.outgoing]
+        received = self._exchange(sends, plan.incoming_sizes, directions[0].dtype)
+        wholes = {m: directions[0].new_zeros(m.shape) for m in plan.owned}
+        for route, flat in zip(plan.incoming, received):
             offset = 0
-            for m in plan.owned():
-                where = overlap(plan.blocks[r][m.param], m)
-                if where is None or not plan.sender[r][m.param]:
-                    continue
-                whole = wholes.setdefault(m, directions[0].new_zeros(m.shape))
-                size = whole[where[1]].numel()
-                whole[where[1]] = flat[offset : offset + size].view_as(whole[where[1]])
-                offset += size
-        coefficients = COEFFICIENTS[self.cfg.muon_coefficients]
-        results = {}
-        for m in plan.owned():
-            scale = self.cfg.muon_update_rms * math.sqrt(max(m.shape))
-            whole = wholes.get(m, directions[0].new_zeros(m.shape))
-            results[m] = newton_schulz(whole, self.cfg.muon_ns_steps, coefficients).mul_(scale).to(whole.dtype)
-        back: list[list[torch.Tensor]] = [[] for _ in range(plan.size)]
-        for m in plan.owned():
-            for r in range(plan.size):
-                where = overlap(plan.blocks[r][m.param], m)
-                if where is not None:
-                    back[r].append(results[m][where[1]].reshape(-1))
-        returned = self._exchange(back, self._sizes(incoming=False))
-        updates = [torch.zeros_like(d) for d in directions]
-        for r, flat in enumerate(returned):
-            offset = 0
-            for m in plan.matrices:
-                where = overlap(mine[m.param], m) if m.owner == r else None
-                if where is None:
-                    continue
-                target = updates[m.param][where[0]]
+            for m, index in route:
+                target = wholes[m][index]
                 target.copy_(flat[offset : offset + target.numel()].view_as(target))
                 offset += target.numel()
+        coefficients = COEFFICIENTS[self.cfg.muon_coefficients]
+        results = {}
+        for m, whole in wholes.items():
+            scale = self.cfg.muon_update_rms * math.sqrt(max(m.shape))
+            results[m] = newton_schulz(whole, self.cfg.muon_ns_steps, coefficients).mul_(scale).to(whole.dtype)
+        back = [[results[m][index].reshape(-1) for m, index in route] for route in plan.back]
+        returned = self._exchange(back, plan.returning_sizes, directions[0].dtype)
+        updates = [torch.zeros_like(d) for d in directions]
+        for route, flat in zip(plan.returning, returned):
+            offset = 0
+            for i, index, n in route:
+                target = updates[i][index]
+                target.copy_(flat[offset : offset + n].view_as(target))
+                offset += n
         return updates
 
-    def _sizes(self, incoming: bool) -> list[int]:
-        """Elements this rank receives from each rank: shards of the matrices it owns (incoming), or its own
-        shards of the updates (returning)."""
-        plan = self.plan
-        sizes = [0] * plan.size
-        for m in plan.matrices:
-            for r in range(plan.size):
-                if incoming and m.owner == plan.rank and plan.sender[r][m.param]:
-                    where = overlap(plan.blocks[r][m.param], m)
-                elif not incoming and m.owner == r:
-                    where = overlap(plan.blocks[plan.rank][m.param], m)
-                else:
-                    continue
-                if where is not None:
-                    sizes[r] += math.prod(s.stop - s.start for s in where[1])
-        return sizes
-
-    def _exchange(self, sends: list[list[torch.Tensor]], recv_sizes: list[int]) -> list[torch.Tensor]:
+    def _exchange(
+        self, sends: list[list[torch.Tensor]], recv_sizes: list[int], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         """One all-to-all of the concatenated pieces (uneven splits); one process keeps its own."""
-        flat = [torch.cat(pieces) if pieces else torch.zeros(0) for pieces in sends]
+        flat = [torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype) for pieces in sends]
         if self.plan.size == 1:
             return flat
         send = torch.cat(flat)
