@@ -401,3 +401,14 @@ def test_vs_torchtitan_layouts_split_the_same_global_batch():
     pp = next(layout for layout in LAYOUTS if layout.name == "pp2 1f1b")
     assert "--training.micro_batch_size=1" in nanotron_args(pp, 4, 8, [])
     assert "--parallelism.pipeline_parallel_microbatch_size=1" in pp.torchtitan
+
+
+def test_muon_exchange_quick_counts_the_routes_the_plan_charges():
+    """One rank of tp 2 x FSDP 4 on the fake process group (in this process: `count` ends its group): what its real
+    routes send and receive in Muon's two all-to-alls is what `nanotron plan` charges; it owns a share of the
+    matrices."""
+    from benchmarks.muon_exchange import QUICK, count
+
+    row = count(QUICK, rank=5)
+    assert row["ranks"] == 8 and not row["matrices_owned"].startswith("0 of"), row
+    assert row["sent_mb"] == row["received_mb"] == row["plan_sent_mb"] > 0, row

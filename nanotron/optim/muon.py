@@ -130,13 +130,21 @@ class Plan:
     group holds (gathered once at start-up) and the owners, four routes, each in matrix order on both sides of its
     all-to-all. A step then touches only this rank's pieces (no loop over every rank and matrix)."""
 
-    def __init__(self, names: list[str], params: list[torch.Tensor], group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        names: list[str],
+        params: list[torch.Tensor],
+        group: dist.ProcessGroup | None,
+        blocks: list[list[Block]] | None = None,
+    ):
+        """`blocks`: every rank's, when known without asking them (a fake process group's rank); else gathered."""
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         mine = [local_block(p) for p in params]
-        blocks = [mine]
-        if self.size > 1:  # at start-up only: two short lists of ints per parameter and rank
+        if blocks is None:
+            blocks = [mine]
+        if self.size > 1 and len(blocks) == 1:  # at start-up only: two short lists of ints per parameter and rank
             blocks = [None] * self.size
             dist.all_gather_object(blocks, mine, group=group)
         # A block held by several ranks (replicated dims) is sent by the first of them only.

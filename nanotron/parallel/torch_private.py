@@ -37,6 +37,7 @@ __all__ = [
     "grouped_mm",
     "in_backward_pass",
     "local_block",
+    "shard_block_at",
     "pytree_logger",
     "reduce_accumulated_gradients",
     "replicate",
@@ -96,6 +97,16 @@ def local_block(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     if not isinstance(tensor, DTensor):
         return (0,) * tensor.ndim, tuple(tensor.shape)
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offset), tuple(shape)
+
+
+def shard_block_at(tensor: torch.Tensor, coordinate: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`local_block` of the rank at `coordinate` of the DTensor's mesh (torch's coordinate-taking twin of DCP's
+    rule): one process can route every rank's shards (`benchmarks/muon_exchange.py` on the fake process group)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh_shape = tensor.device_mesh.shape
+    shape, offset = _compute_local_shape_and_global_offset(tensor.shape, mesh_shape, coordinate, tensor.placements)
     return tuple(offset), tuple(shape)
 
 
