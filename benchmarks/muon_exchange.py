@@ -58,7 +58,7 @@ def count(overrides: list[str], rank: int) -> dict:
     from nanotron.parallel.parallelize import parallelize
     from nanotron.parallel.torch_private import fake_process_group
     from nanotron.plan.check import _Coordinates
-    from nanotron.plan.timing import muon_costs
+    from nanotron.plan.timing import muon_step, parse_gpu
 
     cfg = load_config(*parse_overrides([*overrides, "--optimizer.name=muon"]))
     if cfg.parallelism.pp != 1:
@@ -80,8 +80,7 @@ def count(overrides: list[str], rank: int) -> dict:
         sent += sum(numel(index) for r in others for _, index in plan.back[r])
         received = sum(plan.incoming_sizes[r] + plan.returning_sizes[r] for r in others)
         flops = sum(newton_schulz_flops(*m.shape, o.muon_ns_steps) for m in plan.owned)
-        local = muon_costs(cfg, 0)[2]
-        plan_mb = 2 * bytes_ * local * (plan.size - 1) / plan.size / 1e6
+        plan_mb = muon_step(cfg, 8, parse_gpu("h100"), 1.0)[0].gb * 1e3  # what `nanotron plan` charges
         assert all(isinstance(p, DTensor) for _, p in named)
     finally:
         dist.destroy_process_group()
