@@ -3,7 +3,7 @@ two all-to-alls and the Newton-Schulz FLOPs it owns, next to `nanotron plan`'s f
 
     python -m benchmarks.muon_exchange                  # Llama-70B shapes, tp 8 x FSDP 64 (zero 3): 512 ranks
     python -m benchmarks.muon_exchange --rank 511       # another rank of it
-    python -m benchmarks.muon_exchange --quick          # the tiny model at tp 2 x FSDP 4: the script's smoke test
+    python -m benchmarks.muon_exchange --quick          # one tiny layer at tp 2 x FSDP 4 (7 matrices, 8 ranks)
 
 The rank's model is built on torch's fake process group at the full world size (meta device, as `nanotron plan
 --check`); every other rank's blocks come from its mesh coordinates (`torch_private.shard_block_at`), so the
@@ -35,15 +35,16 @@ LLAMA_70B = [
     "--parallelism.zero_stage=3",
     "--parallelism.recompute=full",
 ]
-QUICK = [
+QUICK = [  # one layer: 7 matrices over 8 ranks, so the busiest owner holds more than the average
     "--model.size=tiny",
+    "--model.num_layers=1",
     "--training.micro_batch_size=1",
     "--training.global_batch_size=8",
     "--training.grad_accum_steps=0",
     "--parallelism.dp=4",
     "--parallelism.tp=2",
+    "--parallelism.zero_stage=3",
 ]
-QUICK += ["--parallelism.zero_stage=3"]
 COLUMNS = ("layout", "rank", "ranks", "matrices_owned", "sent_mb", "received_mb", "plan_sent_mb", "ns_gflop")
 
 
@@ -121,7 +122,7 @@ def numel_of(index, param) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("muon_exchange", __doc__)
     parser.add_argument("--rank", type=int, default=0, help="the rank to count (default 0)")
-    parser.add_argument("--quick", action="store_true", help="the tiny model at tp 2 x FSDP 4")
+    parser.add_argument("--quick", action="store_true", help="one tiny layer at tp 2 x FSDP 4")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "muon_exchange", help="folder for the table")
     parser.add_argument("--work-dir", type=Path, default=None, help="unused: the benchmarks' common flag")
     settings = parser.parse_args(argv)

@@ -404,11 +404,13 @@ def test_vs_torchtitan_layouts_split_the_same_global_batch():
 
 
 def test_muon_exchange_quick_counts_the_routes_the_plan_charges():
-    """One rank of tp 2 x FSDP 4 on the fake process group (in this process: `count` ends its group): what its real
-    routes send and receive in Muon's two all-to-alls is what `nanotron plan` charges; it owns a share of the
-    matrices."""
+    """The busiest owner of tp 2 x FSDP 4, built on the fake process group (in this process: `count` ends its
+    group): what its real routes send and receive in Muon's two all-to-alls is what `nanotron plan` charges."""
     from benchmarks.muon_exchange import QUICK, count
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.plan.timing import muon_loads
 
-    row = count(QUICK, rank=5)
+    _, owned, _ = muon_loads(load_config(*parse_overrides([*QUICK, "--optimizer.name=muon"])), 0)
+    row = count(QUICK, rank=owned.index(max(owned)))
     assert row["ranks"] == 8 and not row["matrices_owned"].startswith("0 of"), row
     assert row["sent_mb"] == row["received_mb"] == row["plan_sent_mb"] > 0, row

@@ -94,8 +94,10 @@ def test_an_unknown_coefficient_set_is_one_line(capsys):
 
 def test_the_plan_counts_one_momentum_buffer_the_exchange_and_newton_schulz():
     """Optimizer state: the bytes the real optimizer holds (Muon's matrices one fp32 buffer, AdamW two moments and
-    a step). Step time: Muon adds its all-to-alls (2 x its fp32 shards, over the stage's other ranks) and the
-    Newton-Schulz FLOPs of every matrix (5 x (4 m^2 n + 2 m^3), m the shorter side), spread over the ranks."""
+    a step). Step time: Muon adds its all-to-alls and the Newton-Schulz FLOPs (5 x (4 m^2 n + 2 m^3), m the shorter
+    side) of the busiest owner: all of them on one rank; on two, between half and all of them, and the rank's own
+    shards plus the other rank's part of its owned matrices sent (tests/test_benchmarks.py holds that to the real
+    routes of the busiest rank)."""
     cfg, model = muon_model()
     optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
     held = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
@@ -103,6 +105,9 @@ def test_the_plan_counts_one_momentum_buffer_the_exchange_and_newton_schulz():
 
     dense = [f"--model.num_layers={cfg.model.num_layers}", "--training.global_batch_size=8"]
     gpu = parse_gpu("h100")
+    shapes = [(32, 32), (16, 32), (16, 32), (32, 32), (64, 32), (64, 32), (32, 64)]  # q k v o gate up down
+    flops = 4 * sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+    elements = 4 * sum(r * c for r, c in shapes)
     for world in (1, 2):
         layout = [f"--parallelism.dp={world}", "--parallelism.zero_stage=3"]
         adamw, muon = (
@@ -110,13 +115,16 @@ def test_the_plan_counts_one_momentum_buffer_the_exchange_and_newton_schulz():
             for name in ("adamw", "muon")
         )
         base, step = (estimate_step(c, gpu, gpus_per_node=8, efficiency=0.5) for c in (adamw, muon))
-        shapes = [(32, 32), (16, 32), (16, 32), (32, 32), (64, 32), (64, 32), (32, 64)]  # q k v o gate up down
-        flops = 4 * sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
-        elements = 4 * sum(r * c for r, c in shapes) // world  # this rank's FSDP shards
-        gb = 2 * 4 * elements * (world - 1) / world / 1e9
-        newton_schulz_s = flops / world / (peak_tflops(muon, gpu)[1] * 1e12 * 0.5)
-        assert step.comm["muon"].gb == pytest.approx(gb, rel=1e-9)
-        assert step.step_s - base.step_s == pytest.approx(newton_schulz_s + step.comm["muon"].seconds, rel=1e-6)
+        newton_schulz_s = step.step_s - base.step_s - step.comm["muon"].seconds
+        all_flops_s = flops / (peak_tflops(muon, gpu)[1] * 1e12 * 0.5)
+        gb = step.comm["muon"].gb
+        if world == 1:
+            assert gb == 0 and newton_schulz_s == pytest.approx(all_flops_s, rel=1e-6)
+        else:
+            assert all_flops_s / 2 <= newton_schulz_s * (1 + 1e-9) and newton_schulz_s < all_flops_s
+            assert (
+                4 * (elements / 2 + elements / 2) / 2 / 1e9 <= gb * (1 + 1e-9) < 4 * (elements / 2 + elements) / 2 / 1e9
+            )
 
 
 def test_owners_spread_the_newton_schulz_work_over_the_ranks():

@@ -24,6 +24,7 @@ once at start-up.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -97,14 +98,15 @@ def logical_matrices(name: str, shape: torch.Size) -> list[tuple[tuple[int, ...]
 
 
 def assign_owners(pieces: list[tuple[int, tuple, int, int, int]], ranks: int) -> list[Matrix]:
-    """Largest Newton-Schulz cost first to the least-loaded rank: the same choice on every rank."""
+    """Largest Newton-Schulz cost first to the least-loaded rank (ties: the lowest rank), the same choice on every
+    rank; a heap keeps it O(matrices x log ranks) for the planner's searches."""
     cost = [(stop - start) * cols * min(stop - start, cols) for _, _, start, stop, cols in pieces]
-    load = [0] * ranks
+    loads = [(0, r) for r in range(ranks)]
     owners = [0] * len(pieces)
     for i in sorted(range(len(pieces)), key=lambda i: (-cost[i], i)):
-        owner = min(range(ranks), key=lambda r: (load[r], r))
+        load, owner = heapq.heappop(loads)
         owners[i] = owner
-        load[owner] += cost[i]
+        heapq.heappush(loads, (load + cost[i], owner))
     return [Matrix(*piece, owner) for piece, owner in zip(pieces, owners)]
 
 
