@@ -32,6 +32,7 @@ LLAMA_70B = [
     "--training.dtype=bfloat16",
     "--parallelism.dp=64",
     "--parallelism.tp=8",
+    "--parallelism.pp=1",
     "--parallelism.zero_stage=3",
     "--parallelism.recompute=full",
 ]

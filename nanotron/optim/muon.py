@@ -15,11 +15,11 @@ Which parameters: 2-D or stacked matrices inside `model.layers` (the hidden matr
 of `optimizer.muon_adamw_names` (the routers by default). The embedding and head (a lookup and the output
 classifier, outside the layers), norms and biases (1-D) go to AdamW.
 
-Cost at 512 GPUs / 70B (tp 8 x FSDP 64; `nanotron plan`, docs/configuration.md#muon): each rank sends its fp32
-shards of the matrices and then its owned matrices' update shards, 1.07 GB per step (0.024 s over 45 GB/s
-InfiniBand), and orthogonalises about 1/512 of the 1.3e16 Newton-Schulz FLOPs, but at least one whole MLP matrix
-(4.4e13 FLOPs, ~0.1 s): +0.8 % on a 15.5 s step. The plan (two lists of ints per parameter and rank) is gathered
-once at start-up.
+Cost at 512 GPUs / 70B (tp 8 x FSDP 64; `benchmarks/muon_exchange.py` on the fake process group, and `nanotron
+plan`): the busiest owner sends and receives 1.47 GB per step (its fp32 shards of the 560 matrices, 0.53 GB, and the
+other ranks' shards of the whole MLP matrix it owns, 0.94 GB): 0.033 s at 45 GB/s; it runs 44 TFLOP of
+Newton-Schulz (~0.11 s): +0.9 % on a 15.5 s step. The routes (two lists of ints per parameter and rank gathered
+once at start-up) are built at start-up; a step touches only this rank's pieces.
 """
 
 from __future__ import annotations
