@@ -18,8 +18,8 @@ classifier, outside the layers), norms and biases (1-D) go to AdamW.
 Cost at 512 GPUs / 70B (tp 8 x FSDP 64; `benchmarks/muon_exchange.py` on the fake process group, and `nanotron
 plan`): the busiest owner sends and receives 1.47 GB per step (its fp32 shards of the 560 matrices, 0.53 GB, and the
 other ranks' shards of the whole MLP matrix it owns, 0.94 GB): 0.033 s at 45 GB/s; it runs 44 TFLOP of
-Newton-Schulz (~0.11 s): +0.9 % on a 15.5 s step. The routes (two lists of ints per parameter and rank gathered
-once at start-up) are built at start-up; a step touches only this rank's pieces.
+Newton-Schulz (~0.11 s): +0.9 % on a 15.5 s step. The routes are built once at start-up, from every rank's blocks
+(two lists of ints per parameter and rank, gathered then); a step touches only this rank's pieces.
 """
 
 from __future__ import annotations
