@@ -21,6 +21,7 @@ Each row is checked, and the command exits 1 if any check fails:
 - float8 tensorwise and rowwise (compile, one device): step-1 loss within 1e-2 and the last 5 within 3e-2 of the
   eager bf16 row (float8's own error; a first guess to calibrate); dp2 float8 all-gather (FSDP2, ZeRO-3, tensorwise)
   within the bf16 tolerances of the 1-device float8 row;
+- muon (optimizer.name = "muon", AdamW's lr): learns on one device; its step time against bf16 eager's is printed;
 - qwen3 (QK-norm, head_dim 128): learns on one device; qwen3 tp2 sp within the bf16 tolerances of it;
 - checkpoint sync/async/async_pinned: within the bf16 tolerances of eager (saving changes no math);
 - mla (DeepSeek-V3's multi-head latent attention at the 1B width): learns on one device; mla tp2 sp within the bf16
@@ -118,6 +119,8 @@ def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
     # A mixture of experts of the same shape (8 experts, top 2, each a quarter of the MLP): the grouped GEMM path.
     moe = [*MOE, f"--model.moe.moe_intermediate_size={32 if settings.quick else 1408}"]
     rows = [Check("bf16 eager", 1, []), *compile_, *float8_checks(settings), Check("moe bf16", 1, moe)]
+    # Muon (AdamW's lr carries over: Moonlight's scaling) must learn too; its step time is set against bf16 eager's.
+    rows.append(Check("muon bf16", 1, ["--optimizer.name=muon"]))
     # Qwen3's attention (QK-norm, head_dim 128 apart from hidden / heads): finite falling losses on one device,
     # and sequence-parallel TP held to it on two (the norm's replicated weight, its gradient summed over tp).
     qwen3 = [] if settings.quick else ["--model.qk_norm=true", "--model.head_dim=128"]
@@ -389,6 +392,7 @@ def training_checks(
             flush=True,
         )
     print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
+    print(optimizer_line(done), flush=True)
     from benchmarks.cp_check import check as cp_attention_check
 
     cp_seq_lens = (256,) if settings.quick else (8192, 32768, 131072)
@@ -399,6 +403,15 @@ def training_checks(
     if device == "cuda":
         failed |= not host_sync_check(common, settings)
     return not failed
+
+
+def optimizer_line(done: dict[str, dict]) -> str:
+    """Muon's step time against AdamW's on one device (the same model, batch and steps): the orthogonalisation's
+    cost, all of it on the one rank here."""
+    muon, adamw = (done.get(name, {}).get("step_time_sec") for name in ("muon bf16", "bf16 eager"))
+    if not muon or not adamw:
+        return "optimizer: muon or adamw row missing, no step time comparison"
+    return f"optimizer: muon step {muon:.3f}s vs adamw {adamw:.3f}s ({muon / adamw:.2f}x) on one device"
 
 
 def host_sync_check(common: list[str], settings: argparse.Namespace) -> bool:

@@ -35,6 +35,7 @@ from nanotron.metrics.step import StepTimer, detect_peak_tflops, memory_record, 
 from nanotron.metrics.wandb_run import WandbRun
 from nanotron.models.shapes import flops_per_token
 from nanotron.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from nanotron.optim.muon import describe as describe_muon
 from nanotron.parallel.expert import ExpertBalance
 from nanotron.parallel.float8 import describe_float8, precompute_float8_scales
 from nanotron.parallel.layout import layout_sizes
@@ -127,9 +128,13 @@ class Trainer:
         )
         self.agree = drill.collective(self.ctx.agree)  # the step's collective (`ParallelContext.agree`)
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
+        muon = cfg.optimizer.name == "muon"
+        stage_group = self.ctx.mesh["stage"].get_group() if muon else None
         self.optimizers = [
-            build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model) for module in self.modules
+            build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model, stage_group) for module in self.modules
         ]
+        if muon and self.ctx.rank == 0:
+            say(describe_muon(self.optimizers[0], self.modules[0]))
         self.state = TrainState()
         self.stability = Stability(cfg)
         self.is_logging_rank = self.runner.is_logging_rank
@@ -282,7 +287,7 @@ class Trainer:
             self.metrics.info(f"model: built and randomly initialised in {self.build_seconds:.2f}s")
             return
         path, model_only = self.source
-        self.checkpoints.load(path, model_only)
+        self.checkpoints.load(path, model_only, fresh=("optimizer",) if self.cfg.checkpoint.reset_optimizer else ())
         self.weights_changed()
         built = f"model built in {self.build_seconds:.2f}s, random init skipped"
         if model_only:

@@ -96,6 +96,12 @@ MOE = (
     "--model.moe.aux_loss_coef=0.01",
 )
 EXPERTS = Family("experts", "tiny_data", (*MOE, *EVALUATE, "--logging.log_interval=1", STATS))
+# Muon (with AdamW for the rest) on the experts' model: dense matrices, each expert's gate/up/down and the router
+# (AdamW) in one family, so one reference serves the FSDP, TP, PP and EP rows; its step-2 checkpoint is resumed at
+# another layout.
+MUON = Family(
+    "muon", "tiny_data", (*MOE, "--optimizer.name=muon", "--logging.log_interval=1", "--checkpoint.interval=2"), steps=3
+)
 # Qwen3's attention on the tiny model: QK-norm, and 4 heads of 12 (48 != hidden 32).
 QWEN3 = Family("qwen3", "tiny_data", (*EVALUATE, STATS, "--model.qk_norm=true", "--model.head_dim=12"))
 # DeepSeek-V3's multi-head latent attention on the tiny model at 2 layers: latents of 16 (queries and keys/values),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +88,7 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     uninterrupted run)."""
     stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=300, extra=("--only", "rows"))
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
-    assert list(rows) == ["bf16 eager", "moe bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
+    assert list(rows) == ["bf16 eager", "moe bf16", "muon bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
@@ -96,6 +97,7 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert "cp attention cpu_flash bfloat16 cp4 document: max error vs float64" in stdout
     assert "document masks flex ring blocks cp4 (cpu)" in stdout  # FlexAttention: forward on CPU
     assert "moe grouped GEMM (cpu, 64 experts, 512 rows): relative error vs the loop" in stdout  # CUDA: the GPU row
+    assert re.search(r"optimizer: muon step [\d.]+s vs adamw [\d.]+s", stdout), stdout[-2000:]
     assert "FAILED" not in stdout and "doctor" not in stdout
 
 
@@ -401,3 +403,16 @@ def test_vs_torchtitan_layouts_split_the_same_global_batch():
     pp = next(layout for layout in LAYOUTS if layout.name == "pp2 1f1b")
     assert "--training.micro_batch_size=1" in nanotron_args(pp, 4, 8, [])
     assert "--parallelism.pipeline_parallel_microbatch_size=1" in pp.torchtitan
+
+
+def test_muon_exchange_quick_counts_the_routes_the_plan_charges():
+    """The busiest owner of tp 2 x FSDP 4, built on the fake process group (in this process: `count` ends its
+    group): what its real routes send and receive in Muon's two all-to-alls is what `nanotron plan` charges."""
+    from benchmarks.muon_exchange import QUICK, count
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.plan.timing import muon_loads
+
+    _, owned, _ = muon_loads(load_config(*parse_overrides([*QUICK, "--optimizer.name=muon"])), 0)
+    row = count(QUICK, rank=owned.index(max(owned)))
+    assert row["ranks"] == 8 and not row["matrices_owned"].startswith("0 of"), row
+    assert row["sent_mb"] == row["received_mb"] == row["plan_sent_mb"] > 0, row

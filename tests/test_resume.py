@@ -52,6 +52,7 @@ def test_changed_adamw_settings_and_lr_are_listed_and_honoured(saved, tmp_path, 
         ("--model.num_heads=2", "model.num_heads 4 -> 2"),  # the same tensor shapes, another model
         ("--training.seq_len=8", "training.seq_len 16 -> 8"),
         ("--training.global_batch_size=16", "training.global_batch_size 8 -> 16"),
+        ("--optimizer.name=muon", "optimizer.name 'adamw' -> 'muon'"),  # AdamW's moments are no Muon momentum
     ],
 )
 def test_changes_a_checkpoint_cannot_honour_are_one_line_errors(saved, tmp_path, capsys, change, named):
@@ -78,3 +79,11 @@ def test_another_tokenizer_is_refused(saved, tiny_data, tmp_path, capsys):
     changes = f"--data.tokenizer={tmp_path / 'other'}", f"--data.path={tmp_path / 'tokens'}"
     assert nanotron.train.main(resume(saved, tmp_path, *changes)) == 2
     assert "cannot honour data.tokenizer (another vocabulary)" in capsys.readouterr().err
+
+
+def test_another_optimizer_starts_afresh_when_asked(saved, tmp_path, capsys):
+    """checkpoint.reset_optimizer: the weights and position resume, Muon's momentum starts at zero."""
+    args = resume(saved, tmp_path, "--optimizer.name=muon", "--checkpoint.reset_optimizer=true")
+    assert nanotron.train.main([*args, "--training.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer.name 'adamw' -> 'muon'" in out and "resumed from" in out

@@ -170,3 +170,31 @@ def test_pytree_logger_is_the_one_pytree_logs_through():
     from nanotron.parallel.torch_private import pytree_logger
 
     assert pytree_logger() is pytree.log and pytree.log.name == "torch.utils._pytree"
+
+
+def test_local_block_is_a_shards_global_offset_and_shape():
+    """Rank 3 of a (2, 2) mesh holds rows 3-5 and columns 4-7 of a [6, 8] tensor sharded on both dims."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    door.fake_process_group(rank=3, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        shard = DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0), Shard(1)], shape=(6, 8), stride=(8, 1))
+        assert door.local_block(shard) == ((3, 4), (3, 4))
+        assert door.local_block(torch.zeros(6, 8)) == ((0, 0), (6, 8))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shard_block_at_gives_another_ranks_block():
+    """From rank 0 of a (2, 2) mesh: rank (1, 1)'s block of a [6, 8] tensor sharded on both dims, as local_block."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    door.fake_process_group(rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        shard = DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0), Shard(1)], shape=(6, 8), stride=(8, 1))
+        assert door.shard_block_at(shard, [1, 1]) == ((3, 4), (3, 4))
+        assert door.shard_block_at(shard, [0, 0]) == door.local_block(shard) == ((0, 0), (3, 4))
+    finally:
+        dist.destroy_process_group()

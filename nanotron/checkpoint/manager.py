@@ -216,13 +216,14 @@ class CheckpointManager:
 
     # ---- load ---------------------------------------------------------------------------------------
 
-    def load(self, path: Path, model_only: bool = False) -> dict[str, Any] | None:
+    def load(self, path: Path, model_only: bool = False, fresh: tuple[str, ...] = ()) -> dict[str, Any] | None:
         """Loads into this rank's shards whatever the layout of the save; returns trainer_state.json's
-        content (None with model_only, which loads the model alone, e.g. from an HF import)."""
+        content (None with model_only, which loads the model alone, e.g. from an HF import). States named in
+        `fresh` keep what they have (checkpoint.reset_optimizer)."""
         metadata = read_metadata(path)
         integrity.check(path, self.options.allow_unverified, UNVERIFIED_OPTION)
         saved = None if model_only else self._read_progress(path)  # a bad one fails before the costly read
-        names = ["model"] if model_only else list(self.states)
+        names = ["model"] if model_only else [name for name in self.states if name not in fresh]
         _load_verified(path, {name: self.states[name] for name in names}, metadata)
         if model_only:
             return None

@@ -3,7 +3,8 @@ the checkpoint cannot honour are refused in one line before anything is built.
 
 Honoured: the schedule (a function of the step and the current [optimizer]/[training] keys), AdamW's betas,
 eps and weight decay (re-applied after the load), the layout (DCP reshards), data and logging keys.
-Refused: the model's shape and math, the tokenizer (token ids would change meaning) and seq_len; the global
+Refused: optimizer.name unless checkpoint.reset_optimizer (then the optimizer state starts afresh), the model's
+shape and math, the tokenizer (token ids would change meaning) and seq_len; the global
 batch too unless checkpoint.allow_global_batch_size_change is set (the data position then shifts).
 """
 
@@ -43,7 +44,9 @@ def config_changes(saved_toml: str, cfg: Config) -> dict[str, tuple[Any, Any]]:
     return {key: (old.get(key), new.get(key)) for key in keys if old.get(key) != new.get(key)}
 
 
-def refused(key: str, allow_batch_change: bool) -> bool:
+def refused(key: str, allow_batch_change: bool, reset_optimizer: bool = False) -> bool:
+    if key == "optimizer.name":  # AdamW's moments are no Muon momentum: a fresh optimizer state, when asked
+        return not reset_optimizer
     if key.startswith("model."):
         return key not in MODEL_KEYS_A_RESUME_MAY_CHANGE
     if key == "training.global_batch_size":
@@ -61,7 +64,7 @@ def check_resume(cfg: Config, step_dir: Path) -> str | None:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise CheckpointError(f"'{file}' is unreadable ({type(error).__name__}: {error})") from None
     allow = cfg.checkpoint.allow_global_batch_size_change
-    bad = [key for key in changes if refused(key, allow)]
+    bad = [key for key in changes if refused(key, allow, cfg.checkpoint.reset_optimizer)]
     saved_tokenizer = step_dir / "tokenizer"
     if (saved_tokenizer / "tokenizer.json").is_file():
         saved = load_tokenizer(saved_tokenizer, what=f"the tokenizer saved in {step_dir}")
@@ -70,6 +73,8 @@ def check_resume(cfg: Config, step_dir: Path) -> str | None:
     if bad:
         listed = "; ".join(_change(key, changes) if key in changes else key for key in bad)
         hint = " (or set checkpoint.allow_global_batch_size_change=true)" if "training.global_batch_size" in bad else ""
+        if "optimizer.name" in bad:
+            hint += " (or set checkpoint.reset_optimizer=true to start the optimizer state afresh)"
         raise ConfigError(
             f"resume from {step_dir}: cannot honour {listed}; restore the checkpoint's values{hint}, or start a "
             "new run (another job.name, or checkpoint.init_from for its weights)"

@@ -253,7 +253,9 @@ def _optimizer(c: Conversion) -> None:
     factory = "optimizer.optimizer_factory" if c.src.peek("optimizer.optimizer_factory") else "optimizer"
     name = c.src.get(f"{factory}.name", str, "adamW")
     if name.lower() != "adamw":
-        c.note(f"{factory}.name", f"{factory}.name={show(name)} not carried over: the optimizer here is AdamW")
+        c.note(
+            f"{factory}.name", f"{factory}.name={show(name)} not carried over: the optimizers here are AdamW and Muon"
+        )
         return
     betas = [c.src.get(f"{factory}.adam_beta{i}", float) for i in (1, 2)]
     if None not in betas:

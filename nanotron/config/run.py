@@ -31,6 +31,11 @@ class CheckpointConfig:
         ("sync", "async", "async_pinned"),
     )
     init_from: str = opt("", "checkpoint dir whose model weights start a new run (e.g. from-hf import)")
+    reset_optimizer: bool = opt(
+        False,
+        "resume the weights and progress but start the optimizer state afresh (required to change "
+        "optimizer.name: AdamW's moments and Muon's momentum are not each other's)",
+    )
     allow_unverified: bool = opt(
         False,
         "load a checkpoint that has no checksums.json (older versions, hand-made, or the file deleted): its files "

@@ -50,6 +50,13 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
+    name: str = opt(
+        "adamw",
+        "adamw, or muon: Nesterov momentum orthogonalised by Newton-Schulz for the decoder layers' hidden matrices "
+        "(each expert's and each of gate/up's own), AdamW for the embedding, head, norms, routers and biases; "
+        "the lr and weight_decay keys serve both (docs/configuration.md#muon)",
+        ("adamw", "muon"),
+    )
     lr: float = opt(3e-3, "peak learning rate", min=0.0)
     min_lr: float = opt(3e-4, "learning rate at the end of decay", min=0.0)
     warmup_steps: int = opt(20, "linear warmup steps", min=0)
@@ -72,3 +79,22 @@ class OptimizerConfig:
         ("scaled", "fixed"),
     )
     fused: bool = opt(True, "fused AdamW kernel where the device has one")
+    muon_momentum: float = opt(0.95, "Muon: momentum of the gradient's running average", min=0.0)
+    muon_nesterov: bool = opt(True, "Muon: orthogonalise the Nesterov look-ahead g + momentum x buffer")
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per matrix and step", min=1)
+    muon_coefficients: str = opt(
+        "jordan",
+        "Muon: the Newton-Schulz polynomial a X + b (X X^T) X + c (X X^T)^2 X: jordan (3.4445, -4.7750, 2.0315), "
+        "Keller Jordan's quintic, or cubic (1.5, -0.5, 0), the classic iteration (slower, converges exactly)",
+        ("jordan", "cubic"),
+    )
+    muon_update_rms: float = opt(
+        0.2,
+        "Muon: each orthogonalised update times update_rms x sqrt(max(rows, cols)) (Moonlight's rule), so its RMS "
+        "is about AdamW's and AdamW's lr and weight_decay carry over",
+        min=0.0,
+    )
+    muon_adamw_names: list[str] = opt(
+        ["mlp.gate.weight"],
+        "Muon: decoder-layer matrices left to AdamW, by a part of their name (default: the MoE routers)",
+    )

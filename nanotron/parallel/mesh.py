@@ -154,7 +154,7 @@ def build_mesh(cfg: Config, device_type: str) -> DeviceMesh:
     With HSDP (dp_shard < dp, zero_stage >= 1) dp splits into ("dp_replicate", "dp_shard"), and "dp" is
     their flattening: `mesh["dp"]` always spans every data-parallel rank (data loading). With cp > 1,
     "dp_cp" spans dp x cp: the ranks whose losses make the global batch's mean and that share gradients
-    (FSDP shards over "dp_shard_cp" under HSDP).
+    (FSDP shards over "dp_shard_cp" under HSDP). "stage" (Muon only) spans all dims but pp.
     """
     p, shard = cfg.parallelism, cfg.dp_shard_size
     cp_dim = {"cp": p.cp} if p.cp > 1 else {}
@@ -163,13 +163,21 @@ def build_mesh(cfg: Config, device_type: str) -> DeviceMesh:
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         if cp_dim:
             flatten_mesh(mesh["dp", "cp"], "dp_cp")
-        return mesh
+        return _with_stage(mesh, cfg)
     dims = {"pp": p.pp, "dp_replicate": p.dp // shard, "dp_shard": shard, **cp_dim, "tp": p.tp}
     mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
     if cp_dim:
         flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
         flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
+    return _with_stage(mesh, cfg)
+
+
+def _with_stage(mesh: DeviceMesh, cfg: Config) -> DeviceMesh:
+    """Muon's "stage": every rank of one pipeline stage (all dims but pp), which hold the same parameters'
+    shards and exchange them once per step. Made only for Muon (one more communicator per stage)."""
+    if cfg.optimizer.name == "muon":
+        flatten_mesh(mesh[tuple(name for name in mesh.mesh_dim_names if name != "pp")], "stage")
     return mesh
 
 

@@ -36,6 +36,8 @@ __all__ = [
     "flatten_mesh",
     "grouped_mm",
     "in_backward_pass",
+    "local_block",
+    "shard_block_at",
     "pytree_logger",
     "reduce_accumulated_gradients",
     "replicate",
@@ -83,6 +85,29 @@ def _timed(wait: Callable, main: int | None) -> Callable:
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """`mesh` (a sub-mesh of several dimensions) as one dimension `name` of its root mesh (HSDP's "dp")."""
     return mesh._flatten(name)
+
+
+def local_block(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, local shape) of this rank's shard of a DTensor (the whole tensor for a plain one): DCP's own
+    rule (`compute_local_shape_and_global_offset`, in the private `_utils`), FSDP's strided shards under TP
+    included. Muon assembles whole matrices from these blocks."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.ndim, tuple(tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offset), tuple(shape)
+
+
+def shard_block_at(tensor: torch.Tensor, coordinate: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`local_block` of the rank at `coordinate` of the DTensor's mesh (torch's coordinate-taking twin of DCP's
+    rule): one process can route every rank's shards (`benchmarks/muon_exchange.py` on the fake process group)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh_shape = tensor.device_mesh.shape
+    shape, offset = _compute_local_shape_and_global_offset(tensor.shape, mesh_shape, coordinate, tensor.placements)
+    return tuple(offset), tuple(shape)
 
 
 def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:

@@ -26,6 +26,7 @@ from nanotron.models.shapes import (
     layer_shapes,
     root_shapes,
 )
+from nanotron.optim.muon import is_muon_matrix
 from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
@@ -312,26 +313,38 @@ class RankWeights:
     tensors: int  # parameter tensors
     root_tp: int  # the stage roots' (embedding, final norm, head) tp-local elements
     largest_layer: int  # the largest decoder layer's tp-local elements: FSDP gathers one layer at a time
+    muon_sharded: int = 0  # of `sharded`, the Muon matrices' (optimizer.name = "muon": one buffer, no step count)
+    muon_tensors: int = 0
 
 
 def rank_weights(cfg: Config, stages: list[StageShape]) -> RankWeights:
     p = cfg.parallelism
     split = coordinate_zero_split(p.tp, cfg.fsdp_shard_size, p.ep)
-    sharded = tp_local = tensors = root_tp = 0
+    sharded = tp_local = tensors = root_tp = muon_sharded = muon_tensors = 0
     largest_layer = 0
+    muon = cfg.optimizer.name == "muon"
     for stage in stages:
         for param in stage.root + stage.layers:
             full, local = split(param)
             sharded += local
             tp_local += full
             tensors += 1
+            if muon and is_muon_matrix(param.name, len(param.shape), cfg.optimizer.muon_adamw_names):
+                muon_sharded += local
+                muon_tensors += 1
         root_tp += sum(split(param)[0] for param in stage.root)
         gathered: dict[str, int] = {}  # per layer ("model.layers.<i>.…")
         for param in stage.layers:
             layer = param.name.split(".")[2]
             gathered[layer] = gathered.get(layer, 0) + split(param)[0]
         largest_layer = max([largest_layer, *gathered.values()])
-    return RankWeights(sharded, tp_local, tensors, root_tp, largest_layer)
+    return RankWeights(sharded, tp_local, tensors, root_tp, largest_layer, muon_sharded, muon_tensors)
+
+
+def optimizer_state_bytes(weights: RankWeights) -> float:
+    """AdamW: two fp32 moments and a step count per tensor; Muon's matrices one fp32 momentum buffer and no step."""
+    adamw = weights.sharded - weights.muon_sharded
+    return 2 * FP32 * adamw + FP32 * (weights.tensors - weights.muon_tensors) + FP32 * weights.muon_sharded
 
 
 def keeps_full_gradients(cfg: Config) -> bool:
@@ -438,7 +451,7 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     parts = {
         "params": FP32 * weights.sharded,
         "grads": FP32 * weights.tp_local + embedding_extra if full_grads else FP32 * weights.sharded,
-        "optimizer": 2 * FP32 * weights.sharded + FP32 * weights.tensors,
+        "optimizer": optimizer_state_bytes(weights),
         "working": working_copy_bytes(cfg, stages, weights),
         "activations": activations_saved + recompute_transient,
         "logits": logits_saved + logits_transient,

@@ -4,8 +4,8 @@ moves per step over stated NVLink / InfiniBand bandwidths.
 Assumptions (printed with every plan): FSDP/DP collectives overlap compute (the step pays the larger of
 the two) except the first unit's gather of each pass and the last unit's reduction; tensor-parallel and
 pipeline transfers are exposed; context parallelism's K/V ring overlaps each block's attention and is exposed
-only where it takes longer; collectives run as rings at the link's bandwidth per GPU; a group inside one node
-uses NVLink, a group spanning nodes InfiniBand.
+only where it takes longer; Muon's all-to-alls and Newton-Schulz are exposed; collectives run as rings at the
+link's bandwidth per GPU; a group inside one node uses NVLink, a group spanning nodes InfiniBand.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from nanotron.models.shapes import (
     kv_bytes_per_token,
     layer_forward_flops,
 )
+from nanotron.optim.muon import assign_owners, is_muon_matrix, logical_matrices, newton_schulz_flops
 from nanotron.parallel.float8 import Float8Plan, fsdp_float8_all_gather
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
@@ -172,9 +173,51 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
     step_s = data_parallel_s + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds
     parts |= {"tp": comm["tp"].seconds, "pp": comm["pp"].seconds, "cp": exposed_cp, "ep": comm["ep"].seconds}
+    if cfg.optimizer.name == "muon":  # after backward, before the next forward: nothing to hide behind
+        comm["muon"], newton_schulz_s = muon_step(cfg, gpus_per_node, gpu, peak * efficiency)
+        parts["muon"] = comm["muon"].seconds + newton_schulz_s
+        step_s += parts["muon"]
     parts["dp"] = data_parallel_s - compute_s
     mfu = model_flops / (step_s * world * peak)
     return StepEstimate(step_s, compute_s, tokens_step / step_s, mfu, comm, parts)
+
+
+def muon_loads(cfg: Config, pp_rank: int) -> tuple[list[float], list[int], int]:
+    """(Newton-Schulz FLOPs and matrix elements each rank of pipeline rank `pp_rank`'s stage owns, as `optim.muon`
+    splits and assigns them; the Muon elements one rank holds)."""
+    o, p = cfg.optimizer, cfg.parallelism
+    split = coordinate_zero_split(p.tp, cfg.fsdp_shard_size, p.ep)
+    pieces = []
+    local = 0
+    for stage in rank_stages(cfg, pp_rank):
+        for param in stage.layers:
+            if is_muon_matrix(param.name, len(param.shape), o.muon_adamw_names):
+                local += split(param)[1]
+                pieces += [(0, *where, param.shape[-1]) for where in logical_matrices(param.name, param.shape)]
+    ranks = cfg.world_size // p.pp
+    flops, owned = [0.0] * ranks, [0] * ranks
+    for m in assign_owners(pieces, ranks):
+        flops[m.owner] += newton_schulz_flops(*m.shape, o.muon_ns_steps)
+        owned[m.owner] += m.shape[0] * m.shape[1]
+    return flops, owned, local
+
+
+def muon_step(cfg: Config, gpus_per_node: int, gpu: Gpu, achieved_flops: float) -> tuple[Transfer, float]:
+    """Muon's two all-to-alls over a pipeline stage's ranks and the owners' Newton-Schulz seconds, for the busiest
+    owner (the all-to-alls end when it is done): it sends its fp32 shards of every matrix, then the other ranks'
+    shards of the updates of the whole matrices it owns (at least one: 560 matrices over 512 ranks leave a 70B
+    MLP matrix's owner 1.4x the average), and receives as much. The worst pipeline rank."""
+    p = cfg.parallelism
+    ranks = cfg.world_size // p.pp
+    worst_gb = worst_s = 0.0
+    for pp_rank in range(p.pp):
+        flops, owned, local = muon_loads(cfg, pp_rank)
+        # Its shards but its own piece of its matrices, and those matrices but that piece (a 1/ranks share of each).
+        sent = local + max(owned) * (1 - 2 / ranks) if ranks > 1 else 0
+        worst_gb = max(worst_gb, FP32 * sent / 1e9)
+        worst_s = max(worst_s, max(flops) / achieved_flops)
+    link = ("NVLink", gpu.device.nvlink_gbps) if ranks <= gpus_per_node else ("InfiniBand", gpu.device.ib_gbps)
+    return Transfer(worst_gb, *link), worst_s
 
 
 def compute_time(

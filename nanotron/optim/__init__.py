@@ -1,5 +1,5 @@
-"""AdamW with decay only on matrices, an LR schedule that is a function of (step, config), and global-norm
-gradient clipping that stays on the device."""
+"""AdamW (or Muon for the hidden matrices: `optim.muon`) with decay only on matrices, an LR schedule that is a
+function of (step, config), and global-norm gradient clipping that stays on the device."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ from torch.distributed.tensor import DTensor
 
 from nanotron.config import ModelConfig, OptimizerConfig
 from nanotron.models.parametrization import param_eps_scale, param_lr_scale, param_weight_decay_scale
+from nanotron.optim.muon import build_muon
 
 
 def build_optimizer(
-    module: nn.Module, cfg: OptimizerConfig, device: torch.device, model: ModelConfig
-) -> torch.optim.AdamW:
+    module: nn.Module,
+    cfg: OptimizerConfig,
+    device: torch.device,
+    model: ModelConfig,
+    group: dist.ProcessGroup | None = None,
+) -> torch.optim.Optimizer:
     """No weight decay on norms and embeddings: decaying them only hurts (they are scales and lookups).
 
     Each group carries the `lr_scale`, weight decay and epsilon its parameters get from the parametrization
@@ -25,6 +30,8 @@ def build_optimizer(
     under standard). Groups are keyed by parameter name, so every layout builds the same ones.
     Params are also grouped by their DTensor mesh: fused/foreach kernels can't mix plain tensors (e.g.
     replicated norms under plain TP) with DTensors, nor DTensors of different meshes, in one call.
+    With optimizer.name = "muon" the hidden matrices leave these groups for Muon's, which exchanges shards over
+    `group` (the pipeline stage's ranks).
     """
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for name, param in module.named_parameters():  # tied weights are yielded once
@@ -34,20 +41,23 @@ def build_optimizer(
         eps = cfg.eps * param_eps_scale(model, name, cfg.eps_mode)
         mesh = param.device_mesh if isinstance(param, DTensor) else None
         groups[decay, param_lr_scale(model, name), eps, mesh].append(param)
-    param_groups = [
-        {"params": params, "weight_decay": decay, "lr_scale": lr_scale, "eps": eps}
-        for (decay, lr_scale, eps, _), params in groups.items()
-    ]
-    optimizer = torch.optim.AdamW(
-        param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused and device.type in ("cuda", "cpu")
-    )
+
+    def adamw(items) -> torch.optim.AdamW:
+        param_groups = [
+            {"params": params, "weight_decay": decay, "lr_scale": lr_scale, "eps": eps}
+            for (decay, lr_scale, eps, _), params in items
+        ]
+        fused = cfg.fused and device.type in ("cuda", "cpu")
+        return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+
+    optimizer = build_muon(module, cfg, groups, adamw, group) if cfg.name == "muon" else adamw(groups.items())
     init_state(optimizer)
     return optimizer
 
 
 @torch.no_grad()
 def init_state(optimizer: torch.optim.Optimizer) -> None:
-    """Creates AdamW's state now (zero moments, step 0), exactly what its first step would create.
+    """Creates AdamW's state now (zero moments, step 0; Muon's zero momentum), what a first step would create.
 
     So a checkpoint taken before the first step holds optimizer state like any other, and loading one never
     needs a throw-away step to build a template to load into.
@@ -63,7 +73,8 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
     for param in params:
         param.grad = None
-        optimizer.state[param]["step"].zero_()
+        if "step" in optimizer.state[param]:  # Muon's momentum has no step count
+            optimizer.state[param]["step"].zero_()
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
