@@ -476,6 +476,17 @@ def test_a_qwen3_config_nanotron_cannot_carry_is_refused_in_one_line(tmp_path, c
 # ---- Qwen3-MoE: QK-norm and a mixture of experts after a dense first layer --------------------------------------
 
 
+def roughen(model) -> None:
+    """Routers and norms away from their init (near-zero routers, unit norms): a mapping that drops or transposes
+    one of them then changes the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):
+                param.normal_(1.0, 0.5)
+
+
 def hf_qwen3_moe(norm_topk_prob: bool, seed: int = 0, **overrides):
     """A random HF Qwen3-MoE: 3 layers, the first dense (mlp_only_layers), 4 experts of 24, top-2, 4 query heads
     of 12 (48 != hidden 32); routers and q/k norms spread so routing and the norms matter."""
@@ -500,12 +511,7 @@ def hf_qwen3_moe(norm_topk_prob: bool, seed: int = 0, **overrides):
         }
     )
     model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-            elif name.endswith("norm.weight"):
-                param.normal_(1.0, 0.5)
+    roughen(model)
     return model
 
 
@@ -589,12 +595,8 @@ def hf_deepseek_v3(moe: bool, seed: int = 0, **overrides):
         }
     )
     model = transformers.DeepseekV3ForCausalLM(config).eval()
+    roughen(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-            elif name.endswith("norm.weight"):
-                param.normal_(1.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)

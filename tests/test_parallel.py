@@ -76,59 +76,37 @@ def test_layout_matches_one_process(layout, references, tiny_data, tmp_path):
     print(f"{layout}: {assert_matches(run, ref, DENSE)}")
 
 
+# The other families, each at the layouts where its own parameters see shards, held to its own 1-process run.
 # Qwen3's QK-norm under TP: each rank normalises its own heads with the one replicated weight, whose gradient is
-# summed over the tp ranks. With sequence parallelism and ring attention (RoPE on each rank's chunks after the
-# norm); with plain TP and FSDP (the norm's weight a tp-replicated DTensor beside plain norm weights).
-QWEN3_LAYOUTS = [
-    Layout(cp=2, tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
-    Layout(dp=2, tp=2, flags=("--parallelism.tp_mode=all_reduce", "--parallelism.zero_stage=3")),
-]
-
-
-# Float8 (emulated) at the layouts whose float8 scales see shards: FSDP's float8 all-gather (ZeRO-3: re-gathered
-# in backward with the precomputed scale), sequence-parallel TP with selective recompute, the pipeline; rowwise
-# scales under TP (per-row amaxes of tp-sharded rows and columns). Each held to its 1-process float8 run.
-FLOAT8_LAYOUTS = [
+# summed over the tp ranks; with sequence parallelism and ring attention (RoPE on each rank's chunks after the
+# norm), and with plain TP and FSDP (the norm's weight a tp-replicated DTensor beside plain norm weights).
+# Multi-head latent attention: heads split over tp with the latents' down-projections replicated and the shared RoPE
+# key's gradient summed over tp (sequence parallel: the gathered input reaches them as a plain tensor); FSDP ZeRO-3
+# over its replicated and per-head weights; the cp ring carrying keys and narrower values (expanded, not the latent).
+# Float8 (emulated): FSDP's float8 all-gather (ZeRO-3: re-gathered in backward with the precomputed scale),
+# sequence-parallel TP with selective recompute, the pipeline; rowwise scales under TP (per-row amaxes of
+# tp-sharded rows and columns).
+FAMILY_LAYOUTS = [
+    (QWEN3, Layout(cp=2, tp=2, flags=("--parallelism.tp_mode=reduce_scatter",))),
+    (QWEN3, Layout(dp=2, tp=2, flags=("--parallelism.tp_mode=all_reduce", "--parallelism.zero_stage=3"))),
+    (MLA, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",))),
+    (MLA, Layout(dp=2, flags=("--parallelism.zero_stage=3",))),
+    (MLA, Layout(cp=2)),
     (FLOAT8, Layout(dp=2, flags=("--parallelism.zero_stage=3",))),
     (FLOAT8, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective"))),
     (FLOAT8, Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",))),
     (FLOAT8_ROWWISE, Layout(dp=2, tp=2, flags=("--parallelism.zero_stage=2",))),
 ]
+OWN_WEIGHT = {QWEN3.name: "self_attn.k_norm.weight", MLA.name: "self_attn.kv_b_proj.weight"}  # the family is itself
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", QWEN3_LAYOUTS, ids=str)
-def test_qwen3_attention_matches_one_process(layout, references, tiny_data, tmp_path):
-    ref = references[QWEN3]
-    run = QWEN3.run(tiny_data, tmp_path, "run", layout)
-    assert any(name.endswith("self_attn.k_norm.weight") for name in ref.weights)
-    print(f"qwen3 {layout}: {assert_matches(run, ref, QWEN3)}")
-
-
-# Multi-head latent attention: heads split over tp with the latents' down-projections replicated and the shared RoPE
-# key's gradient summed over tp (sequence parallel: the gathered input reaches them as a plain tensor); FSDP ZeRO-3
-# over its replicated and per-head weights; the cp ring carrying keys and narrower values (expanded, not the latent).
-MLA_LAYOUTS = [
-    Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
-    Layout(dp=2, flags=("--parallelism.zero_stage=3",)),
-    Layout(cp=2),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", MLA_LAYOUTS, ids=str)
-def test_latent_attention_matches_one_process(layout, references, tiny_data, tmp_path):
-    ref = references[MLA]
-    run = MLA.run(tiny_data, tmp_path, "run", layout)
-    assert any(name.endswith("self_attn.kv_b_proj.weight") for name in ref.weights)
-    print(f"mla {layout}: {assert_matches(run, ref, MLA)}")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family, layout", FLOAT8_LAYOUTS, ids=lambda x: x.name if hasattr(x, "name") else str(x))
-def test_float8_layout_matches_one_process_float8(family, layout, references, tiny_data, tmp_path):
+@pytest.mark.parametrize("family, layout", FAMILY_LAYOUTS, ids=lambda x: x.name if hasattr(x, "name") else str(x))
+def test_family_layout_matches_its_one_process_run(family, layout, references, tiny_data, tmp_path):
     ref = references[family]
     run = family.run(tiny_data, tmp_path, "run", layout)
+    if family.name in OWN_WEIGHT:
+        assert any(name.endswith(OWN_WEIGHT[family.name]) for name in ref.weights)
     print(f"{family.name} {layout}: {assert_matches(run, ref, family)}")
 
 
