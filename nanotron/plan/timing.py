@@ -126,8 +126,9 @@ def float8_peak_tflops(cfg: Config, gpu: Gpu) -> float | None:
 @dataclass(frozen=True)
 class Float8Linears:
     """What the plan needs of the linears training.float8 converts (nanotron.parallel.float8's rule, applied to a
-    meta model of the config): per decoder layer, their weight elements, their input features and their input plus
-    output features (summed over the layer's converted linears), and the same for all its linears converted or not;
+    meta model of the config): per decoder layer and last for the rest of the model (none under today's rule), their
+    weight elements, their input features and their input plus output features (summed over the converted linears),
+    and the weights of all linears there converted or not;
     the model's converted FQNs with their shapes, how many decoder-layer linears stay unconverted (a dimension
     float8 kernels can't take), and its parameter count."""
 
@@ -149,14 +150,15 @@ def float8_linears(m: ModelConfig) -> Float8Linears:
         with torch.device("meta"):
             model = LlamaForCausalLM(m)
         converted = set(Float8Plan.of(model).converted)
-        weights, inputs, features, linear_weights = ([0] * m.num_layers for _ in range(4))
+        weights, inputs, features, linear_weights = ([0] * (m.num_layers + 1) for _ in range(4))
         kept = 0
         for fqn, module in model.named_modules():
-            if not isinstance(module, torch.nn.Linear) or not fqn.startswith("model.layers."):
+            if not isinstance(module, torch.nn.Linear):
                 continue
-            i = int(fqn.split(".")[2])
+            in_layer = fqn.startswith("model.layers.")
+            i = int(fqn.split(".")[2]) if in_layer else m.num_layers
             linear_weights[i] += module.weight.numel()
-            kept += fqn not in converted
+            kept += in_layer and fqn not in converted
             if fqn in converted:
                 weights[i] += module.weight.numel()
                 inputs[i] += module.in_features
