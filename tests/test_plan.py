@@ -818,6 +818,12 @@ def test_the_plan_says_what_float8_runs_and_what_stays_bf16_and_refuses_a_gpu_wi
     assert not [x for x in describe(float8_config("off"), gpu, 1, 8, 0.5) if x.startswith("float8")]
     with pytest.raises(ConfigError, match=r"^--gpu a100: no float8 matmuls \(training.float8='rowwise' would"):
         estimate_step(float8_config("rowwise"), parse_gpu("a100"), 8, 0.5)
+    # The launcher's run-length warning has no step time to go on there (torchao emulates: speed unknown).
+    from nanotron.launch.cluster import planned_step_seconds
+
+    a100 = SimpleNamespace(gpu="a100", gpus_per_node=8)
+    assert planned_step_seconds(float8_config("rowwise"), a100, 8) is None
+    assert planned_step_seconds(float8_config("off"), a100, 8) > 0
 
 
 def test_search_weighs_the_configs_float8_recipe_against_off_where_the_layout_allows_it():
