@@ -9,7 +9,8 @@ initial weights and the sample order; each seed's float8 runs are compared with 
 seed-to-seed spread does not hide the float8 gap. On CPU float8 is emulated (same numerics as a GPU's float8
 matmuls, slower than bf16): the losses are the measurement, not the speed (benchmarks/gpu_check.py times float8).
 Writes float8_quality.csv/.md to --out, with the stability guard's statistics of each run (the largest loss and
-gradient-norm z-scores it saw after its warm-up, against its thresholds 6 and 8) and float8_quality.png: the
+gradient-norm z-scores after its warm-up, against its thresholds 6 and 8, and the steps over any threshold: the
+runs set stability.action=warn, so a spike is counted, not acted on) and float8_quality.png: the
 training loss curves (mean over seeds) and each seed's float8 - bf16 loss gap along the run.
 """
 
@@ -41,6 +42,7 @@ COLUMNS = (
     "max_loss_z",
     "max_grad_norm_z",
     "max_grad_norm",
+    "spikes",
     "step_time_sec",
 )
 
@@ -67,6 +69,10 @@ def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
         "--optimizer.warmup_steps=10",
         "--optimizer.decay_style=constant",
         "--watch.enabled=false",
+        # The guard watches and logs but changes nothing (a spike would stop a run that keeps no checkpoint): the
+        # curves are the recipes' own, and its statistics and spike count are the measurement.
+        "--stability.action=warn",
+        "--stability.replay=false",
     ]
     records = run_nanotron(name, args, 1, settings.work_dir, settings.steps)
     losses = [r["loss"] for r in records if "loss" in r]
@@ -74,7 +80,8 @@ def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
     evals = [line for line in metrics if '"eval_loss"' in line]
     eval_loss = json.loads(evals[-1])["eval_loss"]
     steps = [r for r in records if "loss" in r]
-    judged = steps[StabilityConfig().warmup_steps :] or steps  # what the guard decides on: after its warm-up
+    guard = StabilityConfig()
+    judged = steps[guard.warmup_steps :] or steps  # what the guard decides on: after its warm-up
     return {
         "recipe": recipe,
         "seed": seed,
@@ -83,9 +90,20 @@ def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
         "max_loss_z": round(max(r.get("stability/loss_z", 0.0) for r in judged), 2),
         "max_grad_norm_z": round(max(r.get("stability/grad_norm_z", 0.0) for r in judged), 2),
         "max_grad_norm": round(max(r["grad_norm"] for r in steps), 3),
+        "spikes": sum(is_spike(r, guard) for r in judged),
         "step_time_sec": round(statistics.median(r["step_time_sec"] for r in records[2:]), 3),
         "losses": losses,
     }
+
+
+def is_spike(record: dict, guard: StabilityConfig) -> bool:
+    """A step over any of the guard's default thresholds (what it would have replayed and rolled back)."""
+    return (
+        record.get("stability/loss_z", 0.0) > guard.loss_z
+        or record.get("stability/grad_norm_z", 0.0) > guard.grad_norm_z
+        or record.get("stability/loss_ratio", 0.0) > guard.loss_ratio
+        or record.get("stability/grad_norm_ratio", 0.0) > guard.grad_norm_ratio
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
