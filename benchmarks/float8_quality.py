@@ -1,14 +1,17 @@
 """Float8's cost in quality: the same model trained in bf16 and with float8 (torchao, tensorwise and rowwise), over
 several seeds, compared on the final validation loss.
 
-    python -m benchmarks.float8_quality [--size nano] [--steps 100] [--seeds 1 2 3]
+    python -m benchmarks.float8_quality [--size nano] [--steps 100] [--seeds 1 2 3] [--recipes off tensorwise]
 
 Each run is one process of `configs/tiny.toml` at the benchmark model `--size` on the synthetic corpus, bf16
 compute (FSDP mixed precision, fp32 master weights), a constant LR after a short warm-up. The seed changes the
 initial weights and the sample order; each seed's float8 runs are compared with its bf16 run (paired), so the
 seed-to-seed spread does not hide the float8 gap. On CPU float8 is emulated (same numerics as a GPU's float8
 matmuls, slower than bf16): the losses are the measurement, not the speed (benchmarks/gpu_check.py times float8).
-Writes float8_quality.csv/.md to --out.
+Writes float8_quality.csv/.md to --out, with the stability guard's statistics of each run (the largest loss and
+gradient-norm z-scores after its warm-up, against its thresholds 6 and 8, and the steps over any threshold: the
+runs set stability.action=warn, so a spike is counted, not acted on) and float8_quality.png: the
+training loss curves (mean over seeds) and each seed's float8 - bf16 loss gap along the run.
 """
 
 from __future__ import annotations
@@ -27,9 +30,21 @@ from benchmarks.common import (
     run_nanotron,
     write_table,
 )
+from nanotron.config.resilience import StabilityConfig
 
 RECIPES = ("off", "tensorwise", "rowwise")
-COLUMNS = ("recipe", "seed", "final_eval_loss", "last10_train_loss", "gap_vs_bf16", "step_time_sec")
+COLUMNS = (
+    "recipe",
+    "seed",
+    "final_eval_loss",
+    "last10_train_loss",
+    "gap_vs_bf16",
+    "max_loss_z",
+    "max_grad_norm_z",
+    "max_grad_norm",
+    "spikes",
+    "step_time_sec",
+)
 
 
 def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
@@ -54,19 +69,41 @@ def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
         "--optimizer.warmup_steps=10",
         "--optimizer.decay_style=constant",
         "--watch.enabled=false",
+        # The guard watches and logs but changes nothing (a spike would stop a run that keeps no checkpoint): the
+        # curves are the recipes' own, and its statistics and spike count are the measurement.
+        "--stability.action=warn",
+        "--stability.replay=false",
     ]
     records = run_nanotron(name, args, 1, settings.work_dir, settings.steps)
     losses = [r["loss"] for r in records if "loss" in r]
     metrics = (settings.work_dir / "runs" / name / "metrics.jsonl").read_text().splitlines()
     evals = [line for line in metrics if '"eval_loss"' in line]
     eval_loss = json.loads(evals[-1])["eval_loss"]
+    steps = [r for r in records if "loss" in r]
+    guard = StabilityConfig()
+    judged = steps[guard.warmup_steps :] or steps  # what the guard decides on: after its warm-up
     return {
         "recipe": recipe,
         "seed": seed,
         "final_eval_loss": round(eval_loss, 4),
         "last10_train_loss": round(statistics.mean(losses[-10:]), 4),
+        "max_loss_z": round(max(r.get("stability/loss_z", 0.0) for r in judged), 2),
+        "max_grad_norm_z": round(max(r.get("stability/grad_norm_z", 0.0) for r in judged), 2),
+        "max_grad_norm": round(max(r["grad_norm"] for r in steps), 3),
+        "spikes": sum(is_spike(r, guard) for r in judged),
         "step_time_sec": round(statistics.median(r["step_time_sec"] for r in records[2:]), 3),
+        "losses": losses,
     }
+
+
+def is_spike(record: dict, guard: StabilityConfig) -> bool:
+    """A step over any of the guard's default thresholds (what it would have replayed and rolled back)."""
+    return (
+        record.get("stability/loss_z", 0.0) > guard.loss_z
+        or record.get("stability/grad_norm_z", 0.0) > guard.grad_norm_z
+        or record.get("stability/loss_ratio", 0.0) > guard.loss_ratio
+        or record.get("stability/grad_norm_ratio", 0.0) > guard.grad_norm_ratio
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,20 +111,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="nano", choices=("nano", "tiny", "small"))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES, help="'off' (bf16) first")
     parser.add_argument("--work_dir", type=Path, default=DEFAULT_WORK_DIR)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     settings = parser.parse_args(argv)
     data = ensure_data(settings.work_dir)
     rows = []
+    recipes = ["off", *(r for r in settings.recipes if r != "off")]
     for seed in settings.seeds:
         bf16 = None
-        for recipe in RECIPES:
+        for recipe in recipes:
             row = train(recipe, seed, settings, data)
             bf16 = row["final_eval_loss"] if recipe == "off" else bf16
             row["gap_vs_bf16"] = round(row["final_eval_loss"] - bf16, 4)
             rows.append(row)
-            print(row, flush=True)
-    for recipe in RECIPES[1:]:
+            print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+    for recipe in recipes[1:]:
         gaps = [r["gap_vs_bf16"] for r in rows if r["recipe"] == recipe]
         spread = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
         print(
@@ -95,6 +134,43 @@ def main(argv: list[str] | None = None) -> None:
         )
     settings.out.mkdir(parents=True, exist_ok=True)
     print(write_table(rows, COLUMNS, settings.out / "float8_quality"))
+    plot(rows, settings.out / "float8_quality.png", settings.size)
+
+
+def rolling(values: list[float], window: int = 10) -> list[float]:
+    return [statistics.mean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+def plot(rows: list[dict], path: Path, size: str) -> None:
+    """Left: training loss (10-step rolling mean, averaged over seeds) per recipe; right: each seed's float8 - bf16
+    training-loss gap along the run (10-step rolling mean of the per-step difference)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot written")
+        return
+    fig, (curves, gaps) = plt.subplots(1, 2, figsize=(11, 4))
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    for recipe in recipes:
+        runs = [r["losses"] for r in rows if r["recipe"] == recipe]
+        mean = [statistics.mean(step) for step in zip(*runs)]
+        curves.plot(range(1, len(mean) + 1), rolling(mean), label="bf16" if recipe == "off" else recipe)
+    bf16 = {r["seed"]: r["losses"] for r in rows if r["recipe"] == "off"}
+    for r in rows:
+        if r["recipe"] != "off":
+            diff = [a - b for a, b in zip(r["losses"], bf16[r["seed"]])]
+            gaps.plot(range(1, len(diff) + 1), rolling(diff), label=f"{r['recipe']} seed {r['seed']}", linewidth=0.9)
+    gaps.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
+    curves.set(xlabel="step", ylabel="training loss (10-step mean)", title=f"{size}: mean over seeds")
+    gaps.set(xlabel="step", ylabel="float8 - bf16 training loss", title="paired by seed (10-step mean)")
+    curves.legend()
+    gaps.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

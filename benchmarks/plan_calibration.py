@@ -26,6 +26,12 @@ recomputed forward). `--search` runs `nanotron plan --search` on every published
 (model, GPUs, sequence, global batch) and reports where the published layout ranks:
 `benchmarks/results/plan-search-cells.{csv,md}` (minutes per 512-GPU cell).
 
+Float8 rows are a check of the plan's float8 model, never part of the fit: torchtitan's December 2024 runs with
+Float8 (torchao's tensorwise recipe, the one it had then) are planned with `training.float8 = "tensorwise"` at the
+H100's bf16-derived efficiency, and reported as planned / published beside the speed-up over their bf16 twin
+(Tables 1 and 3: the same layout with compile, without Float8). Table 2's cp > 1 rows are not planned in float8
+(nanotron refuses float8 with cp > 1) and Tables 5 and 6 ran async TP (a cross-check, as Megatron-LM's runs).
+
 Selective activation checkpointing (torchtitan's default, its op-level policy: every other matmul output kept)
 is planned as nanotron's `parallelism.recompute = "selective"` with `selective_matmuls = "every_other"`, the same
 policy. Approximations, printed in the table: torch.compile is not modelled (the compiled and eager rows of one
@@ -89,6 +95,7 @@ COLUMNS = (
     "planned / published",
     "efficiency to match",
     "published MFU",
+    "float8 speed-up planned / published",
     "published GiB",
     "planned GiB",
     "memory planned / published",
@@ -112,7 +119,29 @@ def config(case: dict):
     pairs += [("training.seq_len", case["seq_len"]), ("training.micro_batch_size", str(micro_batch))]
     pairs += [("training.global_batch_size", case["global_batch"]), ("training.grad_accum_steps", "0")]
     pairs += [("training.dtype", "bfloat16")]
+    pairs += [("training.float8", FLOAT8_RECIPE)] if runs_float8(case) else []
     return load_config(None, pairs, world_size=world)
+
+
+FLOAT8_RECIPE = "tensorwise"  # torchtitan's December 2024 Float8: torchao's tensorwise scaling, its only recipe then
+
+
+def runs_float8(case: dict) -> bool:
+    """A Float8 run that nanotron can plan in float8 (not with cp > 1, which it refuses)."""
+    return case["precision"] == "float8" and case["cp"] == "1"
+
+
+def float8_cases(cases: list[dict]) -> list[dict]:
+    """The Float8 runs with a published tokens/s planned in float8: the check of the float8 plan, out of the fit
+    (those with async TP included; `tp_comm_overlap` tells them apart)."""
+    return [c for c in cases if runs_float8(c) and c["tokens_per_s_per_gpu"]]
+
+
+def bf16_twin(case: dict, cases: list[dict]) -> dict | None:
+    """The bf16 run of the same source table and layout as a Float8 run (its speed-up's baseline), if published."""
+    keys = ("source", "model", "world", "fsdp", "tp", "pp", "cp", "seq_len", "local_batch", "recompute", "compile")
+    twins = [c for c in cases if c["precision"] == "bf16" and all(c[k] == case[k] for k in keys)]
+    return twins[0] if twins else None
 
 
 def speed_cases(cases: list[dict]) -> list[dict]:
@@ -210,6 +239,25 @@ def layout_degrees(cfg) -> tuple[int, int, int, int]:
     return p.dp, p.tp, p.pp, p.cp
 
 
+def float8_rows(cases: list[dict], efficiency: float | None) -> dict[str, dict]:
+    """By case: each Float8 run's planned tokens/s per GPU against the published, the efficiency that would match
+    it, and where a bf16 twin was published the planned against the published speed-up."""
+    out = {}
+    for case in float8_cases(cases):
+        published, planned = float(case["tokens_per_s_per_gpu"]), planned_per_gpu(case, efficiency)
+        row = {"published tok/s/GPU": published, "planned": round(planned)}
+        row |= {"planned / published": round(planned / published, 2)}
+        row |= {"efficiency to match": round(matching_efficiency(case, published), 3)}
+        row |= {"exposed": case["tp_comm_overlap"] != "true"}
+        twin = bf16_twin(case, cases)
+        if twin:
+            planned_up = planned / planned_per_gpu(twin, efficiency)
+            published_up = published / float(twin["tokens_per_s_per_gpu"])
+            row["float8 speed-up planned / published"] = f"{planned_up:.2f} / {published_up:.2f}"
+        out[case["case"]] = row
+    return out
+
+
 def main() -> None:
     parser = bench_parser("plan_calibration", __doc__)
     parser.add_argument("--efficiency", type=float, default=None, help="default: each GPU's, as nanotron plan")
@@ -260,6 +308,9 @@ def main() -> None:
             memory_ratios.setdefault(case["recompute"], []).append(ratio)
             row |= {"published GiB": case["memory_gib"], "memory planned / published": round(ratio, 2)}
         rows.append(row)
+    float8 = float8_rows(cases, args.efficiency)
+    for row in rows:
+        row |= float8.get(row["case"], {})
     for gpu, values in speed.items():
         rows.append(
             {
@@ -279,6 +330,16 @@ def main() -> None:
                 f"MFU {min(mfus):.2f}-{max(mfus):.2f}",
                 "planned / published": round(statistics.median(ratios), 2),
                 "published MFU": round(statistics.median(mfus), 3),
+            }
+        )
+    for exposed in (True, False):
+        ratios = [r["planned / published"] for r in float8.values() if r["exposed"] == exposed]
+        rows.append(
+            {
+                "case": f"median ({len(ratios)} float8 runs{'' if exposed else ', async TP'}: a check, not in the fit)",
+                "gpu": "h100",
+                "layout": f"planned / published {min(ratios):.2f}-{max(ratios):.2f}",
+                "planned / published": round(statistics.median(ratios), 2),
             }
         )
     groups = {f"AC {mode}": values for mode, values in memory_ratios.items()}

@@ -2,8 +2,12 @@
 memory, links), the CUDA/NCCL environment, TF32.
 
 Peaks are dense (no 2:4 sparsity) TFLOP/s per device from the vendors' datasheets, looked up by the exact
-model and form factor in the device name (an H100 PCIe is not an H100 SXM). The environment defaults are
-set by the trainer before CUDA or NCCL read them; a variable already set by the user is never changed.
+model and form factor in the device name (an H100 PCIe is not an H100 SXM). The float8 (e4m3) peaks are half of
+the datasheets' "with sparsity" FP8 Tensor Core figures: NVIDIA H100 datasheet 3,958 (SXM), 3,026 (PCIe), 3,341
+(NVL); H200 datasheet 3,958 (SXM), 3,341 (NVL); HGX B200 72 PFLOPS FP8 for 8 GPUs, GB200 NVL72 720 PFLOPS for
+72; L40S 1,466, L40 724, L4 485; or the dense figure itself: H20 296, AMD MI300X / MI325X 2,614.9. Parts without
+float8 tensor cores (Ampere, Volta) have None. The environment defaults are set by the trainer before CUDA or NCCL
+read them; a variable already set by the user is never changed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from nanotron.config import Config
 @dataclass(frozen=True)
 class Device:
     """One device's datasheet: dense TFLOP/s by math mode (None where it has no tensor-core path for it); for the
+    GPUs `nanotron plan` plans for, also the float8 (e4m3) peak where it has float8 tensor cores; for the
     GPUs `nanotron plan` plans for, also memory as the device reports it (80 GB = 79.6 GiB), the achievable ring
     bandwidth per GPU inside a node (NVLink) and across nodes (InfiniBand), typical NCCL bus bandwidths, and the
     HBM bandwidth (datasheet): what selective recompute's element-wise reruns cost."""
@@ -29,25 +34,26 @@ class Device:
     bf16: float | None
     tf32: float | None
     fp32: float | None
+    fp8: float | None = None
     memory_gib: float | None = None
     nvlink_gbps: float | None = None
     ib_gbps: float | None = None
     hbm_gbps: float | None = None
 
     def peak(self, mode: str) -> float | None:
-        """The dense peak in math `mode` (see `math_mode`)."""
+        """The dense peak in math `mode` (see `math_mode`; fp8: the e4m3 float8 matmuls of training.float8)."""
         return getattr(self, mode)
 
 
-_H100_SXM = Device(989.4, 494.7, 66.9)
-_H100_PCIE = Device(756.5, 378.0, 51.2)
-_H100_NVL = Device(835.5, 417.5, 60.0)
+_H100_SXM = Device(989.4, 494.7, 66.9, 1978.9)
+_H100_PCIE = Device(756.5, 378.0, 51.2, 1513.0)
+_H100_NVL = Device(835.5, 417.5, 60.0, 1670.5)
 _A100 = Device(312.0, 156.0, 19.5)
 _HGX_H100_LINKS = {"nvlink_gbps": 360.0, "ib_gbps": 45.0}
 # (model, form factor): form is "pcie", "nvl" or "" for the SXM/OAM module (or a part with one form only).
 GPUS: dict[tuple[str, str], Device] = {
-    ("B200", ""): Device(2250.0, 1125.0, 75.0),
-    ("GB200", ""): Device(2500.0, 1250.0, 80.0),
+    ("B200", ""): Device(2250.0, 1125.0, 75.0, 4500.0),
+    ("GB200", ""): Device(2500.0, 1250.0, 80.0, 5000.0),
     ("H100", ""): replace(_H100_SXM, memory_gib=79.6, hbm_gbps=3350.0, **_HGX_H100_LINKS),
     ("H100", "pcie"): _H100_PCIE,
     ("H100", "nvl"): _H100_NVL,
@@ -56,7 +62,7 @@ GPUS: dict[tuple[str, str], Device] = {
     ("GH200", ""): _H100_SXM,
     ("H800", ""): _H100_SXM,
     ("H800", "pcie"): _H100_PCIE,
-    ("H20", ""): Device(148.0, 74.0, 44.0),
+    ("H20", ""): Device(148.0, 74.0, 44.0, 296.0),
     # Memory, links and HBM of the 80 GB SXM module (the 40 GB one reports the same name without a form).
     ("A100", ""): replace(_A100, memory_gib=79.2, nvlink_gbps=230.0, ib_gbps=22.0, hbm_gbps=2039.0),
     ("A100", "pcie"): _A100,
@@ -64,16 +70,16 @@ GPUS: dict[tuple[str, str], Device] = {
     ("A800", "pcie"): _A100,
     ("A40", ""): Device(149.7, 74.8, 37.4),
     ("A10", ""): Device(125.0, 62.5, 31.2),
-    ("L40S", ""): Device(362.05, 183.0, 91.6),
-    ("L40", ""): Device(181.0, 90.5, 90.5),
-    ("L4", ""): Device(121.0, 60.0, 30.3),
+    ("L40S", ""): Device(362.05, 183.0, 91.6, 733.0),
+    ("L40", ""): Device(181.0, 90.5, 90.5, 362.0),
+    ("L4", ""): Device(121.0, 60.0, 30.3, 242.5),
     # Volta has fp16 tensor cores only: bf16 and TF32 matmuls run at (or below) the fp32 rate.
     ("V100", ""): Device(None, None, 15.7),
     ("V100", "pcie"): Device(None, None, 14.0),
     ("V100S", "pcie"): Device(None, None, 16.4),
     # ROCm reports AMD Instinct parts through torch.cuda; fp32 is the matrix-core rate.
-    ("MI300X", ""): Device(1307.4, None, 163.4),
-    ("MI325X", ""): Device(1307.4, None, 163.4),
+    ("MI300X", ""): Device(1307.4, None, 163.4, 2614.9),
+    ("MI325X", ""): Device(1307.4, None, 163.4, 2614.9),
 }
 _VENDOR_WORDS = {"NVIDIA", "TESLA", "AMD", "INSTINCT"}
 

@@ -56,6 +56,14 @@ def test_device_names_parse_to_model_and_form_factor(name, model):
         ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
         ("Tesla V100-SXM2-16GB", "fp32", 15.7),
         ("AMD Instinct MI300X", "bf16", 1307.4),
+        # Dense e4m3 float8: half the datasheets' "with sparsity" figures (twice bf16 on Hopper and Blackwell).
+        ("NVIDIA H100 80GB HBM3", "fp8", 1978.9),
+        ("NVIDIA H100 PCIe", "fp8", 1513.0),
+        ("NVIDIA H200", "fp8", 1978.9),
+        ("NVIDIA H200 NVL", "fp8", 1670.5),
+        ("NVIDIA B200", "fp8", 4500.0),
+        ("AMD Instinct MI300X", "fp8", 2614.9),
+        ("NVIDIA A100-SXM4-80GB", "fp8", None),
         # No figure rather than a wrong one: Volta has no bf16/TF32 tensor cores; unlisted parts.
         ("Tesla V100-SXM2-16GB", "bf16", None),
         ("Tesla V100-SXM2-16GB", "tf32", None),

@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
     p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument(
-        "--gpu", default="h100", help=f"{', '.join(PLANNED)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (default h100)"
+        "--gpu",
+        default="h100",
+        help=f"{', '.join(PLANNED)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (float8 at twice it; default h100)",
     )
     p.add_argument(
         "--efficiency",

@@ -149,13 +149,16 @@ def plan_before_submit(cfg: Config, args: argparse.Namespace, procs: int) -> lis
 
 
 def planned_step_seconds(cfg: Config, args: argparse.Namespace, procs: int) -> float | None:
-    """The plan's step time on the requested GPUs (None on CPU nodes: nothing to plan against)."""
+    """The plan's step time on the requested GPUs (None on CPU nodes, or for float8 on GPUs without float8 matmuls,
+    where torchao emulates them at a speed the plan does not know: nothing to plan against)."""
     from nanotron.plan.report import for_gpu
     from nanotron.plan.timing import estimate_step, parse_gpu
 
     if not args.gpus_per_node:
         return None
     gpu = parse_gpu(args.gpu)
+    if cfg.training.float8 != "off" and gpu.device.fp8 is None:
+        return None
     return estimate_step(for_gpu(cfg, gpu), gpu, procs, gpu.efficiency.default).step_s
 
 

@@ -4,10 +4,11 @@ the `--check` table; what `nanotron plan` prints and the Slurm launcher checks b
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from nanotron.config import Config, ParallelismConfig
 from nanotron.errors import ConfigError
-from nanotron.models.shapes import active_params, num_params
+from nanotron.models.shapes import active_params, element_bytes, flops_per_token, num_params
 from nanotron.parallel.regather import can_regather, regathers
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
 from nanotron.plan.search import (
@@ -23,7 +24,15 @@ from nanotron.plan.search import (
     usable_bytes,
     with_sp_regather,
 )
-from nanotron.plan.timing import Gpu, estimate_step, peak_tflops
+from nanotron.plan.timing import (
+    Gpu,
+    StepEstimate,
+    estimate_step,
+    float8_linears,
+    float8_peak_tflops,
+    gathered_bytes_per_param,
+    peak_tflops,
+)
 
 ASSUMPTIONS = (
     "assumptions: compute at {eff:.0%} of the {peak:g} TFLOP/s {mode} peak ({source}); FSDP/DP collectives overlap "
@@ -46,7 +55,7 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     dp = f"dp={p.dp}" + (f" (HSDP {p.dp // cfg.dp_shard_size}x{cfg.dp_shard_size})" if cfg.dp_shard_size < p.dp else "")
     dp += f" cp={p.cp}" if p.cp > 1 else ""
     dp += f" ep={p.ep}" if p.ep > 1 else ""
-    float8 = f" float8={t.float8} (compute time at {t.dtype} speed)" if t.float8 != "off" else ""
+    float8 = f" float8={t.float8}" if t.float8 != "off" else ""
     params = f"{num_params(m) / 1e9:.2f}B params"
     params += f" ({active_params(m) / 1e9:.2f}B active)" if m.moe.enabled else ""
     lines = [
@@ -84,7 +93,9 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
     ]
     step = estimate_step(cfg, gpu, gpus_per_node, efficiency)
     comm = ", ".join(
-        f"{name} {t.gb:.2f} GB/GPU over {t.link} {t.seconds:.3f}s" for name, t in step.comm.items() if t.gb
+        f"{name} {t.gb:.2f} GB/GPU over {t.link} {t.seconds:.3f}s"
+        for name, t in step.comm.items()
+        if t.gb and name != "float8_scales"
     )
     spread = ""
     e = gpu.efficiency
@@ -96,6 +107,7 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
         f"step time ~{step.step_s:.2f}s{spread} (compute {step.compute_s:.2f}s incl. pipeline bubble; communication "
         f"per step: {comm or 'none'}) "
         f"-> {step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1%}",
+        *float8_lines(cfg, gpu, gpus_per_node, efficiency, step),
         ASSUMPTIONS.format(
             eff=efficiency,
             source=gpu.efficiency.source if efficiency == gpu.efficiency.default else "--efficiency",
@@ -107,6 +119,34 @@ def describe(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, efficiency: 
         ),
     ]
     return lines
+
+
+def float8_lines(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float, step: StepEstimate) -> list[str]:
+    """Under training.float8: what runs in float8 and at which peak, what stays in the compute dtype, what the casts
+    and the FSDP gathers cost, and the step without float8."""
+    t, m = cfg.training, cfg.model
+    if t.float8 == "off":
+        return []
+    lin = float8_linears(m)
+    share = 6 * sum(lin.weights) / flops_per_token(m, t.seq_len)
+    kept = "the embedding, head, attention's SDPA" + (", MoE routers and experts" if m.moe.enabled else "")
+    kept += f", {lin.kept} decoder-layer linears with a dimension not a multiple of 16" if lin.kept else ""
+    off = estimate_step(replace(cfg, training=replace(t, float8="off")), gpu, gpus_per_node, efficiency)
+    gather, casts_s = "", step.parts["float8"]
+    if "float8_scales" in step.comm:
+        casts_s -= step.comm["float8_scales"].seconds
+        gather = (
+            f"; FSDP gathers {gathered_bytes_per_param(cfg):.2f} bytes per parameter instead of "
+            f"{element_bytes(t.dtype)}, and all-reduces the scales once per step "
+            f"({step.comm['float8_scales'].gb * 1e9:,.0f} bytes per GPU)"
+        )
+    return [
+        f"float8 ({t.float8}): {len(lin.shapes)} decoder-layer linears, {share:.0%} of the model's FLOPs, at "
+        f"{efficiency:.0%} of the {float8_peak_tflops(cfg, gpu):g} TFLOP/s e4m3 peak; kept in {t.dtype}: {kept}; "
+        f"casts {casts_s:.3f}s per step at {gpu.device.hbm_gbps:g} GB/s HBM{gather}; without float8: step "
+        f"~{off.step_s:.2f}s ({off.step_s / step.step_s:.2f}x float8's); MFU against the {t.dtype} peak "
+        "(float8 has no single peak)"
+    ]
 
 
 def regather_lines(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) -> list[str]:
@@ -169,8 +209,8 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
         f"fits with a {MEMORY_MARGIN:.0%} memory margin) at global batch "
         f"{cfg.training.global_batch_size} x {cfg.training.seq_len}; fastest first, tight ones last:",
         "| # | dp | dp_shard | cp | ep | tp | pp | zero | recompute | micro batch | accum | memory GiB | step s "
-        "| tokens/s | MFU | traffic GB | limit | within error | sp_regather |",
-        "|" + "---|" * 19,
+        "| tokens/s | MFU | traffic GB | limit | within error | sp_regather | float8 |",
+        "|" + "---|" * 20,
     ]
     error = gpu.efficiency.error if efficiency == gpu.efficiency.default else None
     best = shown_seconds(found[0].step.step_s) if found else 0.0  # compared as shown
@@ -182,7 +222,8 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
             f"{recompute_label(p)} | {t.micro_batch_size} | {t.grad_accum_steps} | "
             f"{c.memory['total'] / GIB:.1f}{' tight' if c.tight else ''} | {shown_seconds(c.step.step_s):g} | "
             f"{c.step.tokens_per_s:,.0f} | "
-            f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} | {equivalent} | {_regather(c.cfg)} |"
+            f"{c.step.mfu:.1%} | {c.step.traffic_gb:,.1f} | {_limit(c)} | {equivalent} | {_regather(c.cfg)} | "
+            f"{t.float8} |"
         )
     lines.append(
         f"tight: less than {MEMORY_MARGIN:.0%} of the usable memory to spare (the plan is 0.85-1.02x of published "
@@ -193,7 +234,8 @@ def search_table(cfg: Config, world: int, gpu: Gpu, gpus_per_node: int, efficien
         "step time within the planner's error on published runs of this GPU of the best row's "
         + (f"(+{error:.0%}): the plan cannot tell these apart" if error is not None else "(? = not calibrated)")
         + "; sp_regather: the sequence-parallel norm outputs kept as shards and gathered again in backward (on: "
-        "less memory, 2 more all-gathers per layer), or kept gathered (off); - where there is nothing to re-gather"
+        "less memory, 2 more all-gathers per layer), or kept gathered (off); - where there is nothing to re-gather; "
+        "float8: training.float8 (where the config sets a recipe, each layout is planned with it and off)"
     )
     return lines
 

@@ -9,7 +9,7 @@ from nanotron.config import Config, validate
 from nanotron.errors import ConfigError
 from nanotron.parallel.regather import can_regather
 from nanotron.plan.memory import GIB, shared_model, worst_stage
-from nanotron.plan.timing import Gpu, StepEstimate, estimate_step
+from nanotron.plan.timing import Gpu, StepEstimate, estimate_step, float8_peak_tflops, float8_tp_fits
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 # Against 15 published peaks the plan's worst rank is 0.85-1.02x (median 0.91x): a layout whose plan leaves less
@@ -31,9 +31,10 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(base: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
-    """(dp, dp_shard, cp, tp, pp, zero_stage, recompute, micro_batch_size, ep) over `world` GPUs at the base
+    """(dp, dp_shard, cp, tp, pp, zero_stage, recompute, micro_batch_size, ep, float8) over `world` GPUs at the base
     config's global batch: tp within a node, HSDP shard groups that fit in a node beside tp, cp from 1 up to
-    the sequence's limit, and only combinations the trainer itself would accept (the same `validate`)."""
+    the sequence's limit, float8 as the base sets it and off (`float8_options`), and only combinations the trainer
+    itself would accept (the same `validate`, and float8's tp shapes)."""
     for tp in divisors(gpus_per_node):
         for cp in [c for c in divisors(world // tp) if c <= MAX_CP] if world % tp == 0 else []:
             for pp in divisors(world // (tp * cp)):
@@ -68,14 +69,22 @@ def _variants(base: Config, world: int, gpus_per_node: int, dp: int, cp: int, tp
                             recompute_every=1,
                             selective_matmuls=matmuls,
                         )
-                        # grad_accum_steps 0: validate derives it from the global batch.
-                        training = replace(base.training, micro_batch_size=micro, grad_accum_steps=0)
-                        cfg = replace(base, parallelism=parallelism, training=training)
-                        try:
-                            validate(cfg, world)
-                        except ConfigError:
-                            continue
-                        yield cfg
+                        for float8 in float8_options(base):
+                            # grad_accum_steps 0: validate derives it from the global batch.
+                            training = replace(base.training, micro_batch_size=micro, grad_accum_steps=0, float8=float8)
+                            cfg = replace(base, parallelism=parallelism, training=training)
+                            try:
+                                validate(cfg, world)
+                            except ConfigError:
+                                continue
+                            if float8 == "off" or float8_tp_fits(cfg):
+                                yield cfg
+
+
+def float8_options(base: Config) -> tuple[str, ...]:
+    """training.float8 for the search's candidates: the base's recipe and off where it sets one (float8 changes the
+    numbers, so a search never turns it on unasked; where it is on, the table shows what off would cost); off."""
+    return (base.training.float8, "off") if base.training.float8 != "off" else ("off",)
 
 
 def expert_degrees(base: Config, dp_cp: int) -> list[int]:
@@ -91,6 +100,7 @@ def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: f
     none with the sequence-parallel re-gather where the base's parallelism.sp_regather is auto, selective,
     selective keeping every other matmul, then full: each is slower than the one before and buys only memory
     that the fitting one does not need); where none does, the first that fits at all, marked tight."""
+    float8_peak_tflops(base, gpu)  # float8 on a GPU without float8 matmuls: the one-line refusal, before any work
     chosen: dict[tuple, Candidate] = {}
     considered = 0
     with shared_model():  # every candidate shares base.model (see _variants), unchanged during the search
@@ -98,7 +108,7 @@ def search(base: Config, world: int, gpus_per_node: int, gpu: Gpu, efficiency: f
             considered += 1
             for cfg in sp_regather_options(layout_cfg):
                 p, t = cfg.parallelism, cfg.training
-                layout = (p.dp, cfg.dp_shard_size, p.cp, p.ep, p.tp, p.pp, p.zero_stage, t.micro_batch_size)
+                layout = (p.dp, cfg.dp_shard_size, p.cp, p.ep, p.tp, p.pp, p.zero_stage, t.micro_batch_size, t.float8)
                 if layout in chosen and not chosen[layout].tight:
                     break
                 pp_rank, memory = worst_stage(cfg)

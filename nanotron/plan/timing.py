@@ -1,6 +1,12 @@
 """Step time and MFU of a layout from FLOPs, a stated compute efficiency and the bytes each parallel dimension
 moves per step over stated NVLink / InfiniBand bandwidths.
 
+Under training.float8 the converted linears' matmuls (nanotron.parallel.float8's rule: the decoder layers' linears;
+the embedding, head, MoE routers and experts, and attention's SDPA stay in the compute dtype) run at the GPU's
+float8 peak and the rest at its compute-dtype peak, both at the same efficiency; the casts to float8 are
+memory-bound and charged at the GPU's HBM bandwidth; FSDP gathers the converted weights in 1 byte (tensorwise) and
+all-reduces their scales once per step.
+
 Assumptions (printed with every plan): FSDP/DP collectives overlap compute (the step pays the larger of
 the two) except the first unit's gather of each pass and the last unit's reduction; tensor-parallel and
 pipeline transfers are exposed; context parallelism's K/V ring overlaps each block's attention and is exposed
@@ -10,11 +16,13 @@ link's bandwidth per GPU; a group inside one node uses NVLink, a group spanning 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from nanotron.config import PP_ENGINES, Config
+from nanotron.config import PP_ENGINES, Config, ModelConfig
+from nanotron.config.training import FLOAT8_KERNEL_MULTIPLE
 from nanotron.errors import ConfigError
 from nanotron.gpu import GPUS, Device, math_mode
 from nanotron.models.llama import LlamaForCausalLM
@@ -29,6 +37,7 @@ from nanotron.optim.muon import assign_owners, is_muon_matrix, logical_matrices,
 from nanotron.parallel.float8 import Float8Plan, fsdp_float8_all_gather
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
+from nanotron.parallel.tensor import tp_shard_dim
 from nanotron.plan.memory import FP32, coordinate_zero_split, micro_tokens, rank_stages, sequence_shards
 
 UNCALIBRATED_EFFICIENCY = 0.55  # a GPU without published runs in the calibration set
@@ -74,8 +83,8 @@ class Gpu:
 
 
 def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None = None) -> Gpu:
-    """`h100`, `h200`, `a100`, or `<memory GiB>,<peak bf16 TFLOP/s>` (TF32 at half of it, no fp32 peak, the H100's
-    links and HBM unless given)."""
+    """`h100`, `h200`, `a100`, or `<memory GiB>,<peak bf16 TFLOP/s>` (TF32 at half of it, float8 at twice it as on
+    every NVIDIA part with float8 tensor cores, no fp32 peak, the H100's links and HBM unless given)."""
     if text.lower() in PLANNED:
         model = text.upper()
         gpu = Gpu(text.lower(), GPUS[model, ""], EFFICIENCIES.get(model, Efficiency(UNCALIBRATED_EFFICIENCY)))
@@ -88,7 +97,7 @@ def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None
             raise ConfigError(
                 f"--gpu {text!r}: expected {', '.join(PLANNED)} or '<memory GiB>,<peak bf16 TFLOP/s>' such as '80,989'"
             ) from None
-        device = replace(GPUS["H100", ""], bf16=peak, tf32=peak / 2, fp32=None, memory_gib=memory)
+        device = replace(GPUS["H100", ""], bf16=peak, tf32=peak / 2, fp32=None, fp8=2 * peak, memory_gib=memory)
         gpu = Gpu(f"{memory:g}GiB/{peak:g}TF", device)
     links = {"nvlink_gbps": nvlink_gbps or gpu.device.nvlink_gbps, "ib_gbps": ib_gbps or gpu.device.ib_gbps}
     return replace(gpu, device=replace(gpu.device, **links))
@@ -106,6 +115,128 @@ def peak_tflops(cfg: Config, gpu: Gpu) -> tuple[str, float]:
             f"of the table ({', '.join(PLANNED)})"
         )
     return mode, peak
+
+
+def float8_peak_tflops(cfg: Config, gpu: Gpu) -> float | None:
+    """The dense e4m3 peak the converted linears' matmuls reach under training.float8; None when it is off."""
+    if cfg.training.float8 == "off":
+        return None
+    if gpu.device.fp8 is None:
+        raise ConfigError(
+            f"--gpu {gpu.name}: no float8 matmuls (training.float8='{cfg.training.float8}' would run emulated, slower "
+            f"than {cfg.training.dtype}); plan with training.float8='off', or a GPU with float8 tensor cores "
+            f"({', '.join(name for name in PLANNED if GPUS[name.upper(), ''].fp8)})"
+        )
+    return gpu.device.fp8
+
+
+@dataclass(frozen=True)
+class Float8Linears:
+    """What the plan needs of the linears training.float8 converts (nanotron.parallel.float8's rule, applied to a
+    meta model of the config): per decoder layer and last for the rest of the model (none under today's rule), their
+    weight elements, their input features and their input plus output features (summed over the converted linears),
+    and the weights of all linears there converted or not;
+    the model's converted FQNs with their shapes, how many decoder-layer linears stay unconverted (a dimension
+    float8 kernels can't take), and its parameter count."""
+
+    weights: tuple[int, ...]
+    inputs: tuple[int, ...]
+    features: tuple[int, ...]
+    linear_weights: tuple[int, ...]
+    shapes: dict[str, tuple[int, ...]]
+    kept: int
+    params: int
+
+
+_FLOAT8_LINEARS: dict[str, Float8Linears] = {}  # by the model config's repr: a --search plans one model many times
+
+
+def float8_linears(m: ModelConfig) -> Float8Linears:
+    key = repr(m)
+    if key not in _FLOAT8_LINEARS:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(m)
+        converted = set(Float8Plan.of(model).converted)
+        weights, inputs, features, linear_weights = ([0] * (m.num_layers + 1) for _ in range(4))
+        kept = 0
+        for fqn, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            in_layer = fqn.startswith("model.layers.")
+            i = int(fqn.split(".")[2]) if in_layer else m.num_layers
+            linear_weights[i] += module.weight.numel()
+            kept += in_layer and fqn not in converted
+            if fqn in converted:
+                weights[i] += module.weight.numel()
+                inputs[i] += module.in_features
+                features[i] += module.in_features + module.out_features
+        shapes = {fqn: tuple(model.get_submodule(fqn).weight.shape) for fqn in converted}
+        params = sum(param.numel() for param in model.parameters())
+        _FLOAT8_LINEARS[key] = Float8Linears(
+            tuple(weights), tuple(inputs), tuple(features), tuple(linear_weights), shapes, kept, params
+        )
+    return _FLOAT8_LINEARS[key]
+
+
+def float8_tp_fits(cfg: Config) -> bool:
+    """Whether every converted linear keeps float8 kernels' multiple of 16 on each tp rank (the trainer refuses the
+    layout otherwise: nanotron.parallel.float8.check_float8)."""
+    tp = cfg.parallelism.tp
+    for fqn, shape in float8_linears(cfg.model).shapes.items():
+        dim = tp_shard_dim(fqn)
+        if dim is not None and (shape[dim] // tp) % FLOAT8_KERNEL_MULTIPLE:
+            return False
+    return True
+
+
+def float8_flops(cfg: Config, modes: list[str], rerun_matmuls: float) -> tuple[float, float]:
+    """(float8 FLOPs of the step's model FLOPs, of its recompute): 6 per converted weight a token meets (forward and
+    backward), 2 more for each layer whose forward is fully recomputed, and the converted share of what selective
+    recompute's every_other policy reruns (`rerun_matmuls` per token and layer). 0 without float8."""
+    if cfg.training.float8 == "off":
+        return 0.0, 0.0
+    lin = float8_linears(cfg.model)
+    tokens_step = cfg.training.global_batch_size * cfg.training.seq_len
+    recompute = 0.0
+    for weights, linear_weights, mode in zip(lin.weights, lin.linear_weights, modes):
+        if mode == "full":
+            recompute += 2 * weights
+        elif mode == "selective" and linear_weights:
+            recompute += rerun_matmuls * weights / linear_weights
+    return 6 * sum(lin.weights) * tokens_step, recompute * tokens_step
+
+
+def float8_cast_bytes(cfg: Config, modes: list[str]) -> float:
+    """Bytes per step that one rank's casts to float8 move through memory (memory-bound; what compile fuses is not
+    discounted). Each element of a converted linear's input and of its output gradient is read for its amax, read
+    again and written in float8, and written once more transposed for the weight gradient: 2 x 16-bit + 2 bytes,
+    per token (a fully recomputed forward casts its inputs again), shared evenly over the ranks (rowwise under TP
+    casts a gathered input on every tp rank: not counted); and each tp-local converted weight likewise once per
+    microbatch, except under the FSDP float8 all-gather, where each rank casts its shard (its amax comes from the
+    step's scale precompute) and the gathered float8 weight is only transposed for backward (1 byte read, 1
+    written)."""
+    if cfg.training.float8 == "off":
+        return 0.0
+    lin = float8_linears(cfg.model)
+    t, p = cfg.training, cfg.parallelism
+    per_element = 2 * element_bytes(t.dtype) + 2  # amax read, cast read, float8 written, transposed copy written
+    tokens_step = t.global_batch_size * t.seq_len
+    recast = sum(inputs for inputs, mode in zip(lin.inputs, modes) if mode == "full")
+    activations = tokens_step / cfg.world_size * (sum(lin.features) + recast) * per_element
+    e = element_bytes(t.dtype)
+    per_weight = 2 + (e + 1) / cfg.fsdp_shard_size if fsdp_float8_all_gather(cfg) else per_element
+    weights = t.grad_accum_steps * sum(lin.weights) / (p.tp * p.pp) * per_weight
+    return activations + weights
+
+
+def float8_scale_gb(cfg: Config, tp_local_linears: int) -> float:
+    """GB each GPU sends in the per-step all-reduce of the float8 scales under the FSDP float8 all-gather (one fp32
+    amax per converted linear of the rank's stages, over its FSDP shard group and tp: the DTensor weights' mesh).
+    At 512 GPUs and 70B (560 linears) that is 2.2 KB: latency-bound, tens of microseconds against a step of
+    seconds, exposed (it runs between the optimizer step and the next forward's first gather)."""
+    if not fsdp_float8_all_gather(cfg):
+        return 0.0
+    return ring_gb(FP32 * tp_local_linears, cfg.fsdp_shard_size * cfg.parallelism.tp, all_reduce=True)
 
 
 @dataclass(frozen=True)
@@ -171,7 +302,10 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     # backward).
     attention_s = 3 * 4 * t.seq_len * m.hidden_size * tokens_step * m.num_layers / world / (peak * efficiency)
     exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
-    step_s = data_parallel_s + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds
+    # The float8 scales' all-reduce is exposed: it runs between the optimizer step and the first gather.
+    scales_s = comm["float8_scales"].seconds if "float8_scales" in comm else 0.0
+    parts["float8"] += scales_s
+    step_s = data_parallel_s + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds + scales_s
     parts |= {"tp": comm["tp"].seconds, "pp": comm["pp"].seconds, "cp": exposed_cp, "ep": comm["ep"].seconds}
     if cfg.optimizer.name == "muon":  # after backward, before the next forward: nothing to hide behind
         comm["muon"], newton_schulz_s = muon_step(cfg, gpus_per_node, gpu, peak * efficiency)
@@ -224,7 +358,8 @@ def compute_time(
     cfg: Config, gpu: Gpu, modes: list[str], model_flops: float, peak: float, efficiency: float
 ) -> tuple[float, dict[str, float]]:
     """(seconds of compute per step, pipeline bubble included; its parts: compute for the model's FLOPs,
-    recompute for the extra forward memory forced, bubble). `modes`: each layer's recompute mode."""
+    recompute for the extra forward memory forced, float8 for its casts, bubble). `modes`: each layer's recompute
+    mode."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     world = cfg.world_size
     tokens_step = t.global_batch_size * t.seq_len
@@ -235,14 +370,26 @@ def compute_time(
         rerun_matmuls = 2 * m.hidden_size * (m.num_kv_heads * m.head_dim + m.num_heads * m.value_dim)
         rerun_matmuls += 2 * m.hidden_size * m.intermediate_size
         recompute_flops += tokens_step * selective * rerun_matmuls
-    flops = model_flops + recompute_flops
+    else:
+        rerun_matmuls = 0
+    model_f8, recompute_f8 = float8_flops(cfg, modes, rerun_matmuls)
+    f8_peak = (float8_peak_tflops(cfg, gpu) or 0.0) * 1e12
+
+    def seconds(flops: float, f8: float) -> float:
+        """Per rank: the float8 share at the float8 peak, the rest at the compute dtype's."""
+        f8_s = f8 / (f8_peak * efficiency) if f8 else 0.0
+        return ((flops - f8) / (peak * efficiency) + f8_s) / world
+
     bubble = PP_ENGINES[p.pp_engine].bubble_fraction(p.pp, t.grad_accum_steps, p.pp_stages_per_rank)
-    # Selective recompute reruns element-wise ops only: memory-bound, charged at the GPU's memory bandwidth.
-    rerun_s = tokens_step / world * selective * elementwise_rerun_bytes(cfg) / (gpu.device.hbm_gbps * 1e9)
-    compute_s = (flops / world / (peak * efficiency) + rerun_s) * (1 + bubble)
-    achieved = world * peak * efficiency
-    parts = {"compute": model_flops / achieved, "recompute": recompute_flops / achieved + rerun_s}
-    parts["bubble"] = compute_s - parts["compute"] - parts["recompute"]
+    # Selective recompute reruns element-wise ops only and float8's casts are element-wise: memory-bound, charged
+    # at the GPU's memory bandwidth.
+    hbm = gpu.device.hbm_gbps * 1e9
+    rerun_s = tokens_step / world * selective * elementwise_rerun_bytes(cfg) / hbm
+    cast_s = float8_cast_bytes(cfg, modes) / hbm
+    parts = {"compute": seconds(model_flops, model_f8), "recompute": seconds(recompute_flops, recompute_f8) + rerun_s}
+    parts["float8"] = cast_s
+    compute_s = sum(parts.values()) * (1 + bubble)
+    parts["bubble"] = compute_s - sum(parts.values())
     return compute_s, parts
 
 
@@ -273,6 +420,9 @@ def traffic(cfg: Config, gpu: Gpu, gpus_per_node: int, modes: list[str], tp_loca
         if cfg.dp_shard_size < p.dp:  # HSDP: the shards' gradients are all-reduced across replicas
             replicated = reductions * FP32 * tp_local / shard
             comm["dp_replicate"] = Transfer(ring_gb(replicated, p.dp // cfg.dp_shard_size, all_reduce=True), *ib)
+    if fsdp_float8_all_gather(cfg):
+        linears = math.ceil(len(float8_linears(cfg.model).shapes) / p.pp)
+        comm["float8_scales"] = Transfer(float8_scale_gb(cfg, linears), *link(shard * p.tp))
     return comm
 
 
@@ -347,16 +497,13 @@ def unhidden_dp_gb(cfg: Config, tp_local: int) -> float:
 
 def gathered_bytes_per_param(cfg: Config) -> float:
     """Bytes FSDP all-gathers per parameter: the compute dtype's, or 1 for the float8 weights under tensorwise
-    float8 (nanotron.parallel.float8: the decoder layers' linears), averaged over the model's parameters. The
-    per-step float8 scale precompute (one float per linear, all-reduced) is latency, not traffic."""
+    float8 (nanotron.parallel.float8: the decoder layers' linears), averaged over the model's parameters (the
+    per-step scale all-reduce: `float8_scale_gb`)."""
     e = element_bytes(cfg.training.dtype)
     if not fsdp_float8_all_gather(cfg):
         return e
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg.model)
-    converted = sum(model.get_submodule(fqn).weight.numel() for fqn in Float8Plan.of(model).converted)
-    share = converted / sum(param.numel() for param in model.parameters())
-    return e - (e - 1) * share
+    lin = float8_linears(cfg.model)
+    return e - (e - 1) * sum(lin.weights) / lin.params
 
 
 def elementwise_rerun_bytes(cfg: Config) -> float:
