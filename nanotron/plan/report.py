@@ -10,6 +10,7 @@ from nanotron.config import Config, ParallelismConfig
 from nanotron.errors import ConfigError
 from nanotron.models.shapes import active_params, element_bytes, flops_per_token, num_params
 from nanotron.parallel.regather import can_regather, regathers
+from nanotron.plan.float8 import float8_linears
 from nanotron.plan.memory import GIB, PARTS, stage_memory, worst_stage
 from nanotron.plan.search import (
     MEMORY_MARGIN,
@@ -28,7 +29,6 @@ from nanotron.plan.timing import (
     Gpu,
     StepEstimate,
     estimate_step,
-    float8_linears,
     float8_peak_tflops,
     gathered_bytes_per_param,
     peak_tflops,

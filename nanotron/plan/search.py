@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from nanotron.config import Config, validate
 from nanotron.errors import ConfigError
 from nanotron.parallel.regather import can_regather
+from nanotron.plan.float8 import float8_tp_fits
 from nanotron.plan.memory import GIB, shared_model, worst_stage
-from nanotron.plan.timing import Gpu, StepEstimate, estimate_step, float8_peak_tflops, float8_tp_fits
+from nanotron.plan.timing import Gpu, StepEstimate, estimate_step, float8_peak_tflops
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 # Against 15 published peaks the plan's worst rank is 0.85-1.02x (median 0.91x): a layout whose plan leaves less
