@@ -1,0 +1,20 @@
+"""tests/forkrun.py, the suite's launcher of multi-process runs, ends a failed run as torchrun does."""
+
+import time
+
+import pytest
+from conftest import TINY_MODEL, run_train
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_ends_the_launch_with_1_and_no_rank_left(tiny_data, tmp_path, monkeypatch):
+    """Rank 1 SIGKILLed at step 2 (an injected crash): the launch exits 1 as torchrun's does, and ends within
+    seconds, not at the 5-minute collective timeout: rank 0 sees gloo's broken connection (the launcher's SIGTERM to
+    the ranks left is the backstop for a rank that would not)."""
+    monkeypatch.setenv("NANOTRON_FAULT", "rank:1,step:2,kind:crash")
+    args = [*TINY_MODEL, *tiny_data.overrides(), "--parallelism.dp=2", "--training.steps=6", "--checkpoint.interval=0"]
+    args += [f"--job.out_dir={tmp_path}", "--distributed.timeout_minutes=5"]
+    started = time.monotonic()
+    proc = run_train(args, nproc=2, check=False, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert time.monotonic() - started < 60, proc.stderr[-3000:]
