@@ -287,8 +287,9 @@ def build_muon(module: nn.Module, cfg: OptimizerConfig, adamw_groups: dict, make
     muon_groups, rest = [], []
     muon_names: list[str] = []
     for key, params in adamw_groups.items():
-        chosen = [p for p in params if is_muon_matrix(names[id(p)], p.ndim, cfg.muon_adamw_names)]
-        others = [p for p in params if not any(p is c for c in chosen)]
+        chosen, others = [], []
+        for p in params:
+            (chosen if is_muon_matrix(names[id(p)], p.ndim, cfg.muon_adamw_names) else others).append(p)
         if chosen:
             decay, lr_scale = key[0], key[1]
             muon_groups.append({"params": chosen, "weight_decay": decay, "lr_scale": lr_scale, "muon": True})
