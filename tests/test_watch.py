@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, console_messages, read_metrics, train_env, train_losses, watcher_pids
+from conftest import FORKRUN, REPO, TINY_MODEL, console_messages, read_metrics, train_env, train_losses, watcher_pids
 
 from nanotron.config import WatchConfig
 from nanotron.errors import ConfigError, NodeFaultError
@@ -33,7 +33,9 @@ from nanotron.watch.nodes import node_name
 from nanotron.watch.straggler import StragglerScores, excess
 from nanotron.watch.watcher import Limits
 
-# Tests marked `exclusive` time the ranks (hang and straggler detection, the doctor): they run alone.
+# Tests marked `exclusive` compare ranks' times (straggler scores, the doctor's speeds): they run alone. The hang
+# tests run beside the other worker's tests: their limits (8 s floors) are 100x a tiny model's phases, and they
+# passed two at a time beside four helpers' work (load 8-11).
 
 SETTINGS = {"factor": 4.0, "floor_seconds": 8.0, "unseen_phase_seconds": 600.0, "startup_seconds": 1800.0}
 
@@ -211,7 +213,6 @@ def test_a_rank_that_skips_the_step_collective_is_named_in_one_line(tiny_data, t
     assert f"rank 2 (node {node}) died: killed by signal 6 (SIGABRT) at step 3 (optimizer)" in stderr, stderr[-3000:]
 
 
-@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, expected",
@@ -246,7 +247,6 @@ def rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_rank_stopped_from_outside_is_detected_and_its_stack_read(tiny_data, tmp_path):
     started = time.time()
@@ -293,6 +293,13 @@ LAYOUTS = {
 }
 
 
+def forked_rank(launcher: int, rank: int) -> int:
+    """The pid of rank `rank` of tests/forkrun.py's `launcher`: its `rank`-th child (it forks them in rank order;
+    their /proc environ is the launcher's, not the RANK each sets after the fork)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    return int(children[rank])
+
+
 def duty_cycle(pid: int, done: threading.Event, stopped: float = 0.15, running: float = 0.15) -> None:
     """Stops and continues `pid` from outside until `done`: a rank at half speed that knows nothing of it."""
     try:
@@ -317,7 +324,7 @@ def run_with_a_half_speed_rank(tiny_data, tmp_path: Path, layout: str, slow_rank
     args = [*TINY_MODEL, *TINY_SHAPE, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", f"--job.name={name}"]
     args += [*WATCH, *LAYOUTS[layout], "--training.steps=40", "--checkpoint.save_final=false"]
     args += ["--watch.straggler_interval=5", "--watch.straggler_patience=2", "--logging.log_interval=5"]
-    command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", "4", *args]
+    command = [sys.executable, str(FORKRUN), "4", *args]  # torchrun's ranks, forked: the score is the trainer's
     pipe = subprocess.PIPE
     proc = subprocess.Popen(
         command, cwd=REPO, env=train_env(), stdout=pipe, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -327,7 +334,7 @@ def run_with_a_half_speed_rank(tiny_data, tmp_path: Path, layout: str, slow_rank
         for line in proc.stdout:
             lines.append(line)
             if cycler is None and slow_rank is not None and " step 1/" in line:
-                cycler = threading.Thread(target=duty_cycle, args=(rank_pid(proc.pid, slow_rank), done), daemon=True)
+                cycler = threading.Thread(target=duty_cycle, args=(forked_rank(proc.pid, slow_rank), done), daemon=True)
                 cycler.start()
             if "warning: straggler:" in line:
                 done.set()
@@ -397,7 +404,6 @@ def test_the_watchers_of_several_nodes_agree_on_one_incident_one_leader_and_one_
     assert a.verdict(incident) == {"line": verdict.line, "culprits": [1], "nodes": ["n2"]}
 
 
-@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_transient_hang_restarts_the_ranks_in_place_and_a_permanent_one_stops_after_restarts_without_progress(
     tiny_data, tmp_path
@@ -517,7 +523,6 @@ def test_the_in_job_doctor_of_a_two_node_job_names_the_bad_node_for_the_requeue(
     assert not (tmp_path / "tiny" / "metrics.jsonl").exists()  # stopped before step 1
 
 
-@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize("problem", ["a file", "under a file", "read-only", "full"])
 def test_the_doctor_names_a_checkpoint_dir_it_cannot_write_in_one_line(tiny_data, tmp_path, problem):
@@ -591,7 +596,6 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line_and_the_details_are_file
     assert "by peer" in (incident / "rank-0.traceback.txt").read_text()  # gloo: connection closed or reset
 
 
-@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_killed_watcher_is_restarted_and_a_later_hang_is_still_named(tiny_data, tmp_path):
     """Issue 42 item 7: kill -9 of the node's watcher left the run unwatched without a word, and a hang then ended in
