@@ -13,11 +13,22 @@ backward) and over "edp" (FSDP), divided by dp x cp like every other gradient.
 Cost at scale (DeepSeek-V3-like: 61 layers, 256 experts, top-8, 7168 hidden, 4k tokens per rank in bf16): per layer
 and microbatch, the token all-to-all moves top_k x tokens x hidden x 2 bytes each way (~470 MB per rank forward,
 the same back and twice again in backward) and the counts all-to-all 8 bytes x num_experts; it needs the counts on
-the host (one device sync per layer and microbatch). Kept: all_to_all_single takes its split sizes as host integers,
-and dropless routing has no fixed sizes; removing it would take a device-initiated all-to-all (NVSHMEM, not a public
-torch API on 2.13) or fixed-capacity buffers (dropped tokens, or worst-case padding of E x tokens). Without expert
-parallelism the grouped GEMM path has no host sync at all (`padded_grouped_mlp` sizes its buffer from row counts
-the host knows).
+the host (one device sync per layer and microbatch, one read of the send and receive sizes together). Kept:
+all_to_all_single takes its split sizes as host integers, and dropless routing has no fixed sizes; removing it would
+take a device-initiated all-to-all (NVSHMEM, DeepEP-style kernels: not a public torch API on 2.13) or fixed-capacity
+buffers (dropped tokens, or worst-case padding of E x tokens: at the shape above 256 x 4k rows of 7168 bf16, 15 GB,
+against ~470 MB). Its cost: the host waits for the GPU to reach the counts all-to-all (the queue drains once per
+layer), then launches the rest; tens of microseconds against the ~10 ms token all-to-all over InfiniBand, the same
+at 512 GPUs as at 16 (constant in the world size). Without expert parallelism the grouped GEMM path has no host sync
+at all (`padded_grouped_mlp` sizes its buffer from row counts the host knows; the counts come from scatter_add, not
+bincount, which reads its largest id back on CUDA); `capacity_factor` adds one (the kept count sizes the rows).
+
+With shared experts, `parallelism.ep_overlap` hides the token all-to-all behind them: it starts asynchronously, the
+shared experts run, then it is waited for; in backward the reverse exchange runs under their backward (no extra
+communication, memory or sync: the same operations, waited for later). At the shape above on H100s (the planner's
+figures, `benchmarks/moe_overlap.py`): the shared expert's forward is ~0.9 ms and its backward ~1.8 ms against
+~1.1 ms per all-to-all inside a node (ep 8: mostly hidden) or ~10 ms across nodes (ep 64: ~2.7 ms of ~41 ms per
+layer hidden; DeepSeek hides the rest with DualPipe, across microbatches).
 
 `ExpertBalance` moves each router's bias (auxiliary-loss-free balancing) from the step's global load, one all-
 reduce of num_layers x num_experts counts over dp x cp per step on the device (61 x 256 floats: 62 KB, latency-
