@@ -13,7 +13,9 @@ checkpoints every `steps/2` steps), a resume from the middle checkpoint, and tp2
 (ring attention over NCCL). Then, on one device, context parallelism's attention (`benchmarks/cp_check.py`: the
 matmul path in float64, then the fused CUDA block kernels, flash and memory-efficient, against float64 at cp 2/4;
 then speed and peak memory against SDPA at 8k, 32k and 128k tokens) and the experts' grouped GEMM
-(`benchmarks/moe.py`'s kernel check: padded and unpadded groups against the loop at 8 and 64 experts, then speed).
+(`benchmarks/moe.py`'s kernel check: padded and unpadded groups against the loop at 8 and 64 experts, then speed);
+with two or more, one MoE layer at ep2 (`benchmarks/moe_overlap.py`: DeepSeek-V3's width, top 8, a shared expert)
+with `parallelism.ep_overlap` on against off, its output and gradients within 2e-2 (bf16), then its time each way.
 Each row is checked, and the command exits 1 if any check fails:
 - every loss finite, and the last loss below the first by at least 1 nat (the model learns);
 - compile, compile selective (both policies), dp2, tp2, cp2: step-1 loss within 1e-3 and the last 5 within 2e-2
@@ -77,9 +79,10 @@ COLUMNS = (
 )
 
 
-MOE = [  # each expert a quarter of the dense MLP (1b: 1408 = 5632 / 4; nano: 32)
+MOE = [  # each expert a quarter of the dense MLP (1b: 1408 = 5632 / 4; nano: 32), and a shared one (DeepSeek's)
     "--model.moe.num_experts=8",
     "--model.moe.top_k=2",
+    "--model.moe.num_shared_experts=1",
     "--model.moe.router=sigmoid",
     "--model.moe.bias_update_rate=0.001",
 ]
@@ -400,6 +403,9 @@ def training_checks(
     from benchmarks.moe import kernel_check
 
     failed |= not kernel_check(device)  # the experts' grouped GEMM against the loop
+    from benchmarks.moe_overlap import overlap_check
+
+    failed |= not overlap_check(device, n_devices)  # ep2: the shared experts under the token all-to-all
     if device == "cuda":
         failed |= not host_sync_check(common, settings)
     return not failed

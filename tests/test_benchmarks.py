@@ -86,7 +86,7 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     """The GPU check's own smoke test on CPU, its training rows and kernels: one device eager, dp2 with async
     saves, and a resume, each checked (finite falling losses, dp2 equal to one device, the resume equal to the
     uninterrupted run)."""
-    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=300, extra=("--only", "rows"))
+    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=360, extra=("--only", "rows"))
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
     assert list(rows) == ["bf16 eager", "moe bf16", "muon bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
@@ -97,6 +97,7 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert "cp attention cpu_flash bfloat16 cp4 document: max error vs float64" in stdout
     assert "document masks flex ring blocks cp4 (cpu)" in stdout  # FlexAttention: forward on CPU
     assert "moe grouped GEMM (cpu, 64 experts, 512 rows): relative error vs the loop" in stdout  # CUDA: the GPU row
+    assert "moe ep2 overlap (cpu): largest difference on vs off" in stdout  # two GPUs: NCCL, the DeepSeek-V3 width
     assert re.search(r"optimizer: muon step [\d.]+s vs adamw [\d.]+s", stdout), stdout[-2000:]
     assert "FAILED" not in stdout and "doctor" not in stdout
 

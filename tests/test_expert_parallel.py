@@ -54,12 +54,18 @@ def _dispatch_worker(rank: int, port: int, queue, case: int) -> None:
     local = GroupedExperts(E // 2, H, INTER).double()  # this rank's experts: 4 x rank ... 4 x rank + 3
     local.gate_up_proj.data = full.gate_up_proj.data[4 * rank : 4 * rank + 4].clone()
     local.down_proj.data = full.down_proj.data[4 * rank : 4 * rank + 4].clone()
-    x, counts = routed_tokens(rank, case)
-    x.requires_grad_()
-    out = AllToAllDispatch(dist.group.WORLD, ep=2)(x, counts, local)
-    out.backward(torch.ones_like(out) * 0.5)
-    grads = [p.grad.numpy() for p in (local.gate_up_proj, local.down_proj)]
-    queue.put((rank, out.detach().numpy(), x.grad.numpy(), grads))
+    results = []
+    for overlap in (False, True):  # the shared work's result is the caller's to add either way
+        x, counts = routed_tokens(rank, case)
+        x.requires_grad_()
+        out, done = AllToAllDispatch(dist.group.WORLD, ep=2, overlap=overlap)(x, counts, local, x.sum)
+        assert (done is not None) == overlap
+        outputs = [out] if done is None else [out, done]  # x.sum's gradient: 1 more in every x.grad
+        torch.autograd.backward(outputs, [torch.ones_like(out) * 0.5, torch.ones(())][: len(outputs)])
+        grads = [p.grad.numpy() for p in (local.gate_up_proj, local.down_proj)]
+        local.zero_grad()
+        results.append((out.detach().numpy(), x.grad.numpy(), grads))
+    queue.put((rank, results))
     dist.destroy_process_group()
 
 
@@ -71,23 +77,25 @@ def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks(c
     procs = [ctx.Process(target=_dispatch_worker, args=(r, port, queue, case)) for r in range(2)]
     for p in procs:
         p.start()
-    results = {r: (out, dx, grads) for r, out, dx, grads in (queue.get(timeout=60) for _ in procs)}
+    by_rank = dict(queue.get(timeout=60) for _ in procs)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     full = experts_module()
     x, counts = routed_tokens(0, case)
     x.requires_grad_()
-    expected = LocalDispatch()(x, counts, full)
+    expected, _ = LocalDispatch()(x, counts, full, None)
     expected.backward(torch.ones_like(expected) * 0.5)
-    out, dx, grads = results[0]
-    assert torch.allclose(torch.from_numpy(out), expected.detach(), rtol=1e-12, atol=1e-12)
-    assert torch.allclose(torch.from_numpy(dx), x.grad, rtol=1e-12, atol=1e-12)
-    assert results[1][0].shape == (0, H)  # the rank that sent nothing gets nothing back
-    for name, index in (("gate_up_proj", 0), ("down_proj", 1)):  # divided by ep, before FSDP averages over edp
-        want = getattr(full, name).grad / 2
-        got = torch.cat([torch.from_numpy(results[r][2][index]) for r in range(2)])
-        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), name
+    for overlap in (0, 1):  # the dispatch all-to-all waited at once, or after the shared work
+        results = {r: by_rank[r][overlap] for r in range(2)}
+        out, dx, grads = results[0]
+        assert torch.allclose(torch.from_numpy(out), expected.detach(), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(torch.from_numpy(dx), x.grad + 1 if overlap else x.grad, rtol=1e-12, atol=1e-12)
+        assert results[1][0].shape == (0, H)  # the rank that sent nothing gets nothing back
+        for name, index in (("gate_up_proj", 0), ("down_proj", 1)):  # divided by ep, before FSDP averages over edp
+            want = getattr(full, name).grad / 2
+            got = torch.cat([torch.from_numpy(results[r][2][index]) for r in range(2)])
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), name
 
 
 # ---- the layout matrix ----------------------------------------------------------------------------------------
@@ -286,3 +294,114 @@ def test_padded_grouped_gemm_equals_the_per_expert_loop_in_bf16(counts):
         results.append([out, *torch.autograd.grad(out, [x, gate_up, down], dout)])
     for name, got, want in zip(("out", "dx", "d gate_up", "d down"), *reversed(results)):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2, msg=name)  # bf16 rounding
+
+
+# ---- the host syncs of a MoE layer, and the shared experts under the token all-to-all --------------------------
+
+# Ops that make the host wait for a CUDA device (the value read back, or an output size computed from values), seen
+# on CPU by a dispatch mode; `tolist` dispatches no op and is counted by wrapping it.
+SYNCING_OPS = ("aten._local_scalar_dense", "aten.bincount", "aten.nonzero", "aten.masked_select", "aten._unique2")
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def moe_layer(shared: bool = True, capacity_factor: float = 0.0, dtype=torch.float64):
+    from nanotron.config import ModelConfig
+    from nanotron.config.validate import resolve_model
+    from nanotron.models.llama import MLP
+    from nanotron.models.moe import MoE
+
+    cfg = ModelConfig(hidden_size=16, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=8)
+    cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.router = E, 2, "sigmoid"
+    cfg.moe.moe_intermediate_size, cfg.moe.num_shared_experts, cfg.moe.capacity_factor = 8, int(shared), capacity_factor
+    resolve_model(cfg)
+    moe = MoE(cfg, MLP(16, 16) if shared else None).to(dtype)
+    g = torch.Generator().manual_seed(11)
+    for p in moe.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.5).to(dtype)
+    return moe
+
+
+def host_syncs(moe, x: torch.Tensor, monkeypatch) -> list[str]:
+    """The calls that would stop a CUDA run's host in one forward and backward of `moe`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen, last = [], [""]
+
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name == "aten._local_scalar_dense" and last[0] == "aten.aminmax":
+                return func(*args, **(kwargs or {}))  # one_hot's check of its ids' range: on CPU only
+            if name in SYNCING_OPS or (name == "aten.repeat_interleave" and "output_size" not in (kwargs or {})):
+                seen.append(name)
+            last[0] = name
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: seen.append("tolist") or tolist(t))
+    with Syncs():
+        moe(x).square().sum().backward()
+    monkeypatch.undo()
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_moe_layer_syncs_the_host_once_with_expert_parallelism_and_never_without(overlap, world_of_one, monkeypatch):
+    """Issue 44: the grouped GEMM path (CUDA's) reads nothing back without expert parallelism; with it, the one read
+    is the all-to-all's split sizes (host integers for all_to_all_single: dropless routing has no fixed sizes);
+    capacity_factor adds the kept count. Counted over one forward and backward, bf16 (the grouped GEMM's dtype)."""
+    from nanotron.parallel.expert import padded_grouped_mlp
+
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+    cases = [(0.0, False, []), (0.0, True, ["tolist"]), (1.0, True, ["aten._local_scalar_dense", "tolist"])]
+    for capacity, ep, expected in cases:
+        moe = moe_layer(capacity_factor=capacity, dtype=torch.bfloat16)
+        moe.experts.mlp = padded_grouped_mlp
+        if ep:
+            moe.dispatcher = AllToAllDispatch(dist.group.WORLD, ep=1, overlap=overlap)
+        assert host_syncs(moe, x, monkeypatch) == expected, (capacity, ep)
+
+
+def test_the_shared_experts_run_while_the_tokens_travel_forward_and_backward(world_of_one, monkeypatch):
+    """parallelism.ep_overlap: the token all-to-all starts, the shared experts run, then it is waited for; in
+    backward the tokens' gradients start home before the shared experts' backward and are waited for after it. Seen
+    through the order of events (not timing), on a one-rank group; the layer's output and gradients are those of
+    the local experts either way (float64)."""
+    from nanotron.parallel import expert
+
+    events = []
+    start, wait = expert._InFlight.start, expert._InFlight.wait
+    monkeypatch.setattr(expert._InFlight, "start", lambda self, *a, **k: events.append("start") or start(self, *a, **k))
+    monkeypatch.setattr(expert._InFlight, "wait", lambda self: events.append("wait") or wait(self))
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for name, overlap in (("local", None), ("overlap", True), ("no overlap", False)):
+        moe = moe_layer()
+        if overlap is not None:
+            moe.dispatcher = AllToAllDispatch(dist.group.WORLD, ep=1, overlap=overlap)
+        shared = moe.shared_experts
+        shared.register_forward_pre_hook(lambda *_: events.append("shared forward"))
+        shared.register_full_backward_pre_hook(lambda *_: events.append("shared backward"))
+        shared.register_full_backward_hook(lambda *_: events.append("shared backward done"))
+        events.clear()
+        xi = x.clone().requires_grad_()
+        out = moe(xi)
+        forward = list(events)
+        out.square().sum().backward()
+        results[name] = (out.detach(), xi.grad, [p.grad for p in moe.parameters()], forward, events[len(forward) :])
+    *_, forward, backward = results["overlap"]
+    assert forward == ["start", "shared forward", "wait"]
+    assert backward == ["start", "shared backward", "shared backward done", "wait"]
+    assert results["no overlap"][3:] == (["shared forward"], ["shared backward", "shared backward done"])
+    for name in ("overlap", "no overlap"):
+        out, dx, grads = results[name][:3]
+        torch.testing.assert_close(out, results["local"][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, results["local"][1], rtol=1e-12, atol=1e-12)
+        for got, want in zip(grads, results["local"][2]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

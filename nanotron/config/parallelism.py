@@ -36,6 +36,13 @@ class ParallelismConfig:
         "FSDP-sharded over the remaining dp x cp / ep ranks",
         min=1,
     )
+    ep_overlap: bool = opt(
+        True,
+        "with ep > 1, compute each MoE layer's shared experts while its tokens travel to their experts (the "
+        "dispatch all-to-all started asynchronously, waited after them; in backward, their backward under the "
+        "tokens' gradients' way back): the same results, the transfer hidden behind the shared experts' GEMMs; "
+        "no effect without shared experts",
+    )
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     pp_engine: str = opt("1f1b", "pipeline schedule", tuple(PP_ENGINES))
     pp_stages_per_rank: int = opt(2, "virtual stages per rank for interleaved_1f1b/zero_bubble", min=1)

@@ -6,7 +6,8 @@ the (token, choice) pairs are sorted by expert (one stable argsort, no loop over
 contiguous slice, and the outputs are weighted by their gates and summed back per token.
 
 Two parameterless seams let the parallel layer change how, never what, is computed (no parameter name changes):
-`dispatcher` moves the grouped tokens to the experts and back (expert parallelism swaps it for all-to-all), and
+`dispatcher` moves the grouped tokens to the experts and back (expert parallelism swaps it for all-to-all, and
+computes the shared experts while the tokens travel), and
 `GroupedExperts.mlp` runs each group through its expert (a loop over experts here; expert parallelism takes the
 local experts' weights, CUDA swaps in torch's grouped GEMM over padded groups).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +61,13 @@ def expert_mlp(x, counts, gate_up: torch.Tensor, down: torch.Tensor, matmul=loop
 
 
 class LocalDispatch(nn.Module):
-    """All experts on this rank: the grouped tokens go straight to them."""
+    """All experts on this rank: the grouped tokens go straight to them. A dispatcher returns the experts' output
+    and, if it ran `during` (work to hide a transfer behind), its result; nothing travels here, so it doesn't."""
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        return experts(x, counts)
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts, during: Callable[[], torch.Tensor] | None
+    ) -> tuple[torch.Tensor, None]:
+        return experts(x, counts), None
 
 
 class Router(nn.Module):
@@ -138,19 +143,22 @@ class MoE(nn.Module):
         if keep is not None:
             choices = torch.where(keep, choices, self.num_experts)  # past the last expert: sorted out of the way
         order = choices.argsort(stable=True)
-        counts = torch.bincount(choices, minlength=self.num_experts + 1)
+        # Counted by scatter_add, not bincount: bincount reads the largest id back to the host on CUDA.
+        counts = choices.new_zeros(self.num_experts + 1).scatter_add_(0, choices, torch.ones_like(choices))
         counting = self.training and self.counting()  # evaluation and recomputation don't count
         if counting:
             with torch.no_grad():
                 self.tokens_per_expert += counts[: self.num_experts]
                 self.dropped_tokens += counts[self.num_experts]
+        # Dropping sizes the routed rows by the kept count: a host sync per layer and microbatch (capacity only).
         routed = order[: choices.numel() - counts[self.num_experts]] if keep is not None else order
         token = routed // self.top_k
-        out = self.dispatcher(flat[token], counts[: self.num_experts], self.experts)
+        shared = partial(self.shared_experts, flat) if self.shared_experts is not None else None
+        out, shared_out = self.dispatcher(flat[token], counts[: self.num_experts], self.experts, shared)
         out = out * gates.flatten()[routed].unsqueeze(-1).to(out.dtype)
         combined = torch.zeros_like(flat).index_add_(0, token, out)
-        if self.shared_experts is not None:
-            combined = combined + self.shared_experts(flat)
+        if shared is not None:
+            combined = combined + (shared() if shared_out is None else shared_out)
         if self.aux_loss_coef and torch.is_grad_enabled():
             combined = _AddLossGradient.apply(combined, self._balance_loss(scores, index, batch, seq, counting))
         return combined.view(batch, seq, hidden)

@@ -13,11 +13,22 @@ backward) and over "edp" (FSDP), divided by dp x cp like every other gradient.
 Cost at scale (DeepSeek-V3-like: 61 layers, 256 experts, top-8, 7168 hidden, 4k tokens per rank in bf16): per layer
 and microbatch, the token all-to-all moves top_k x tokens x hidden x 2 bytes each way (~470 MB per rank forward,
 the same back and twice again in backward) and the counts all-to-all 8 bytes x num_experts; it needs the counts on
-the host (one device sync per layer and microbatch). Kept: all_to_all_single takes its split sizes as host integers,
-and dropless routing has no fixed sizes; removing it would take a device-initiated all-to-all (NVSHMEM, not a public
-torch API on 2.13) or fixed-capacity buffers (dropped tokens, or worst-case padding of E x tokens). Without expert
-parallelism the grouped GEMM path has no host sync at all (`padded_grouped_mlp` sizes its buffer from row counts
-the host knows).
+the host (one device sync per layer and microbatch, one read of the send and receive sizes together). Kept:
+all_to_all_single takes its split sizes as host integers, and dropless routing has no fixed sizes; removing it would
+take a device-initiated all-to-all (NVSHMEM, DeepEP-style kernels: not a public torch API on 2.13) or fixed-capacity
+buffers (dropped tokens, or worst-case padding of E x tokens: at the shape above 256 x 4k rows of 7168 bf16, 15 GB,
+against ~470 MB). Its cost: the host waits for the GPU to reach the counts all-to-all (the queue drains once per
+layer), then launches the rest; tens of microseconds against the ~10 ms token all-to-all over InfiniBand, the same
+at 512 GPUs as at 16 (constant in the world size). Without expert parallelism the grouped GEMM path has no host sync
+at all (`padded_grouped_mlp` sizes its buffer from row counts the host knows; the counts come from scatter_add, not
+bincount, which reads its largest id back on CUDA); `capacity_factor` adds one (the kept count sizes the rows).
+
+With shared experts, `parallelism.ep_overlap` hides the token all-to-all behind them: it starts asynchronously, the
+shared experts run, then it is waited for; in backward the reverse exchange runs under their backward (no extra
+communication, memory or sync: the same operations, waited for later). At the shape above on H100s (the planner's
+figures, `benchmarks/moe_overlap.py`): the shared expert's forward is ~0.9 ms and its backward ~1.8 ms against
+~1.1 ms per all-to-all inside a node (ep 8: mostly hidden) or ~10 ms across nodes (ep 64: ~2.7 ms of ~41 ms per
+layer hidden; DeepSeek hides the rest with DualPipe, across microbatches).
 
 `ExpertBalance` moves each router's bias (auxiliary-loss-free balancing) from the step's global load, one all-
 reduce of num_layers x num_experts counts over dp x cp per step on the device (61 x 256 floats: 62 KB, latency-
@@ -25,6 +36,8 @@ bound, no host sync), and gathers the MoE metrics on logging steps (one more all
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,25 +73,98 @@ class _AllToAll(torch.autograd.Function):
 
 class AllToAllDispatch(nn.Module):
     """Sends tokens grouped by (global) expert to the ep ranks owning those experts and brings the outputs back in
-    the same order. Rank r of the ep group owns experts [r x E/ep, (r + 1) x E/ep)."""
+    the same order. Rank r of the ep group owns experts [r x E/ep, (r + 1) x E/ep).
 
-    def __init__(self, group: dist.ProcessGroup, ep: int):
+    With `overlap`, `during` (the shared experts) runs while the tokens travel: the token all-to-all starts
+    asynchronously, `during` runs, then the dispatch waits; in backward the reverse exchange of the tokens'
+    gradients likewise runs under `during`'s backward (see `_Started`). Without it, `during` is left to the caller.
+    The same operations on the same values either way: only when the host waits changes."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, overlap: bool = True):
         super().__init__()
-        self.group, self.ep = group, ep
+        self.group, self.ep, self.overlap = group, ep, overlap
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module, during: Callable[[], torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         local = counts.numel() // self.ep
         received = torch.empty_like(counts)  # [source rank x local expert]: what each peer sends each of mine
         dist.all_to_all_single(received, counts, group=self.group)
-        send = counts.view(self.ep, local).sum(dim=1).tolist()
+        # The layer's one host sync (per microbatch, and again if recomputed): all_to_all_single takes its split
+        # sizes as host integers, and dropless routing has no fixed sizes (see the module's docstring).
+        send, recv = torch.stack([counts, received]).view(2, self.ep, local).sum(dim=2).tolist()
         by_source = received.view(self.ep, local)
-        recv = by_source.sum(dim=1).tolist()
-        tokens = _ScaleGradient.apply(_AllToAll.apply(x, recv, send, self.group), self.ep)
         # Rows arrive grouped by source, then expert: regroup by local expert (stable: sources stay in order).
-        expert_of = torch.arange(local, device=x.device).repeat(self.ep).repeat_interleave(received)
-        order = expert_of.argsort(stable=True)
+        expert_of = torch.arange(local, device=x.device).repeat(self.ep)
+        order = expert_of.repeat_interleave(received, output_size=sum(recv)).argsort(stable=True)
+        if self.overlap and during is not None:
+            tokens, done = _exchange_during(x, recv, send, self.group, during)
+        else:
+            tokens, done = _AllToAll.apply(x, recv, send, self.group), None
+        tokens = _ScaleGradient.apply(tokens, self.ep)
         out = _ScaleGradient.apply(experts(tokens[order], by_source.sum(dim=0)), 1.0 / self.ep)
-        return _AllToAll.apply(out[order.argsort()], send, recv, self.group)
+        return _AllToAll.apply(out[order.argsort()], send, recv, self.group), done
+
+
+def _exchange_during(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, during):
+    """`_AllToAll.apply(x, ...)` with `during()` computed while the rows travel, forward and backward; returns
+    both. The autograd engine runs ready nodes latest-created first, so creating `during`'s nodes between
+    `_WaitForGradient` and `_Started` puts its backward between the reverse exchange's start and its wait."""
+    pending = _InFlight()
+    x = _WaitForGradient.apply(x, pending)
+    received = x.new_empty(sum(out_splits), *x.shape[1:])
+    send = x.contiguous()
+    pending.start(received, send, out_splits, in_splits, group)
+    done = during()
+    return _Started.apply(x, pending, (out_splits, in_splits), group), done
+
+
+class _InFlight:
+    """One asynchronous all_to_all_single: its output and the work to wait for (the tensors it reads and writes
+    are held until then)."""
+
+    def __init__(self):
+        self.work, self.tensors = None, ()
+
+    def start(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> None:
+        self.tensors = (out, x)
+        self.work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        out, self.work, self.tensors = self.tensors[0], None, ()
+        return out
+
+
+class _Started(torch.autograd.Function):
+    """Forward: waits for the all-to-all `pending` started on `x` and returns what it received. Backward: starts
+    the reverse exchange of the gradient into `pending` and returns its output buffer, unread until
+    `_WaitForGradient` (nearer the input) waits for it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pending: _InFlight, splits: tuple[list[int], list[int]], group) -> torch.Tensor:
+        ctx.pending, ctx.splits, ctx.group = pending, splits, group
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        ctx.pending.start(back, grad.contiguous(), in_splits, out_splits, ctx.group)
+        return back, None, None, None
+
+
+class _WaitForGradient(torch.autograd.Function):
+    """Identity forward; backward waits for the exchange `_Started.backward` began and passes its result on."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pending: _InFlight) -> torch.Tensor:
+        ctx.pending = pending
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.pending.wait(), None
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -164,8 +250,9 @@ def expert_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shards every MoE layer's experts over `ep_mesh` (the expert dim) and routes its tokens by all-to-all."""
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, overlap: bool = True) -> None:
+    """Shards every MoE layer's experts over `ep_mesh` (the expert dim) and routes its tokens by all-to-all, with
+    the shared experts computed while the tokens travel if `overlap` (`parallelism.ep_overlap`)."""
     ep = ep_mesh.size()
     for moe in expert_layers(module):
         experts = moe.experts
@@ -173,7 +260,7 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded))
         experts.mlp = local_expert_mlp
-        moe.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep)
+        moe.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep, overlap)
 
 
 def expert_shard_dim(param: nn.Parameter) -> Shard:

@@ -48,7 +48,7 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
         if p.cp > 1:
             apply_context_parallel(module, ctx.mesh["cp"].get_group(), p.cp, ctx.cp_rank, cfg.training.seq_len)
         if p.ep > 1:
-            apply_expert_parallel(module, ctx.expert_mesh["ep"])
+            apply_expert_parallel(module, ctx.expert_mesh["ep"], p.ep_overlap)
         if ctx.device.type == "cuda":
             use_grouped_gemm(module)
         if p.recompute != "none":

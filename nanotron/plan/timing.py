@@ -368,7 +368,8 @@ def cp_gb(cfg: Config, modes: list[str]) -> float:
 def ep_gb(cfg: Config, modes: list[str]) -> float:
     """EP: per MoE layer, the token all-to-all there and back in forward, twice again in backward (and once more
     for a recomputed forward, full or selective): top_k copies of each token, (ep-1)/ep leave the rank. Not
-    hidden."""
+    hidden: `parallelism.ep_overlap` hides the dispatch leg under the shared experts (up to their forward and
+    backward time, `benchmarks/moe_overlap.py`), which is not credited here."""
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
     tokens_micro = micro_tokens(cfg)
