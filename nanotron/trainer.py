@@ -41,6 +41,7 @@ from nanotron.parallel.float8 import describe_float8, precompute_float8_scales
 from nanotron.parallel.layout import layout_sizes
 from nanotron.parallel.mesh import ParallelContext, init_distributed
 from nanotron.parallel.parallelize import build_model
+from nanotron.parallel.regather import agree_on_regather
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.records import TRAINER_STATE
 from nanotron.signals import StopRequest
@@ -104,6 +105,7 @@ class Trainer:
         drill = Drill.from_env(rank)
         self.beat = drill.phases(self.heartbeat.beat)
         self.ctx: ParallelContext = init_distributed(cfg)
+        self.cfg = cfg = agree_on_regather(cfg, self.ctx.device)  # 'auto' was resolved by each rank on its own
         set_matmul_precision(cfg, self.ctx.device)
         if cfg.training.preflight:  # bad nodes stop the job before anything is built
             preflight(cfg, self.ctx)

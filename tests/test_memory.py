@@ -232,3 +232,24 @@ def test_sequence_parallel_keeps_shards_of_gathered_inputs_and_the_plan_counts_t
     assert gathered - kept == m.num_layers * tokens * 2 * m.hidden_size * (1 - 1 / 2) * 4, (gathered, kept)
     planned = stage_memory(off, 0)["activations_saved"] - stage_memory(cfg, 0)["activations_saved"]
     assert planned == gathered - kept
+
+
+@pytest.mark.parametrize("peer", [True, False], ids=["a peer resolved it on", "every peer resolved it off"])
+def test_ranks_that_resolved_sp_regather_differently_all_build_it_on(monkeypatch, capsys, peer):
+    """`auto` is resolved by each rank from its own device's memory: a rank that resolved it off builds it on when
+    a peer needs it (a TP group split between the two would hang in backward), and says so on rank 0."""
+    from nanotron.parallel.regather import agree_on_regather, regathers
+
+    def all_reduce(tensor, op, group=None):  # this rank and one peer, reduced with the op asked for
+        assert op == dist.ReduceOp.MAX  # on wins
+        tensor.copy_(torch.maximum(tensor, torch.tensor([int(peer)])))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    layout = ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter", "--parallelism.sp_regather=off"]
+    mine = load_config(*parse_overrides([*TINY_MODEL, *layout]), world_size=2)
+    agreed = agree_on_regather(mine, torch.device("cpu"))
+    assert regathers(agreed) is peer
+    said = capsys.readouterr().out
+    assert ("parallelism.sp_regather: on for every rank, not off: another rank's plan needs it" in said) is peer

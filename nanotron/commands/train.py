@@ -59,9 +59,9 @@ def _main(argv: list[str]) -> int:
 
 
 def resolve_sp_regather(cfg: Config) -> Config:
-    """cfg with parallelism.sp_regather as this run builds its model: 'auto' decided by the plan of this config on
-    this rank's device (`nanotron.plan.search.choose_sp_regather`: the same on every rank of a job of one GPU model),
-    said once by rank 0. The planner is loaded only where the setting can act (sequence parallelism, eager)."""
+    """cfg with parallelism.sp_regather as this rank builds its model: 'auto' decided by the plan of this config on
+    this rank's device (`nanotron.plan.search.choose_sp_regather`; the Trainer turns it on everywhere if any rank
+    did), said once by rank 0. The planner is loaded only where the setting can act (sequence parallelism, eager)."""
     if not can_regather(cfg):
         return cfg
     from nanotron.plan.search import choose_sp_regather, sp_regather_line, with_sp_regather

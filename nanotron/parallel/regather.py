@@ -15,12 +15,15 @@ saved-tensor hooks around the block's forward.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nanotron.config import Config
+from nanotron.console import say
 from nanotron.models.moe import MoE
 
 # Called with each tensor the hooks keep for backward (the shard in place of a gathered input, or any other saved
@@ -40,6 +43,27 @@ def regathers(cfg: Config) -> bool:
     """Whether this config's layers keep their gathered inputs as shards: parallelism.sp_regather = 'on' where it
     can act (the train command resolves 'auto' before the model is built; unresolved, it counts as off)."""
     return cfg.parallelism.sp_regather == "on" and can_regather(cfg)
+
+
+def agree_on_regather(cfg: Config, device: torch.device) -> Config:
+    """cfg with the same parallelism.sp_regather on every rank. The train command resolves 'auto' on each rank from
+    its own device's memory, so a job mixing device models could split a TP group between ranks that keep shards
+    and ranks that keep gathered inputs: their backward all-gathers would not match (a hang). On everywhere if any
+    rank resolved it on, the setting that saves memory; said once by rank 0 when that overrides its own decision.
+    Cost: one all-reduce of one integer over the world at start-up (at 512 ranks, one latency-bound collective)."""
+    if not can_regather(cfg) or not dist.is_initialized():
+        return cfg
+    mine = regathers(cfg)
+    vote = torch.tensor([int(mine)], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    if bool(vote.item()) == mine:
+        return cfg
+    if dist.get_rank() == 0:
+        say(
+            "parallelism.sp_regather: on for every rank, not off: another rank's plan needs it (its device has less "
+            "memory); set parallelism.sp_regather explicitly to choose"
+        )
+    return replace(cfg, parallelism=replace(cfg.parallelism, sp_regather="on"))
 
 
 def apply_regather(model: nn.Module, recomputed: Callable[[int], bool]) -> None:
