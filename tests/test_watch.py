@@ -177,11 +177,16 @@ def test_a_persistent_straggler_is_warned_of_or_its_node_handed_back_for_exclusi
 WATCH = ["--watch.floor_seconds=8", "--watch.factor=4"]
 
 
-def start(tiny_data, tmp_path: Path, name: str, fault: str | None, extra: list[str] = ()) -> subprocess.Popen:
+def start(
+    tiny_data, tmp_path: Path, name: str, fault: str | None, extra: list[str] = (), watched: bool = True
+) -> subprocess.Popen:
+    """4 ranks of the tiny model under nanotron's launcher and its watcher, or (`watched=False`, for what the ranks
+    see themselves) forked by tests/forkrun.py, without each rank's own imports."""
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", f"--job.name={name}", *WATCH, *extra]
     args += ["--parallelism.dp=4", "--training.steps=30", "--checkpoint.save_final=false"]
     env = train_env() | ({"NANOTRON_FAULT": fault} if fault else {})
-    command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", "4", *args]
+    launch = ["-m", "nanotron.train", "--nproc_per_node", "4"] if watched else [str(FORKRUN), "4"]
+    command = [sys.executable, *launch, *args]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -269,7 +274,7 @@ def test_a_rank_stopped_from_outside_is_detected_and_its_stack_read(tiny_data, t
 @pytest.mark.slow
 def test_a_rank_three_times_slower_is_named_within_20_steps_and_no_other_rank_is(tiny_data, tmp_path):
     straggling = ["--watch.straggler_interval=5", "--watch.straggler_patience=2", "--training.steps=20"]
-    proc = start(tiny_data, tmp_path, "slow", "rank:2,step:1,kind:slow:3", straggling)
+    proc = start(tiny_data, tmp_path, "slow", "rank:2,step:1,kind:slow:3", straggling, watched=False)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     warnings = [line for line in console_messages(stdout) if line.startswith("warning: straggler:")]
