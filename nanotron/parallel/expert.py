@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanotron.config import Config
 from nanotron.models.moe import MoE, expert_mlp
+from nanotron.models.llama import decoder_layers
 from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.torch_private import grouped_mm
 from nanotron.step_end import StepInfo, StepReport
@@ -187,20 +188,17 @@ class ExpertBalance:
     steps, the MoE metrics; both read and then clear the layers' per-step counters."""
 
     def __init__(self, cfg: Config, modules: list[nn.Module], ctx: ParallelContext):
+        # by global layer index; an MTP module's block is layer num_layers + k (DeepSeek-V3's checkpoint numbering)
         self.layers = sorted(
-            (
-                (int(name.split(".")[2]), m)
-                for module in modules
-                for name, m in module.named_modules()
-                if isinstance(m, MoE)
-            ),
+            ((index, layer.mlp) for module in modules for index, layer in decoder_layers(module)
+             if isinstance(layer.mlp, MoE)),
             key=lambda item: item[0],
         )
         moe, p = cfg.model.moe, cfg.parallelism
         self.rate = moe.bias_update_rate
         self.device = ctx.device
         self.group = ctx.loss_group()  # the ranks that route distinct tokens
-        self.num_layers = cfg.model.num_layers
+        self.num_layers = cfg.model.num_layers + cfg.model.mtp_depth
         self.num_experts = moe.num_experts
         self.tp = p.tp
         self.dp_cp = p.dp * p.cp

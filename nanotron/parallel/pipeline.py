@@ -78,6 +78,7 @@ def build_stage(model: LlamaForCausalLM, layers: range, first: bool, last: bool)
     if not last:
         stage.model.norm = None
         stage.lm_head = None
+        stage.mtp = None
     return stage
 
 
@@ -127,9 +128,9 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
     seq = tokens // p.tp if p.tp > 1 and p.tp_mode == "reduce_scatter" else tokens
 
     def hidden(requires_grad: bool) -> torch.Tensor:
-        return torch.empty(t.micro_batch_size, seq, m.hidden_size, dtype=dtype, device="meta").requires_grad_(
-            requires_grad
-        )
+        # with multi-token prediction, the MTP tokens' embeddings travel beside the hidden states (llama.py)
+        width = (1 + m.mtp_depth) * m.hidden_size
+        return torch.empty(t.micro_batch_size, seq, width, dtype=dtype, device="meta").requires_grad_(requires_grad)
 
     if index == 0:
         inputs = torch.empty(t.micro_batch_size, tokens, dtype=torch.long, device="meta")
@@ -137,12 +138,13 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
         inputs = hidden(True)
     if index < cfg.num_stages - 1:
         return {"input_args": (inputs,), "output_args": (hidden(True),)}
+    positions = (1 + m.mtp_depth) * tokens  # in training the MTP depths' logits follow the main ones (llama.py)
     if p.tp == 1:
-        logits = torch.empty(t.micro_batch_size, tokens, m.vocab_size, dtype=dtype, device="meta")
+        logits = torch.empty(t.micro_batch_size, positions, m.vocab_size, dtype=dtype, device="meta")
         return {"input_args": (inputs,), "output_args": (logits.requires_grad_(),)}
 
     def logits(requires_grad: bool) -> DTensor:
-        local = torch.empty(t.micro_batch_size, tokens, m.vocab_size // p.tp, dtype=dtype, device="meta")
+        local = torch.empty(t.micro_batch_size, positions, m.vocab_size // p.tp, dtype=dtype, device="meta")
         sharded = DTensor.from_local(local, mesh["tp"], [Shard(-1)], run_check=False)
         return sharded.requires_grad_(requires_grad)
 
