@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.models.shapes import head_forward_flops, layer_forward_flops
+from nanotron.models.shapes import head_forward_flops, layer_forward_flops, mtp_forward_flops
 from nanotron.parallel.fsdp import GradientSync, ZeroPipelineStage
 
 
@@ -28,13 +28,14 @@ def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     values, so it is counted as half the head.
     """
     head = head_forward_flops(cfg)
-    return head / 2, layer_forward_flops(cfg, seq_len), head
+    # the last stage also runs the multi-token prediction modules (a layer and the head again per depth)
+    return head / 2, layer_forward_flops(cfg, seq_len), head + mtp_forward_flops(cfg, seq_len)
 
 
 def split_layers(num_layers: int, n_stages: int, costs: tuple[float, float, float]) -> list[range]:
     """Contiguous layer ranges, one per stage, minimising the costliest stage (every stage >= 1 layer).
 
-    Stage 0 also pays for the embedding and the last stage for the head, so they get fewer layers.
+    Stage 0 also pays for the embedding and the last stage for the head (and MTP), so they get fewer layers.
     """
     embed, layer, head = costs
 
