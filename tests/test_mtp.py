@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_MODEL, read_metrics, run_train, train_losses
-from matrix import MLA_MODEL
+from matrix import MLA_MODEL, weights
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError
@@ -56,21 +56,32 @@ def test_the_mtp_modules_live_on_the_last_stage_and_the_embeddings_travel_beside
     assert sent.shape[-1] == 2 * cfg.model.hidden_size  # hidden states, then the MTP tokens' embeddings
 
 
-def test_the_loss_weight_acts_and_zero_trains_the_model_as_without_mtp(tiny_data, tmp_path):
+@pytest.mark.slow  # four 1-process training runs (~45 s on 2 busy cores)
+def test_the_loss_weight_acts_zero_trains_the_model_as_without_mtp_and_a_resume_is_exact(tiny_data, tmp_path):
     """lambda = 0: the MTP module learns nothing and the model trains exactly as without it (its parameters have
-    their own init seeds); lambda > 0 changes the model's second step. The MTP loss is logged beside the loss."""
+    their own init seeds); lambda > 0 changes the model's second step. The MTP loss is logged beside the loss; a
+    run resumed from its step-1 checkpoint ends bit-identical (MTP weights and optimizer state included)."""
     common = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--training.steps=2"]
-    common += ["--logging.log_interval=1", "--checkpoint.save_final=false"]
-    runs = {}
-    for name, extra in (("off", []), ("zero", ["--training.mtp_loss_weight=0"]), ("on", ["--training.mtp_loss_weight=1"])):
-        run_train([*common, f"--job.name={name}", *([] if name == "off" else ["--model.mtp_depth=1"]), *extra])
-        runs[name] = tmp_path / name
-    assert train_losses(runs["zero"]) == train_losses(runs["off"])
-    on = train_losses(runs["on"])
-    assert on[0] == train_losses(runs["off"])[0] and on[1] != train_losses(runs["off"])[1]
-    mtp = [r["mtp_loss"] for r in read_metrics(runs["on"]) if "mtp_loss" in r]
-    assert len(mtp) == 2 and all(value > 0 for value in mtp)
-    assert not any("mtp_loss" in r for r in read_metrics(runs["off"]))
+    common += ["--logging.log_interval=1", "--checkpoint.save_final=false", "--checkpoint.interval=1"]
+    mtp = ["--model.mtp_depth=1"]
+    runs = {
+        "off": [],
+        "zero": [*mtp, "--training.mtp_loss_weight=0"],
+        "on": [*mtp, "--training.mtp_loss_weight=1"],
+        "resumed": [*mtp, "--training.mtp_loss_weight=1", f"--checkpoint.resume_from={tmp_path}/on/checkpoints/step-1"],
+    }
+    for name, extra in runs.items():
+        run_train([*common, f"--job.name={name}", *extra])
+    off, on = train_losses(tmp_path / "off"), train_losses(tmp_path / "on")
+    assert train_losses(tmp_path / "zero") == off
+    assert on[0] == off[0] and on[1] != off[1]
+    logged = [r["mtp_loss"] for r in read_metrics(tmp_path / "on") if "mtp_loss" in r]
+    assert len(logged) == 2 and all(value > 0 for value in logged)
+    assert not any("mtp_loss" in r for r in read_metrics(tmp_path / "off"))
+    resumed = [r for r in read_metrics(tmp_path / "resumed") if "loss" in r]
+    assert [(r["loss"], r["mtp_loss"]) for r in resumed] == [(on[1], logged[1])]
+    want, got = weights(tmp_path / "on", 2), weights(tmp_path / "resumed", 2)
+    assert "mtp.0.eh_proj.weight" in want and all(torch.equal(got[name], w) for name, w in want.items())
 
 
 def test_document_masking_with_mtp_is_a_one_line_refusal():
