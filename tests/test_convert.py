@@ -666,8 +666,11 @@ def test_deepseek_v3_mtp_layers_import_and_export_as_deepseeks_layer_after_the_l
     original.save_pretrained(source)
     tensors = hf_tensors(source)
     gen = torch.Generator().manual_seed(3)
-    mtp = {n.replace("layers.2.", "layers.3."): t + 0.1 * torch.randn(t.shape, generator=gen)
-           for n, t in tensors.items() if n.startswith("model.layers.2.")}
+    mtp = {
+        n.replace("layers.2.", "layers.3."): t + 0.1 * torch.randn(t.shape, generator=gen)
+        for n, t in tensors.items()
+        if n.startswith("model.layers.2.")
+    }
     mtp |= {f"model.layers.3.{n}.weight": 1 + 0.5 * torch.randn(32, generator=gen) for n in ("enorm", "hnorm")}
     mtp["model.layers.3.shared_head.norm.weight"] = 1 + 0.5 * torch.randn(32, generator=gen)
     mtp["model.layers.3.eh_proj.weight"] = 0.1 * torch.randn(32, 64, generator=gen)

@@ -174,8 +174,9 @@ def head_forward_flops(m: ModelConfig) -> int:
 def mtp_forward_flops(m: ModelConfig, seq_len: int) -> int:
     """Forward FLOPs per token of the multi-token prediction modules: per depth its 2h -> h projection, its
     decoder layer and one more pass through the shared head (0 when off)."""
+    projection = 2 * 2 * m.hidden_size * m.hidden_size
     return sum(
-        2 * 2 * m.hidden_size * m.hidden_size + layer_forward_flops(m, seq_len, m.num_layers + k) + head_forward_flops(m)
+        projection + layer_forward_flops(m, seq_len, m.num_layers + k) + head_forward_flops(m)
         for k in range(m.mtp_depth)
     )
 

@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanotron.config import Config
-from nanotron.models.moe import MoE, expert_mlp
 from nanotron.models.llama import decoder_layers
+from nanotron.models.moe import MoE, expert_mlp
 from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.torch_private import grouped_mm
 from nanotron.step_end import StepInfo, StepReport
@@ -190,8 +190,12 @@ class ExpertBalance:
     def __init__(self, cfg: Config, modules: list[nn.Module], ctx: ParallelContext):
         # by global layer index; an MTP module's block is layer num_layers + k (DeepSeek-V3's checkpoint numbering)
         self.layers = sorted(
-            ((index, layer.mlp) for module in modules for index, layer in decoder_layers(module)
-             if isinstance(layer.mlp, MoE)),
+            (
+                (index, layer.mlp)
+                for module in modules
+                for index, layer in decoder_layers(module)
+                if isinstance(layer.mlp, MoE)
+            ),
             key=lambda item: item[0],
         )
         moe, p = cfg.model.moe, cfg.parallelism

@@ -284,10 +284,14 @@ class MicrobatchRunner:
         # main logits and targets, then each MTP depth's (llama.py's order): main + weight x the depths' mean
         width = targets.shape[1] // (1 + self.mtp_depth)
         main = microbatch_loss(logits[:, :width], targets[:, :width], self.scale)
-        mtp = sum(
-            mtp_depth_loss(logits[:, k * width : (k + 1) * width], targets[:, k * width : (k + 1) * width], self.seq_len, k)
-            for k in range(1, self.mtp_depth + 1)
-        ) / self.mtp_depth
+        depths = [slice(k * width, (k + 1) * width) for k in range(1 + self.mtp_depth)]
+        mtp = (
+            sum(
+                mtp_depth_loss(logits[:, depths[k]], targets[:, depths[k]], self.seq_len, k)
+                for k in range(1, self.mtp_depth + 1)
+            )
+            / self.mtp_depth
+        )
         self.step_losses.append((_plain(main).detach().float(), _plain(mtp).detach().float()))
         return main + self.mtp_weight * mtp
 

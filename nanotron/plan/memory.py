@@ -79,7 +79,8 @@ def layer_params(m: ModelConfig, index: int) -> list[Param]:
 def stage_params(m: ModelConfig, layers: range, first: bool, last: bool) -> tuple[list[Param], list[Param]]:
     """(root params, per-layer params) of one pipeline stage; FQNs as in the model (layout-independent)."""
     root = [  # the MTP modules' blocks (last stage) may hold experts
-        Param(name, shape, tp_shard_dim(name), is_expert_param(name)) for name, shape in root_shapes(m, first, last).items()
+        Param(name, shape, tp_shard_dim(name), is_expert_param(name))
+        for name, shape in root_shapes(m, first, last).items()
     ]
     return root, [p for index in layers for p in layer_params(m, index)]
 
@@ -411,9 +412,7 @@ def mtp_activation_bytes(cfg: Config, tokens: int) -> float:
     m = cfg.model
     e, sp = element_bytes(cfg.training.dtype), sequence_shards(cfg)
     per_depth = tokens * ((FP32 + e) * 3 * m.hidden_size / sp + 2 * e * m.hidden_size * 2)  # 3 norms, cat, eh_proj
-    return sum(
-        layer_activation_bytes(cfg, tokens, m.num_layers + k)["none"] + per_depth for k in range(m.mtp_depth)
-    )
+    return sum(layer_activation_bytes(cfg, tokens, m.num_layers + k)["none"] + per_depth for k in range(m.mtp_depth))
 
 
 def logits_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights: float) -> tuple[float, float]:
