@@ -947,3 +947,22 @@ def test_float8_runs_are_planned_in_float8_as_a_check_kept_out_of_the_fit():
             published, abs=0.005
         )
         assert planned_per_gpu(checked[name]) / planned_per_gpu(twin) == pytest.approx(1.49, abs=0.005)
+
+
+def test_check_builds_mtp_ranks_exactly_and_the_plan_counts_the_modules_on_the_last_stage():
+    """Multi-token prediction in the facts table: configs/mla.toml with one MTP module (a MoE block) on a fake
+    8-rank world (dp 2 x ep 2, tp 2, pp 2, ZeRO-3): every built rank's bytes equal the formula (the module's weights
+    on the last stage, its experts split over ep); the plan gives the last stage the depth's logits and every
+    stage-boundary buffer the carried embeddings."""
+    layout = ["--parallelism.dp=2", "--parallelism.ep=2", "--parallelism.tp=2", "--parallelism.pp=2"]
+    layout += ["--parallelism.zero_stage=3", "--model.mtp_depth=1"]
+    proc = plan("--config", "configs/mla.toml", "--nodes", "1", "--gpus_per_node", "8", "--check", *layout)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert {r[1] for r in rows} == {"0", "1"} and all(int(r[5]) == int(r[6]) > 0 for r in rows), rows
+    pairs = [tuple(arg[2:].split("=")) for arg in layout]
+    on, off = load_config("configs/mla.toml", pairs), load_config("configs/mla.toml", pairs[:-1])
+    last_on, last_off = stage_memory(on, 1), stage_memory(off, 1)
+    assert last_on["logits_saved"] == 2 * last_off["logits_saved"]
+    assert last_on["pipeline_buffers"] == 2 * last_off["pipeline_buffers"]
+    assert last_on["activations_saved"] > last_off["activations_saved"] and last_on["params"] > last_off["params"]
