@@ -1,13 +1,14 @@
 """Multi-token prediction (`model.mtp_depth`, DeepSeek-V3 section 2.2): each depth predicts the token after the one
 it embeds, the MTP modules live on the last pipeline stage with the embeddings carried to it, the loss weight acts,
-and a run resumes exactly. The layout rows (tp, pp, dp + ep, cp held to one process) are in test_parallel.py."""
+the MTP loss is logged and a run resumes exactly. The layout rows (tp, pp, dp + ep, cp held to one process) are in
+test_parallel.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_MODEL, read_metrics, run_train, train_losses
+from conftest import TINY_MODEL, read_metrics, run_train
 from matrix import MLA_MODEL, weights
 
 from nanotron.config import load_config, parse_overrides
@@ -15,7 +16,7 @@ from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import split_model, stage_shapes
-from nanotron.parallel.runner import mtp_depth_loss, mtp_tokens_and_targets
+from nanotron.parallel.runner import mtp_depth_loss, mtp_tokens_and_targets, mtp_training_loss
 
 
 def config(*overrides: str):
@@ -56,31 +57,40 @@ def test_the_mtp_modules_live_on_the_last_stage_and_the_embeddings_travel_beside
     assert sent.shape[-1] == 2 * cfg.model.hidden_size  # hidden states, then the MTP tokens' embeddings
 
 
-@pytest.mark.slow  # four 1-process training runs (~45 s on 2 busy cores)
-def test_the_loss_weight_acts_zero_trains_the_model_as_without_mtp_and_a_resume_is_exact(tiny_data, tmp_path):
-    """lambda = 0: the MTP module learns nothing and the model trains exactly as without it (its parameters have
-    their own init seeds); lambda > 0 changes the model's second step. The MTP loss is logged beside the loss; a
-    run resumed from its step-1 checkpoint ends bit-identical (MTP weights and optimizer state included)."""
+@pytest.mark.parametrize("weight", [0.0, 0.3])
+def test_the_training_loss_is_main_plus_the_weight_times_the_mean_of_the_depths_losses(weight):
+    """loss = main + lambda / D x sum_k L_k, each L_k over the positions that have a target (at lambda = 0 the main
+    loss alone: the model trains as without MTP, the modules learn nothing)."""
+    seq, depth, vocab = 8, 2, 11
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, vocab, (2, seq + 1), generator=gen)
+    _, extra = mtp_tokens_and_targets(batch, depth)
+    targets = torch.cat([batch[:, 1:], *extra.unbind(-1)], dim=1)
+    logits = torch.randn(2, (1 + depth) * seq, vocab, generator=gen)
+    total, main, mtp = mtp_training_loss(logits, targets, depth, weight, seq, None)
+    want_main = F.cross_entropy(logits[:, :seq].flatten(0, 1), batch[:, 1:].flatten())
+    depths = [
+        F.cross_entropy(logits[:, k * seq : (k + 1) * seq - k].flatten(0, 1), batch[:, k + 1 :].flatten())
+        for k in range(1, depth + 1)
+    ]
+    torch.testing.assert_close(main, want_main, rtol=1e-6, atol=0)
+    torch.testing.assert_close(mtp, sum(depths) / depth, rtol=1e-6, atol=0)
+    torch.testing.assert_close(total, want_main + weight * sum(depths) / depth, rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow  # two 1-process training runs (~25 s on 2 busy cores)
+def test_a_run_with_mtp_logs_its_loss_and_resumes_bit_identical(tiny_data, tmp_path):
+    """The MTP loss is logged beside the loss every step; a run resumed from its step-1 checkpoint ends
+    bit-identical (the MTP module's weights and optimizer state travel with the checkpoint)."""
     common = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--training.steps=2"]
     common += ["--logging.log_interval=1", "--checkpoint.save_final=false", "--checkpoint.interval=1"]
-    mtp = ["--model.mtp_depth=1"]
-    runs = {
-        "off": [],
-        "zero": [*mtp, "--training.mtp_loss_weight=0"],
-        "on": [*mtp, "--training.mtp_loss_weight=1"],
-        "resumed": [*mtp, "--training.mtp_loss_weight=1", f"--checkpoint.resume_from={tmp_path}/on/checkpoints/step-1"],
-    }
-    for name, extra in runs.items():
-        run_train([*common, f"--job.name={name}", *extra])
-    off, on = train_losses(tmp_path / "off"), train_losses(tmp_path / "on")
-    assert train_losses(tmp_path / "zero") == off
-    assert on[0] == off[0] and on[1] != off[1]
-    logged = [r["mtp_loss"] for r in read_metrics(tmp_path / "on") if "mtp_loss" in r]
-    assert len(logged) == 2 and all(value > 0 for value in logged)
-    assert not any("mtp_loss" in r for r in read_metrics(tmp_path / "off"))
-    resumed = [r for r in read_metrics(tmp_path / "resumed") if "loss" in r]
-    assert [(r["loss"], r["mtp_loss"]) for r in resumed] == [(on[1], logged[1])]
-    want, got = weights(tmp_path / "on", 2), weights(tmp_path / "resumed", 2)
+    common += ["--model.mtp_depth=1"]
+    run_train([*common, "--job.name=run"])
+    run_train([*common, "--job.name=resumed", f"--checkpoint.resume_from={tmp_path}/run/checkpoints/step-1"])
+    logged = [(r["loss"], r["mtp_loss"]) for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(logged) == 2 and all(mtp > 0 for _, mtp in logged)
+    assert [(r["loss"], r["mtp_loss"]) for r in read_metrics(tmp_path / "resumed") if "loss" in r] == logged[1:]
+    want, got = weights(tmp_path / "run", 2), weights(tmp_path / "resumed", 2)
     assert "mtp.0.eh_proj.weight" in want and all(torch.equal(got[name], w) for name, w in want.items())
 
 

@@ -51,6 +51,19 @@ def mtp_depth_loss(logits: torch.Tensor, targets: torch.Tensor, seq_len: int, de
     return total * (seq_len / ((seq_len - depth) * targets.numel()))
 
 
+def mtp_training_loss(
+    logits: torch.Tensor, targets: torch.Tensor, depth: int, weight: float, seq_len: int, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(main + weight x the MTP loss, main, the MTP loss: the mean over the depths) of one microbatch whose logits
+    and targets hold the main positions, then each depth's (llama.py's order)."""
+    width = targets.shape[1] // (1 + depth)
+    parts = [slice(k * width, (k + 1) * width) for k in range(1 + depth)]
+    main = microbatch_loss(logits[:, parts[0]], targets[:, parts[0]], scale)
+    mtp = sum(mtp_depth_loss(logits[:, parts[k]], targets[:, parts[k]], seq_len, k) for k in range(1, depth + 1))
+    mtp = mtp / depth
+    return main + weight * mtp, main, mtp
+
+
 def mtp_tokens_and_targets(batch: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """From whole sequences [batch, seq_len + 1]: per position t of the inputs, the tokens t+1..t+depth the MTP
     modules embed ([batch, seq_len, depth]; 0 past the end) and the tokens t+2..t+depth+1 they predict ([batch,
@@ -281,19 +294,9 @@ class MicrobatchRunner:
             return row_log_likelihoods(logits, targets)
         if not self.training_mtp:
             return microbatch_loss(logits, targets, self.scale)
-        # main logits and targets, then each MTP depth's (llama.py's order): main + weight x the depths' mean
-        width = targets.shape[1] // (1 + self.mtp_depth)
-        main = microbatch_loss(logits[:, :width], targets[:, :width], self.scale)
-        depths = [slice(k * width, (k + 1) * width) for k in range(1 + self.mtp_depth)]
-        mtp = (
-            sum(
-                mtp_depth_loss(logits[:, depths[k]], targets[:, depths[k]], self.seq_len, k)
-                for k in range(1, self.mtp_depth + 1)
-            )
-            / self.mtp_depth
-        )
+        total, main, mtp = mtp_training_loss(logits, targets, self.mtp_depth, self.mtp_weight, self.seq_len, self.scale)
         self.step_losses.append((_plain(main).detach().float(), _plain(mtp).detach().float()))
-        return main + self.mtp_weight * mtp
+        return total
 
     def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs and targets of this cp rank's part of each sequence, and (document masking) the document
