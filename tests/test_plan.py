@@ -802,14 +802,20 @@ def test_check_builds_latent_attention_ranks_and_the_ring_carries_expanded_keys_
 
 def test_the_deepseek_v3_config_counts_its_published_671b_parameters_and_37b_active():
     """The facts table at DeepSeek-V3's shape (MLA with both latents, 3 dense layers, 256 grouped experts + a shared
-    one) gives the paper's 671B parameters, 37B of them active per token (arXiv:2412.19437; MTP not modelled), and
-    the K/V bytes per token and layer that docs/parallelism.md states (bf16: expanded per head vs the latent)."""
+    one) gives the paper's 671B parameters, 37B of them active per token (arXiv:2412.19437; the main model, at
+    mtp_depth 0), and the K/V bytes per token and layer that docs/parallelism.md states (bf16: expanded per head vs
+    the latent); with its MTP module the 685B of its Hugging Face files."""
     from nanotron.models.shapes import active_params, kv_bytes_per_token, num_params
 
     model = load_config("configs/deepseek_v3.toml", []).model
     assert 671.0e9 <= num_params(model) < 671.1e9
     assert 37.0e9 <= active_params(model) < 38.0e9
     assert kv_bytes_per_token(model, 2) == {"expanded": 81920, "compressed": 1152}
+    # Its one MTP module (a MoE layer, eh_proj and norms): 11.6B here; its HF files (685B) also hold a copy of the
+    # embedding and of the head in that layer, which nanotron's module shares: 13.5B, the "14B MTP" DeepSeek states.
+    model.mtp_depth = 1
+    copies = 2 * model.vocab_size * model.hidden_size
+    assert 684.0e9 <= num_params(model) + copies < 685.0e9
 
 
 def float8_config(float8: str, *pairs: tuple[str, str]):
