@@ -955,6 +955,7 @@ def test_float8_runs_are_planned_in_float8_as_a_check_kept_out_of_the_fit():
         assert planned_per_gpu(checked[name]) / planned_per_gpu(twin) == pytest.approx(1.49, abs=0.005)
 
 
+@pytest.mark.slow
 def test_check_builds_mtp_ranks_exactly_and_the_plan_counts_the_modules_on_the_last_stage():
     """Multi-token prediction in the facts table: configs/mla.toml with one MTP module (a MoE block) on a fake
     8-rank world (dp 2 x ep 2, tp 2, pp 2, ZeRO-3): every built rank's bytes equal the formula (the module's weights
