@@ -122,6 +122,7 @@ MTP = Family(
     "mtp",
     "tiny_data",
     (*MLA_MODEL, *MOE[:-1], "--model.mtp_depth=1", *EVALUATE, "--logging.log_interval=1", STATS),
+    tasks=True,  # downstream scoring runs the main model only, its pipeline stages still carrying the MTP tokens
 )
 # TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
 MUP = Family(

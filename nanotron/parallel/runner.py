@@ -241,7 +241,7 @@ class MicrobatchRunner:
                 kwargs = self._eval_kwargs(tokens)
                 if window is not None:
                     targets = targets[:, window[0] : window[1]]
-                    kwargs = {"window": window}
+                    kwargs["window"] = window
                 with self._loss_context():
                     if self.schedule is not None:
                         with forward_only(self.schedule):
