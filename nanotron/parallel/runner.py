@@ -5,7 +5,8 @@ ZeRO stage's gradient-sync rule (one `GradientSync`, shared with the pipeline st
 vocab-sharded logits, this cp rank's part of each sequence, and plain losses out of DTensors; and what the
 trainer and the evaluation ask of the layout: which rank holds and logs the loss, its mean over dp x cp, the
 step's shares of the global loss and gradient norm, the evaluation's row split and batch shapes. A new parallel
-dimension changes this file and `parallelize.py`, not the training loop.
+dimension changes this file and `parallelize.py`, not the training loop. Multi-token prediction's tokens and
+targets are cut here from the whole sequences (before the cp split), and its loss joins the main one in training.
 
 The loss is the mean over every token of the global batch that carries a loss, at every layout. Under causal
 attention every token does, and each rank holds as many, so the mean of each microbatch (this rank's tokens)
