@@ -116,6 +116,14 @@ MLA_MODEL = (
     "--model.num_layers=2",
 )
 MLA = Family("mla", "tiny_data", (*MLA_MODEL, *EVALUATE, STATS))
+# DeepSeek-V3's multi-token prediction (depth 1) on that model with the MoE (no sequence-wise balance loss: it
+# refuses cp), so the MTP module's block is a MoE layer whose experts ep splits; its loss logged every step.
+MTP = Family(
+    "mtp",
+    "tiny_data",
+    (*MLA_MODEL, *MOE[:-1], "--model.mtp_depth=1", *EVALUATE, "--logging.log_interval=1", STATS),
+    tasks=True,  # downstream scoring runs the main model only, its pipeline stages still carrying the MTP tokens
+)
 # TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
 MUP = Family(
     "mup",
@@ -201,7 +209,7 @@ def assert_matches(run: Run, ref: Run, family: Family) -> str:
     """Every quantity the reference logged, within RTOL; returns a line of the measured differences."""
     assert len(run.losses) == len(ref.losses) == family.steps
     assert run.losses == pytest.approx(ref.losses, rel=RTOL, abs=0)
-    for key in ("eval_loss", "grad_norm"):  # grad_norm: the global norm over every shard, before clipping
+    for key in ("eval_loss", "grad_norm", "mtp_loss"):  # grad_norm: the global norm over every shard, before clipping
         assert len(run.series(key)) == len(ref.series(key)), key
         assert run.series(key) == pytest.approx(ref.series(key), rel=RTOL, abs=0), key
     # Downstream evaluation on the layout: every (item, choice) log-likelihood, items split over dp unevenly.

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from conftest import TINY_MODEL, TINY_MUP, run_train, train_losses
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from nanotron.checkpoint import integrity
 from nanotron.checkpoint.full_model import load_model
@@ -650,3 +650,57 @@ def test_a_latent_attention_model_deepseek_v3_cannot_express_is_refused_in_one_l
     softmax = load_config(*parse_overrides([*TINY_MODEL, *mla, "--model.moe.capacity_factor=1.5"])).model
     with pytest.raises(CheckpointError, match="router='softmax_topk', model.moe.capacity_factor=1.5 \\(drops tokens"):
         deepseek_v3.check_exportable(softmax)
+
+
+def test_deepseek_v3_mtp_layers_import_and_export_as_deepseeks_layer_after_the_last(tmp_path, capsys):
+    """DeepSeek-V3's MTP module is stored as layer num_hidden_layers (here 3: a MoE layer's weights, enorm, hnorm,
+    eh_proj, shared_head.norm and copies of the embedding and head): from-hf reads it into mtp.0 and to-hf writes
+    the same files back, which transformers loads (skipping that layer) with the original's logits. A folder
+    transformers saved has no such layer: it imports without MTP, saying so."""
+    original = hf_deepseek_v3(moe=True)
+    plain, source = tmp_path / "plain", tmp_path / "source"
+    original.save_pretrained(plain)
+    assert convert_main(["from-hf", str(plain), str(tmp_path / "plain_ckpt")]) == 0
+    assert "holds no multi-token prediction layers" in capsys.readouterr().out
+    assert load_model(tmp_path / "plain_ckpt")[0].config.mtp_depth == 0
+    original.save_pretrained(source)
+    tensors = hf_tensors(source)
+    gen = torch.Generator().manual_seed(3)
+    mtp = {
+        n.replace("layers.2.", "layers.3."): t + 0.1 * torch.randn(t.shape, generator=gen)
+        for n, t in tensors.items()
+        if n.startswith("model.layers.2.")
+    }
+    mtp |= {f"model.layers.3.{n}.weight": 1 + 0.5 * torch.randn(32, generator=gen) for n in ("enorm", "hnorm")}
+    mtp["model.layers.3.shared_head.norm.weight"] = 1 + 0.5 * torch.randn(32, generator=gen)
+    mtp["model.layers.3.eh_proj.weight"] = 0.1 * torch.randn(32, 64, generator=gen)
+    mtp["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    mtp["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({n: t.contiguous() for n, t in (tensors | mtp).items()}, source / "model.safetensors", {"format": "pt"})
+    config = json.loads((source / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (source / "config.json").write_text(json.dumps(config))
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
+    assert ours.config.mtp_depth == 1
+    assert torch.equal(ours.mtp["0"].eh_proj.weight, mtp["model.layers.3.eh_proj.weight"])
+    assert torch.equal(ours.mtp["0"].norm.weight, mtp["model.layers.3.shared_head.norm.weight"])
+    assert convert_main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    before, after = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    tokens = torch.randint(0, 512, (2, 16), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, original(tokens).logits)
+
+
+def test_mtp_of_a_model_without_latent_attention_is_refused_at_export_in_one_line(tmp_path):
+    cfg = load_config(*parse_overrides([*TINY_MODEL, "--model.mtp_depth=1"]))
+    step = tmp_path / "ckpt" / "step-1"
+    model = LlamaForCausalLM(cfg.model)
+    step.mkdir(parents=True)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    (step / "config.toml").write_text(toml_text({"model": asdict(cfg.model)}))
+    with pytest.raises(CheckpointError, match="multi-token prediction exports only in DeepSeek-V3's format"):
+        to_hf(step, tmp_path / "out", allow_unverified=True)

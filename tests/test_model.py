@@ -167,12 +167,14 @@ def moe_config(**overrides) -> ModelConfig:
 def config_of(kind: str) -> ModelConfig:
     if kind == "moe":
         return moe_config()
+    if kind == "mtp":  # multi-token prediction, depth 2: the MTP blocks are MoE layers (index >= num_layers)
+        return moe_config(mtp_depth=2)
     if kind.startswith("mla"):  # mla: queries through a latent; mla_q: one q_proj
         return mla_config(q_lora_rank=24 if kind == "mla" else 0)
     return (qwen3_config if kind == "qwen3" else small_config)(tie_word_embeddings=kind == "tied")
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3", "mla", "mla_q"])
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3", "mla", "mla_q", "mtp"])
 def test_shapes_table_is_the_built_models(kind):
     """models/shapes.py (what the planner and MFU read) names every parameter of the model with its shape."""
     cfg = config_of(kind)
@@ -196,14 +198,17 @@ def test_param_count_follows_the_config():
     assert num_params(mla) == sum(p.numel() for p in LlamaForCausalLM(mla).parameters())
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3", "mla"])
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "qwen3", "mla", "mtp"])
 def test_flops_per_token_equals_the_matmul_flops_torch_counts(kind):
     """An independent count: FlopCounterMode over a real forward + backward (SDPA's math backend, whose
     matmuls the counter sees; the fused CPU kernel is invisible to it). A mixture of experts counts its active
-    parameters: each routed copy of a token meets one expert, plus the router and the shared expert."""
+    parameters: each routed copy of a token meets one expert, plus the router and the shared expert. Multi-token
+    prediction: each depth's projection, MoE block and head pass."""
     cfg = config_of(kind)
     model = LlamaForCausalLM(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    extra = {"mtp_tokens": tokens[..., None].expand(-1, -1, cfg.mtp_depth)} if cfg.mtp_depth else {}
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        logits = model(tokens, **extra)
+        F.cross_entropy(logits.flatten(0, 1), tokens.repeat(1, 1 + cfg.mtp_depth).flatten()).backward()
     assert counter.get_total_flops() == flops_per_token(cfg, seq_len=48) * tokens.numel()

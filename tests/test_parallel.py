@@ -15,6 +15,7 @@ from matrix import (
     FLOAT8,
     FLOAT8_ROWWISE,
     MLA,
+    MTP,
     MUON,
     QWEN3,
     RTOL,
@@ -83,6 +84,11 @@ def test_layout_matches_one_process(layout, references, tiny_data, tmp_path):
 # Multi-head latent attention: heads split over tp with the latents' down-projections replicated and the shared RoPE
 # key's gradient summed over tp (sequence parallel: the gathered input reaches them as a plain tensor); FSDP ZeRO-3
 # over its replicated and per-head weights; the cp ring carrying keys and narrower values (expanded, not the latent).
+# Multi-token prediction (depth 1, on MLA + MoE): its module on the last pipeline stage with the MTP tokens'
+# embeddings carried beside the hidden states (the embedding's gradient flowing back through the pipeline), its
+# norms and projection per sequence shard under sequence parallelism, its MoE block's experts split over ep with
+# FSDP ZeRO-3, and under cp the shifted tokens taken from the whole sequence before it is split (a token's t+1 may
+# be in another rank's chunk).
 # Float8 (emulated): FSDP's float8 all-gather (ZeRO-3: re-gathered in backward with the precomputed scale),
 # sequence-parallel TP with selective recompute, the pipeline; rowwise scales under TP (per-row amaxes of
 # tp-sharded rows and columns).
@@ -92,12 +98,21 @@ FAMILY_LAYOUTS = [
     (MLA, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",))),
     (MLA, Layout(dp=2, flags=("--parallelism.zero_stage=3",))),
     (MLA, Layout(cp=2)),
+    (MTP, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",))),
+    (MTP, Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",))),
+    (MTP, Layout(dp=2, ep=2, flags=("--parallelism.zero_stage=3",))),
+    (MTP, Layout(cp=2)),
     (FLOAT8, Layout(dp=2, flags=("--parallelism.zero_stage=3",))),
     (FLOAT8, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective"))),
     (FLOAT8, Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",))),
     (FLOAT8_ROWWISE, Layout(dp=2, tp=2, flags=("--parallelism.zero_stage=2",))),
 ]
-OWN_WEIGHT = {QWEN3.name: "self_attn.k_norm.weight", MLA.name: "self_attn.kv_b_proj.weight"}  # the family is itself
+# the family is itself (MTP: its module's projection and its MoE block's experts)
+OWN_WEIGHT = {
+    QWEN3.name: "self_attn.k_norm.weight",
+    MLA.name: "self_attn.kv_b_proj.weight",
+    MTP.name: "mtp.0.block.mlp.experts.down_proj",
+}
 
 
 @pytest.mark.slow
@@ -107,6 +122,8 @@ def test_family_layout_matches_its_one_process_run(family, layout, references, t
     run = family.run(tiny_data, tmp_path, "run", layout)
     if family.name in OWN_WEIGHT:
         assert any(name.endswith(OWN_WEIGHT[family.name]) for name in ref.weights)
+    if family is MTP:  # its loss, logged every step, is held to the reference too
+        assert len(ref.series("mtp_loss")) == MTP.steps
     print(f"{family.name} {layout}: {assert_matches(run, ref, family)}")
 
 

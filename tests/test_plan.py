@@ -802,14 +802,20 @@ def test_check_builds_latent_attention_ranks_and_the_ring_carries_expanded_keys_
 
 def test_the_deepseek_v3_config_counts_its_published_671b_parameters_and_37b_active():
     """The facts table at DeepSeek-V3's shape (MLA with both latents, 3 dense layers, 256 grouped experts + a shared
-    one) gives the paper's 671B parameters, 37B of them active per token (arXiv:2412.19437; MTP not modelled), and
-    the K/V bytes per token and layer that docs/parallelism.md states (bf16: expanded per head vs the latent)."""
+    one) gives the paper's 671B parameters, 37B of them active per token (arXiv:2412.19437; the main model, at
+    mtp_depth 0), and the K/V bytes per token and layer that docs/parallelism.md states (bf16: expanded per head vs
+    the latent); with its MTP module the 685B of its Hugging Face files."""
     from nanotron.models.shapes import active_params, kv_bytes_per_token, num_params
 
     model = load_config("configs/deepseek_v3.toml", []).model
     assert 671.0e9 <= num_params(model) < 671.1e9
     assert 37.0e9 <= active_params(model) < 38.0e9
     assert kv_bytes_per_token(model, 2) == {"expanded": 81920, "compressed": 1152}
+    # Its one MTP module (a MoE layer, eh_proj and norms): 11.6B here; its HF files (685B) also hold a copy of the
+    # embedding and of the head in that layer, which nanotron's module shares: 13.5B, the "14B MTP" DeepSeek states.
+    model.mtp_depth = 1
+    copies = 2 * model.vocab_size * model.hidden_size
+    assert 684.0e9 <= num_params(model) + copies < 685.0e9
 
 
 def float8_config(float8: str, *pairs: tuple[str, str]):
@@ -947,3 +953,23 @@ def test_float8_runs_are_planned_in_float8_as_a_check_kept_out_of_the_fit():
             published, abs=0.005
         )
         assert planned_per_gpu(checked[name]) / planned_per_gpu(twin) == pytest.approx(1.49, abs=0.005)
+
+
+@pytest.mark.slow
+def test_check_builds_mtp_ranks_exactly_and_the_plan_counts_the_modules_on_the_last_stage():
+    """Multi-token prediction in the facts table: configs/mla.toml with one MTP module (a MoE block) on a fake
+    8-rank world (dp 2 x ep 2, tp 2, pp 2, ZeRO-3): every built rank's bytes equal the formula (the module's weights
+    on the last stage, its experts split over ep); the plan gives the last stage the depth's logits and every
+    stage-boundary buffer the carried embeddings."""
+    layout = ["--parallelism.dp=2", "--parallelism.ep=2", "--parallelism.tp=2", "--parallelism.pp=2"]
+    layout += ["--parallelism.zero_stage=3", "--model.mtp_depth=1"]
+    proc = plan("--config", "configs/mla.toml", "--nodes", "1", "--gpus_per_node", "8", "--check", *layout)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert {r[1] for r in rows} == {"0", "1"} and all(int(r[5]) == int(r[6]) > 0 for r in rows), rows
+    pairs = [tuple(arg[2:].split("=")) for arg in layout]
+    on, off = load_config("configs/mla.toml", pairs), load_config("configs/mla.toml", pairs[:-1])
+    last_on, last_off = stage_memory(on, 1), stage_memory(off, 1)
+    assert last_on["logits_saved"] == 2 * last_off["logits_saved"]
+    assert last_on["pipeline_buffers"] == 2 * last_off["pipeline_buffers"]
+    assert last_on["activations_saved"] > last_off["activations_saved"] and last_on["params"] > last_off["params"]

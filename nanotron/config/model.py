@@ -117,6 +117,13 @@ class ModelConfig:
     rope_theta: float | None = opt(None, "RoPE base", min=1.0)
     rms_norm_eps: float | None = opt(None, "RMSNorm epsilon", min=0.0)
     tie_word_embeddings: bool | None = opt(None, "share embedding and lm_head weights")
+    mtp_depth: int = opt(
+        0,
+        "multi-token prediction (DeepSeek-V3's MTP, arXiv:2412.19437 section 2.2): this many extra modules after "
+        "the model, module k predicting token t+k+1 from module k-1's hidden state and the embedding of token t+k "
+        "(embedding and head shared with the model; weighted by training.mtp_loss_weight); 0 = off (nothing built)",
+        min=0,
+    )
     attention: str = opt(
         "causal",
         "causal, or document: packed sequences attend only within their own document (documents end at the "

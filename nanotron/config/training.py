@@ -27,6 +27,13 @@ class TrainingConfig:
         ("float32", "bfloat16"),
     )
     clip_grad: float = opt(1.0, "max global grad norm; 0 disables clipping", min=0.0)
+    mtp_loss_weight: float = opt(
+        0.3,
+        "lambda of multi-token prediction (model.mtp_depth > 0): loss = main + lambda / mtp_depth x the sum of the "
+        "MTP modules' losses (DeepSeek-V3 used 0.3, then 0.1); the MTP loss is logged as mtp_loss and is not part "
+        "of the eval loss",
+        min=0.0,
+    )
     max_skipped_steps: int = opt(
         0, "steps with a non-finite loss or gradient skipped (not applied) before the run stops", min=0
     )

@@ -203,6 +203,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_stability(cfg)
     _validate_parallelism(cfg)
     _validate_float8(cfg)
+    _validate_mtp(cfg)
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
             f"parallelism dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {cfg.world_size} but {world_size} "
@@ -284,6 +285,20 @@ def _validate_parallelism(cfg: Config) -> None:
         raise ConfigError(
             "model.tie_word_embeddings=true needs parallelism.pp=1 "
             "(embedding and lm_head live on different pipeline stages)"
+        )
+
+
+def _validate_mtp(cfg: Config) -> None:
+    m, t = cfg.model, cfg.training
+    if m.mtp_depth and m.attention == "document":
+        raise ConfigError(
+            "model.mtp_depth > 0 needs model.attention='causal' (multi-token prediction's targets across a document "
+            "end are not masked yet); set model.attention='causal' or model.mtp_depth=0"
+        )
+    if m.mtp_depth >= t.seq_len:
+        raise ConfigError(
+            f"model.mtp_depth={m.mtp_depth}: expected fewer than training.seq_len={t.seq_len} (module k predicts "
+            "token t+k+1 of the sequence); lower model.mtp_depth"
         )
 
 

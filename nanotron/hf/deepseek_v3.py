@@ -10,9 +10,15 @@ the chosen experts then times `routed_scaling_factor`, grouped routing (`n_group
 `model.moe.num_expert_groups`, `top_expert_groups`), shared experts, the first `first_k_dense_replace` layers dense;
 experts are stored per expert (`mlp.experts.{e}.{gate,up,down}_proj`, as Qwen3-MoE). Refused in one line each:
 unnormalised gates (norm_topk_prob false), YaRN or any scaled RoPE (with its mscale on the softmax scale;
-`llama._rope_theta`). DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers) are not weights that
-transformers loads, so none are read, and the export states none. transformers' own num_key_value_heads and
-head_dim (the RoPE width there) are not read: MLA derives both.
+`llama._rope_theta`). transformers' own num_key_value_heads and head_dim (the RoPE width there) are not read: MLA
+derives both.
+
+Multi-token prediction (`model.mtp_depth`, DeepSeek's num_nextn_predict_layers): DeepSeek-V3's checkpoint stores
+MTP module k as one more layer, `model.layers.{num_hidden_layers + k}`, holding a decoder layer's weights beside
+`enorm`, `hnorm`, `eh_proj`, `shared_head.norm` (nanotron's `mtp.{k}.norm`) and copies of the embedding
+(`embed_tokens`) and head (`shared_head.head`). Export writes them so; import reads them when the folder has them
+(the copies are not read: nanotron's modules share the model's) and otherwise imports no MTP module, saying so:
+transformers builds no MTP layer (it skips DeepSeek-V3's layer 61 on load), so a folder it saved has none.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ FIELDS = {
     "qk_nope_head_dim": ("qk_nope_head_dim", int, None),
     "qk_rope_head_dim": ("qk_rope_head_dim", int, None),
     "v_head_dim": ("v_head_dim", int, None),
+    "mtp_depth": ("num_nextn_predict_layers", int, 0),  # read only where the folder holds the layers (importer)
 }
 MOE_FIELDS = {
     "moe.num_experts": ("n_routed_experts", int, None),
@@ -96,7 +103,7 @@ def hf_config(model: ModelConfig) -> dict:
         "norm_topk_prob": True,
         "n_group": moe.num_expert_groups if moe.enabled else 1,
         "topk_group": (moe.top_expert_groups or moe.num_expert_groups) if moe.enabled else 1,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": model.mtp_depth,
     }
 
 
@@ -130,10 +137,32 @@ def _rope_rows(model: ModelConfig, name: str) -> torch.Tensor | None:
     return None
 
 
+def mtp_hf_name(model: ModelConfig, name: str) -> str:
+    """An MTP parameter's name in DeepSeek-V3's files (`mtp.{k}.block.X` -> `model.layers.{L + k}.X`); other names
+    unchanged."""
+    if not name.startswith("mtp."):
+        return name
+    _, depth, rest = name.split(".", 2)
+    rest = "shared_head.norm.weight" if rest == "norm.weight" else rest.removeprefix("block.")
+    return f"model.layers.{model.num_layers + int(depth)}.{rest}"
+
+
+def mtp_shared_copies(model: ModelConfig) -> dict[str, str]:
+    """DeepSeek-V3's per-MTP-layer copies of the shared embedding and head: file name -> nanotron's name."""
+    head = "model.embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
+    copies = {}
+    for depth in range(model.mtp_depth):
+        layer = f"model.layers.{model.num_layers + depth}."
+        copies |= {layer + "embed_tokens.weight": "model.embed_tokens.weight", layer + "shared_head.head.weight": head}
+    return copies
+
+
 def to_hf(model: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """nanotron's tensors -> DeepSeek-V3's files: RoPE rows back in interleaved pairs, experts per expert, the
-    routing bias under its name."""
+    """nanotron's tensors -> DeepSeek-V3's files: MTP modules as the layers after the last, RoPE rows back in
+    interleaved pairs, experts per expert, the routing bias under its name."""
     out = {}
+    weights = {mtp_hf_name(model, name): tensor for name, tensor in weights.items()}
+    weights |= {copy: weights[name].clone() for copy, name in mtp_shared_copies(model).items()}  # files share none
     for name, tensor in weights.items():
         rows = _rope_rows(model, name)
         out[name] = tensor if rows is None else tensor[rows.argsort()]
@@ -145,6 +174,7 @@ def to_hf(model: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, tor
 
 def file_names(model: ModelConfig, expected: dict[str, torch.Size], stacked: bool) -> list[str]:
     """The names to read from a DeepSeek-V3 folder (per-expert, or transformers 5's stacked names)."""
+    expected = {mtp_hf_name(model, name): shape for name, shape in expected.items()}
     if not model.moe.enabled:
         return list(expected)
     names = mixtral.file_names(expected, model.moe.num_experts, stacked, EXPERT_FILES)
@@ -155,6 +185,8 @@ def from_hf(
     model: ModelConfig, files: dict[str, torch.Tensor], expected: dict[str, torch.Size], interleaved: bool
 ) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's tensors -> nanotron's state dict (RoPE rows as split halves when the file interleaves them)."""
+    ours = {mtp_hf_name(model, name): name for name in expected}
+    expected = {mtp_hf_name(model, name): shape for name, shape in expected.items()}
     weights = dict(files)
     if model.moe.enabled:
         weights = mixtral.from_hf(files, expected, model.moe.num_experts, EXPERT_FILES)
@@ -163,4 +195,10 @@ def from_hf(
         rows = _rope_rows(model, name) if interleaved else None
         if rows is not None and tensor.shape[0] == rows.numel():  # a wrong shape is named by the caller
             weights[name] = tensor[rows]
-    return weights
+    return {ours.get(name, name): tensor for name, tensor in weights.items()}
+
+
+def mtp_layers_stored(model: ModelConfig, names: set[str]) -> bool:
+    """Whether a folder's tensor names include every MTP layer's projection (DeepSeek's own checkpoints do; one
+    transformers saved does not)."""
+    return all(f"model.layers.{model.num_layers + k}.eh_proj.weight" in names for k in range(model.mtp_depth))

@@ -78,6 +78,12 @@ def to_hf(
         print(f"µP: attention, residual and logit multipliers folded into the weights{note if untied else ''}")
     names = [n for n in expected if not (tied and n == "lm_head.weight")]
     tensors = {name: weights[name] for name in names}
+    if model.mtp_depth and not model.mla:
+        raise CheckpointError(
+            f"model.mtp_depth={model.mtp_depth}: multi-token prediction exports only in DeepSeek-V3's format (a model "
+            "with multi-head latent attention, model.kv_lora_rank > 0); Llama, Qwen3 and Mixtral files have no place "
+            "for it"
+        )
     if model.mla:  # DeepSeek-V3, with or without its MoE
         deepseek_v3.check_exportable(model)
         tensors = deepseek_v3.to_hf(model, tensors)

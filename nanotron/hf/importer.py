@@ -87,6 +87,12 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     if not isinstance(config, dict):
         raise CheckpointError(f"'{config_file}' is not a JSON object (found a {type(config).__name__})")
     model = model_config_from_hf(config, config_file)
+    if model.mtp_depth and not deepseek_v3.mtp_layers_stored(model, stored_names(hf_dir)):
+        print(
+            f"num_nextn_predict_layers={model.mtp_depth} but '{hf_dir}' holds no multi-token prediction layers "
+            "(transformers saves none): imported without them (model.mtp_depth = 0)"
+        )
+        model.mtp_depth = 0
     expected = expected_shapes(model)
     stored = [n for n in expected if not (model.tie_word_embeddings and n == "lm_head.weight")]
     if model.mla:  # DeepSeek-V3 (its MoE too)

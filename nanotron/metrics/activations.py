@@ -59,6 +59,7 @@ class ActivationStats:
         self.modules, self.tp_rank, self.device = modules, tp_rank, device
         self.plain_sharded = sequence_sharded
         m, t = cfg.model, cfg.training
+        self.mtp_depth = m.mtp_depth  # the MTP modules' calls of the embedding and head are not the model's
         moe_layers = frozenset(i for i in range(m.num_layers) if is_moe_layer(m, i))
         self.names = activation_names(m.num_layers, moe_layers)
         # What one step's hooks must count in all: each activation of every sample of the global batch, once.
@@ -141,6 +142,10 @@ class ActivationStats:
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             if in_backward_pass():  # a forward run again by backward: recomputation
                 return
+            if self.mtp_depth and isinstance(module, nn.Embedding) and args[0].dim() == 3:
+                return  # the MTP tokens' embedding ([batch, seq, depth] ids)
+            if self.mtp_depth and self.names[index] == "act/logits" and module.training:
+                output = output[:, : output.shape[1] // (1 + self.mtp_depth)]  # the main logits, then the MTP's
             self._add(index, output[0], whole=True) if router else self._add(index, output)
 
         return hook

@@ -157,6 +157,26 @@ class DecoderLayer(nn.Module):
         return x + _scaled(self.mlp(self.post_attention_layernorm(x)), self.residual_multiplier)
 
 
+class MultiTokenPrediction(nn.Module):
+    """One depth k of DeepSeek-V3's multi-token prediction (arXiv:2412.19437 section 2.2): the previous depth's
+    hidden state (the model's final-normed output at k = 1) and the embedding of token t+k, each RMS-normed,
+    concatenated (embedding first, as DeepSeek-V3's checkpoint's eh_proj reads them), projected 2h -> h, through
+    one decoder layer of the model's kind (index num_layers + k - 1: a MoE layer where the model's deep layers
+    are); `norm` before the shared head. Names are the checkpoint's (enorm, hnorm, eh_proj, shared_head.norm)."""
+
+    def __init__(self, cfg: ModelConfig, depth: int):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderLayer(cfg, cfg.num_layers + depth)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor, doc: torch.Tensor | None):
+        """The block's output (the next depth's input; `norm` then the head give this depth's logits)."""
+        return self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope, doc)
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers keyed by global index, final norm. A pipeline stage keeps a subset."""
 
@@ -189,18 +209,48 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Multi-token prediction: on the last pipeline stage only (with the head), None when off.
+        self.mtp: nn.ModuleDict | None = None
+        if cfg.mtp_depth:
+            self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(cfg, k) for k in range(cfg.mtp_depth)})
 
     def forward(
-        self, x: torch.Tensor, doc: torch.Tensor | None = None, window: tuple[int, int] | None = None
+        self,
+        x: torch.Tensor,
+        doc: torch.Tensor | None = None,
+        window: tuple[int, int] | None = None,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`window` (lo, hi): logits of positions lo..hi-1 only (scoring needs a few positions per row; the head
-        is most of a small model's forward)."""
+        is most of a small model's forward). `mtp_tokens` [batch, seq, mtp_depth]: at each position t, tokens
+        t+1..t+mtp_depth (what the MTP modules embed). The first stage embeds them and every stage but the last
+        hands them on beside its hidden states ([..., (1 + mtp_depth) x hidden]), so the embedding's gradient
+        flows back through the pipeline to the one embedding. In training the logits are then the main ones and
+        each depth's, concatenated on the sequence dimension; in eval mode the main ones only."""
+        x, embedded = self._mtp_inputs(x, mtp_tokens)
         h = self.model(x, doc)
         if self.lm_head is None:
-            return h
+            return h if embedded is None else torch.cat([h, embedded], dim=-1)
         if window is not None:  # a sequence-sharded DTensor (sequence parallelism) is gathered by the slice
             h = h[:, window[0] : window[1]]
-        return _scaled(self.lm_head(h), self.logit_multiplier)
+        logits = _scaled(self.lm_head(h), self.logit_multiplier)
+        if embedded is None or not self.training:
+            return logits
+        depths = [logits]
+        width = self.config.hidden_size
+        for k, module in enumerate(self.mtp.values()):
+            h = module(h, embedded[..., k * width : (k + 1) * width], self.model.rope, doc)
+            depths.append(_scaled(self.lm_head(module.norm(h)), self.logit_multiplier))
+        return torch.cat(depths, dim=1)
+
+    def _mtp_inputs(self, x: torch.Tensor, mtp_tokens: torch.Tensor | None):
+        """(this stage's input, the MTP tokens' embeddings [batch, seq, mtp_depth x hidden] or None)."""
+        if not self.config.mtp_depth or mtp_tokens is None:
+            return x, None
+        if self.model.embed_tokens is not None:
+            return x, self.model.embed_tokens(mtp_tokens).flatten(2)
+        hidden = self.config.hidden_size
+        return x[..., :hidden], x[..., hidden:]
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recomputes the RoPE table and zeroes the MoE buffers (a model built on the meta device has none)."""
@@ -217,6 +267,15 @@ class LlamaForCausalLM(nn.Module):
                     module.aux_loss,
                 ):
                     buffer.data = torch.zeros_like(buffer, device=device)
+
+
+def decoder_layers(model: LlamaForCausalLM) -> list[tuple[int, DecoderLayer]]:
+    """(global index, layer) of every decoder layer `model` (or its pipeline stage) holds: the model's, then the
+    MTP modules' blocks (index num_layers + k), which the parallel plans treat as the model's layers."""
+    layers = [(int(name), layer) for name, layer in model.model.layers.items()]
+    if model.mtp is not None:
+        layers += [(model.config.num_layers + int(k), module.block) for k, module in model.mtp.items()]
+    return layers
 
 
 def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:

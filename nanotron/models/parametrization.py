@@ -21,6 +21,7 @@ r = num_layers / mup_base.layers, alpha = mup_depth_exponent and m = hidden_size
   k_proj, v_proj                    hidden, kv_heads*head_dim  as q (m_out = 1: init_std / m_in) lr r^(a-1) / m_in
   gate_proj, up_proj                hidden, intermediate       as q (m_out = 1: init_std / m_in) lr r^(a-1) / m_in
   down_proj                         intermediate, hidden       as q (m_out = 1: init_std / m_in) lr r^(a-1) / m_in
+  eh_proj (multi-token prediction)  2 hidden, hidden           as q                              as q
   layer norms                                                  1                                 lr r^(a-1)
   final norm, lm_head                                          1, init_std                       lr
 
@@ -86,7 +87,8 @@ def multipliers(cfg: ModelConfig) -> Multipliers:
 
 
 def _in_layer(name: str) -> bool:
-    return name.startswith("model.layers.")
+    """A decoder layer's parameter; multi-token prediction's modules count as layers (a block and its inputs)."""
+    return name.startswith(("model.layers.", "mtp."))
 
 
 def fan_ratios(cfg: ModelConfig, name: str) -> tuple[float, float] | None:
@@ -103,6 +105,7 @@ def fan_ratios(cfg: ModelConfig, name: str) -> tuple[float, float] | None:
         (("k_proj.weight", "v_proj.weight"), (hidden, kv)),
         (("gate_proj.weight", "up_proj.weight"), (hidden, mlp)),
         (("down_proj.weight",), (mlp, hidden)),
+        (("eh_proj.weight",), (hidden, hidden)),  # multi-token prediction's 2h -> h: both fans grow with width
     ):
         if name.endswith(suffix):
             return fans

@@ -96,7 +96,8 @@ def is_expert_param(name: str) -> bool:
 
 
 def root_shapes(m: ModelConfig, first: bool = True, last: bool = True) -> dict[str, tuple[int, ...]]:
-    """The parameters outside the layers: the embedding (first pipeline stage), final norm and head (last)."""
+    """The parameters outside the layers: the embedding (first pipeline stage), final norm, head and the
+    multi-token prediction modules (last)."""
     shapes: dict[str, tuple[int, ...]] = {}
     if first:
         shapes["model.embed_tokens.weight"] = (m.vocab_size, m.hidden_size)
@@ -104,27 +105,43 @@ def root_shapes(m: ModelConfig, first: bool = True, last: bool = True) -> dict[s
         shapes["model.norm.weight"] = (m.hidden_size,)
         if not m.tie_word_embeddings:
             shapes["lm_head.weight"] = (m.vocab_size, m.hidden_size)
+        shapes |= mtp_shapes(m)
+    return shapes
+
+
+def mtp_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Multi-token prediction's parameters (`MultiTokenPrediction`, one per depth k): two norms, the 2h -> h
+    projection, a decoder layer (global index num_layers + k: a MoE layer where the deep layers are) and the norm
+    before the shared head. The embedding and head are the model's."""
+    h, shapes = m.hidden_size, {}
+    for k in range(m.mtp_depth):
+        prefix = f"mtp.{k}."
+        shapes |= {prefix + "enorm.weight": (h,), prefix + "hnorm.weight": (h,), prefix + "eh_proj.weight": (h, 2 * h)}
+        shapes |= {prefix + "block." + name: shape for name, shape in layer_shapes(m, m.num_layers + k).items()}
+        shapes[prefix + "norm.weight"] = (h,)
+    return shapes
+
+
+def all_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model by its FQN (tied embeddings once)."""
+    shapes = root_shapes(m)
+    for index in range(m.num_layers):
+        shapes |= {f"model.layers.{index}.{name}": shape for name, shape in layer_shapes(m, index).items()}
     return shapes
 
 
 def num_params(m: ModelConfig, include_embedding: bool = True) -> int:
-    """Parameter count (tied embeddings counted once; every expert)."""
-    root = root_shapes(m)
+    """Parameter count (tied embeddings counted once; every expert; the MTP modules)."""
+    shapes = all_shapes(m)
     if not include_embedding:
-        root.pop("model.embed_tokens.weight")
-    layers = sum(math.prod(shape) for index in range(m.num_layers) for shape in layer_shapes(m, index).values())
-    return layers + sum(map(math.prod, root.values()))
+        shapes.pop("model.embed_tokens.weight")
+    return sum(map(math.prod, shapes.values()))
 
 
 def active_params(m: ModelConfig) -> int:
     """Parameters one token passes through: every expert's share is top_k / num_experts of it (= num_params for
     a dense model)."""
-    routed = sum(
-        math.prod(shape)
-        for index in range(m.num_layers)
-        for name, shape in layer_shapes(m, index).items()
-        if is_expert_param(name)
-    )
+    routed = sum(math.prod(shape) for name, shape in all_shapes(m).items() if is_expert_param(name))
     return num_params(m) - routed + routed * m.moe.top_k // max(m.moe.num_experts, 1)
 
 
@@ -154,7 +171,18 @@ def head_forward_flops(m: ModelConfig) -> int:
     return 2 * m.vocab_size * m.hidden_size
 
 
+def mtp_forward_flops(m: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs per token of the multi-token prediction modules: per depth its 2h -> h projection, its
+    decoder layer and one more pass through the shared head (0 when off)."""
+    projection = 2 * 2 * m.hidden_size * m.hidden_size
+    return sum(
+        projection + layer_forward_flops(m, seq_len, m.num_layers + k) + head_forward_flops(m)
+        for k in range(m.mtp_depth)
+    )
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token: forward + backward = 3 x forward, over every layer (active parameters) and the head."""
+    """Training FLOPs per token: forward + backward = 3 x forward, over every layer (active parameters), the head
+    and the MTP modules (whose positions past the sequence's end are computed, and counted, too)."""
     layers = sum(layer_forward_flops(m, seq_len, index) for index in range(m.num_layers))
-    return 3 * (layers + head_forward_flops(m))
+    return 3 * (layers + head_forward_flops(m) + mtp_forward_flops(m, seq_len))

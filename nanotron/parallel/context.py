@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron.models.attention import cached_document_block_mask, document_mask, flex
+from nanotron.models.llama import decoder_layers
 from nanotron.parallel.torch_private import attention_with_lse, attention_with_lse_backward
 
 
@@ -307,7 +308,7 @@ def _merge(out, lse, block_out, block_lse) -> None:
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int) -> None:
     """Swaps every layer's attention for ring attention over `group` and gives the model its global positions."""
-    for layer in model.model.layers.values():
+    for _, layer in decoder_layers(model):  # the MTP modules' blocks too
         attention = layer.self_attn
         attention.core = RingAttention(attention.core.scale, group, cp, rank)
     model.model.positions = zigzag_positions(seq_len, cp, rank)

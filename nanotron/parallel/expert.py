@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanotron.config import Config
+from nanotron.models.llama import decoder_layers
 from nanotron.models.moe import MoE, expert_mlp
 from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.torch_private import grouped_mm
@@ -274,12 +275,13 @@ class ExpertBalance:
     steps, the MoE metrics; both read and then clear the layers' per-step counters."""
 
     def __init__(self, cfg: Config, modules: list[nn.Module], ctx: ParallelContext):
+        # by global layer index; an MTP module's block is layer num_layers + k (DeepSeek-V3's checkpoint numbering)
         self.layers = sorted(
             (
-                (int(name.split(".")[2]), m)
+                (index, layer.mlp)
                 for module in modules
-                for name, m in module.named_modules()
-                if isinstance(m, MoE)
+                for index, layer in decoder_layers(module)
+                if isinstance(layer.mlp, MoE)
             ),
             key=lambda item: item[0],
         )
@@ -287,7 +289,7 @@ class ExpertBalance:
         self.rate = moe.bias_update_rate
         self.device = ctx.device
         self.group = ctx.loss_group()  # the ranks that route distinct tokens
-        self.num_layers = cfg.model.num_layers
+        self.num_layers = cfg.model.num_layers + cfg.model.mtp_depth
         self.num_experts = moe.num_experts
         self.tp = p.tp
         self.dp_cp = p.dp * p.cp

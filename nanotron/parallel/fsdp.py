@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
-from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.llama import LlamaForCausalLM, decoder_layers
 from nanotron.parallel.expert import expert_shard_dim
 from nanotron.parallel.torch_private import reduce_accumulated_gradients, replicate, stage_backward
 
@@ -49,12 +49,12 @@ def apply_fsdp(
     if expert_dp_mesh is not None:
         _shard_experts(model, expert_dp_mesh, zero_stage, policy)
     if zero_stage == 0:
-        for layer in model.model.layers.values():
+        for _, layer in decoder_layers(model):
             replicate(layer, mesh=dp_mesh, mp_policy=policy)
         replicate(model, mesh=dp_mesh, mp_policy=policy)
         return
     reshard = zero_stage == 3
-    for layer in model.model.layers.values():
+    for _, layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
 
@@ -64,7 +64,7 @@ def _shard_experts(model, mesh: DeviceMesh, zero_stage: int, policy) -> None:
     that hold the same experts (HSDP: replicated over "dp_replicate", sharded over "edp"); inside each layer's
     unit, which then leaves them alone. FSDP averages their gradients over it; the dispatcher has already divided
     them by ep (see `AllToAllDispatch`)."""
-    for layer in model.model.layers.values():
+    for _, layer in decoder_layers(model):
         experts = getattr(layer.mlp, "experts", None)
         if experts is None:
             continue

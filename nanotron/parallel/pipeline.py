@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.models.shapes import head_forward_flops, layer_forward_flops
+from nanotron.models.shapes import head_forward_flops, layer_forward_flops, mtp_forward_flops
 from nanotron.parallel.fsdp import GradientSync, ZeroPipelineStage
 
 
@@ -28,13 +28,14 @@ def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     values, so it is counted as half the head.
     """
     head = head_forward_flops(cfg)
-    return head / 2, layer_forward_flops(cfg, seq_len), head
+    # the last stage also runs the multi-token prediction modules (a layer and the head again per depth)
+    return head / 2, layer_forward_flops(cfg, seq_len), head + mtp_forward_flops(cfg, seq_len)
 
 
 def split_layers(num_layers: int, n_stages: int, costs: tuple[float, float, float]) -> list[range]:
     """Contiguous layer ranges, one per stage, minimising the costliest stage (every stage >= 1 layer).
 
-    Stage 0 also pays for the embedding and the last stage for the head, so they get fewer layers.
+    Stage 0 also pays for the embedding and the last stage for the head (and MTP), so they get fewer layers.
     """
     embed, layer, head = costs
 
@@ -78,6 +79,7 @@ def build_stage(model: LlamaForCausalLM, layers: range, first: bool, last: bool)
     if not last:
         stage.model.norm = None
         stage.lm_head = None
+        stage.mtp = None
     return stage
 
 
@@ -127,9 +129,9 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
     seq = tokens // p.tp if p.tp > 1 and p.tp_mode == "reduce_scatter" else tokens
 
     def hidden(requires_grad: bool) -> torch.Tensor:
-        return torch.empty(t.micro_batch_size, seq, m.hidden_size, dtype=dtype, device="meta").requires_grad_(
-            requires_grad
-        )
+        # with multi-token prediction, the MTP tokens' embeddings travel beside the hidden states (llama.py)
+        width = (1 + m.mtp_depth) * m.hidden_size
+        return torch.empty(t.micro_batch_size, seq, width, dtype=dtype, device="meta").requires_grad_(requires_grad)
 
     if index == 0:
         inputs = torch.empty(t.micro_batch_size, tokens, dtype=torch.long, device="meta")
@@ -137,12 +139,13 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
         inputs = hidden(True)
     if index < cfg.num_stages - 1:
         return {"input_args": (inputs,), "output_args": (hidden(True),)}
+    positions = (1 + m.mtp_depth) * tokens  # in training the MTP depths' logits follow the main ones (llama.py)
     if p.tp == 1:
-        logits = torch.empty(t.micro_batch_size, tokens, m.vocab_size, dtype=dtype, device="meta")
+        logits = torch.empty(t.micro_batch_size, positions, m.vocab_size, dtype=dtype, device="meta")
         return {"input_args": (inputs,), "output_args": (logits.requires_grad_(),)}
 
     def logits(requires_grad: bool) -> DTensor:
-        local = torch.empty(t.micro_batch_size, tokens, m.vocab_size // p.tp, dtype=dtype, device="meta")
+        local = torch.empty(t.micro_batch_size, positions, m.vocab_size // p.tp, dtype=dtype, device="meta")
         sharded = DTensor.from_local(local, mesh["tp"], [Shard(-1)], run_check=False)
         return sharded.requires_grad_(requires_grad)
 

@@ -5,7 +5,8 @@ ZeRO stage's gradient-sync rule (one `GradientSync`, shared with the pipeline st
 vocab-sharded logits, this cp rank's part of each sequence, and plain losses out of DTensors; and what the
 trainer and the evaluation ask of the layout: which rank holds and logs the loss, its mean over dp x cp, the
 step's shares of the global loss and gradient norm, the evaluation's row split and batch shapes. A new parallel
-dimension changes this file and `parallelize.py`, not the training loop.
+dimension changes this file and `parallelize.py`, not the training loop. Multi-token prediction's tokens and
+targets are cut here from the whole sequences (before the cp split), and its loss joins the main one in training.
 
 The loss is the mean over every token of the global batch that carries a loss, at every layout. Under causal
 attention every token does, and each rank holds as many, so the mean of each microbatch (this rank's tokens)
@@ -41,6 +42,41 @@ IGNORE_INDEX = -100  # targets that carry no loss (the token after an EOS under 
 Window = tuple[int, int] | None  # (lo, hi): the positions a scoring batch's targets lie in
 
 
+def mtp_depth_loss(logits: torch.Tensor, targets: torch.Tensor, seq_len: int, depth: int) -> torch.Tensor:
+    """One MTP depth's loss on one microbatch: its targets' summed loss over the positions that have one (the
+    last `depth` of each sequence have none) divided by this rank's positions x (seq_len - depth) / seq_len, so
+    that microbatches and dp x cp ranks average to the mean over every predicted token of the global batch
+    whichever cp rank holds the sequence's end."""
+    logits, targets = logits.flatten(0, 1).float(), targets.flatten()
+    total = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total * (seq_len / ((seq_len - depth) * targets.numel()))
+
+
+def mtp_training_loss(
+    logits: torch.Tensor, targets: torch.Tensor, depth: int, weight: float, seq_len: int, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(main + weight x the MTP loss, main, the MTP loss: the mean over the depths) of one microbatch whose logits
+    and targets hold the main positions, then each depth's (llama.py's order)."""
+    width = targets.shape[1] // (1 + depth)
+    parts = [slice(k * width, (k + 1) * width) for k in range(1 + depth)]
+    main = microbatch_loss(logits[:, parts[0]], targets[:, parts[0]], scale)
+    mtp = sum(mtp_depth_loss(logits[:, parts[k]], targets[:, parts[k]], seq_len, k) for k in range(1, depth + 1))
+    mtp = mtp / depth
+    return main + weight * mtp, main, mtp
+
+
+def mtp_tokens_and_targets(batch: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From whole sequences [batch, seq_len + 1]: per position t of the inputs, the tokens t+1..t+depth the MTP
+    modules embed ([batch, seq_len, depth]; 0 past the end) and the tokens t+2..t+depth+1 they predict ([batch,
+    seq_len, depth]; IGNORE_INDEX past the end). Built before the sequence is split over cp, so a shift that
+    crosses a cp rank's chunk boundary reads the right token."""
+    tokens, targets = [], []
+    for k in range(1, depth + 1):
+        tokens.append(F.pad(batch[:, k:], (0, k - 1), value=0))
+        targets.append(F.pad(batch[:, k + 1 :], (0, k), value=IGNORE_INDEX))
+    return torch.stack(tokens, dim=-1), torch.stack(targets, dim=-1)
+
+
 def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Mean token loss of one microbatch; microbatches and dp x cp ranks average to the global-batch mean.
     With `scale`, the sum over the tokens that carry a loss times `scale` instead (see the module's doc)."""
@@ -74,6 +110,12 @@ class MicrobatchRunner:
         self.dp = p.dp
         self.dp_group = ctx.mesh["dp"].get_group() if p.dp > 1 else None
         self.document = cfg.model.attention == "document"
+        # Multi-token prediction: its tokens travel with every microbatch; its loss is added in training only.
+        self.mtp_depth, self.mtp_weight = cfg.model.mtp_depth, cfg.training.mtp_loss_weight
+        self.seq_len = cfg.training.seq_len
+        self.training_mtp = False  # inside forward_backward: logits and targets carry the MTP depths
+        self.step_losses: list[tuple[torch.Tensor, torch.Tensor]] = []  # (main, MTP) per microbatch, detached
+        self.mtp_loss: torch.Tensor | None = None  # the last step's MTP loss (mean over depths), on the last stage
         if self.document and eos_id is None:
             raise ValueError("model.attention='document' needs the tokenizer's EOS id")
         self.eos_id = eos_id
@@ -111,20 +153,57 @@ class MicrobatchRunner:
         """Forward and backward of every microbatch, gradients accumulated as the mean over them and reduced as
         the ZeRO stage says; returns the mean loss, detached."""
         inputs, targets, doc = self._split(batch)
-        with self._loss_context():
-            if self.schedule is not None:
-                self.on_phase("forward")
-                return self._pipelined(self.schedule.step, inputs, targets, doc)
-            model = self.modules[0]
-            total = torch.zeros((), device=self.device)
-            for index, (inp, tgt, d) in enumerate(self._microbatches(inputs, targets, doc)):
-                self.sync.before_backward(model, last_microbatch=index == self.n_micro - 1)
-                self.on_phase("forward")
-                loss = self.loss(model(inp, d), tgt) / self.n_micro
-                self.on_phase("backward")
-                loss.backward()
-                total += _plain(loss).detach()
-            return total
+        mtp = self._mtp(batch, targets)
+        if mtp is not None:
+            targets = mtp.pop("targets")
+        self.training_mtp, self.step_losses = mtp is not None, []
+        try:
+            with self._loss_context():
+                if self.schedule is not None:
+                    self.on_phase("forward")
+                    loss = self._pipelined(self.schedule.step, inputs, targets, doc, **(mtp or {}))
+                else:
+                    loss = self._plain_loop(inputs, targets, doc, mtp)
+        finally:
+            self.training_mtp = False
+        if mtp is None or not self.has_last:
+            return loss
+        main, extra = (torch.stack(parts).mean() for parts in zip(*self.step_losses))
+        self.mtp_loss = extra
+        return main  # the logged loss is the main model's; the gradients are of main + weight x MTP
+
+    def _plain_loop(self, inputs, targets, doc, mtp: dict | None) -> torch.Tensor:
+        model = self.modules[0]
+        total = torch.zeros((), device=self.device)
+        tokens = mtp["mtp_tokens"].chunk(self.n_micro) if mtp else [None] * self.n_micro
+        for index, ((inp, tgt, d), extra) in enumerate(zip(self._microbatches(inputs, targets, doc), tokens)):
+            self.sync.before_backward(model, last_microbatch=index == self.n_micro - 1)
+            self.on_phase("forward")
+            loss = self.loss(model(inp, d, **({"mtp_tokens": extra} if extra is not None else {})), tgt)
+            loss = loss / self.n_micro
+            self.on_phase("backward")
+            loss.backward()
+            total += _plain(loss).detach()
+        return total
+
+    def _mtp(self, batch: torch.Tensor, targets: torch.Tensor) -> dict | None:
+        """With multi-token prediction: this cp rank's MTP tokens ({"mtp_tokens": [batch, tokens, depth]}) and the
+        targets, main ones then each depth's, concatenated on the sequence dimension ("targets")."""
+        if not self.mtp_depth:
+            return None
+        tokens, extra = mtp_tokens_and_targets(batch.to(self.device, non_blocking=True), self.mtp_depth)
+        tokens = shard_sequence(tokens, self.cp, self.cp_rank)
+        extra = shard_sequence(extra, self.cp, self.cp_rank)
+        return {"mtp_tokens": tokens, "targets": torch.cat([targets, *extra.unbind(-1)], dim=1)}
+
+    def _eval_kwargs(self, batch: torch.Tensor) -> dict:
+        """What a pipeline stage needs in evaluation beyond the inputs: with multi-token prediction the MTP tokens,
+        whose embeddings the stages hand on whatever the mode (the stages' shapes are fixed); the last stage
+        computes no MTP logits in eval mode. Without a pipeline nothing."""
+        if not self.mtp_depth or self.schedule is None:
+            return {}
+        tokens, _ = mtp_tokens_and_targets(batch.to(self.device, non_blocking=True), self.mtp_depth)
+        return {"mtp_tokens": shard_sequence(tokens, self.cp, self.cp_rank)}
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> torch.Tensor | None:
@@ -141,7 +220,7 @@ class MicrobatchRunner:
         with self._loss_context():
             if self.schedule is not None:
                 with forward_only(self.schedule):
-                    return self._pipelined(self.schedule.eval, inputs, targets, doc)
+                    return self._pipelined(self.schedule.eval, inputs, targets, doc, **self._eval_kwargs(batch))
             chunks = self._microbatches(inputs, targets, doc)
             return torch.stack([_plain(self.loss(self.modules[0](i, d), t)) for i, t, d in chunks]).mean()
 
@@ -160,10 +239,10 @@ class MicrobatchRunner:
             for tokens, targets, window in batches:
                 inputs, _, doc = self._split(tokens)
                 targets = shard_sequence(targets.to(self.device), self.cp, self.cp_rank)
-                kwargs = {}
+                kwargs = self._eval_kwargs(tokens)
                 if window is not None:
                     targets = targets[:, window[0] : window[1]]
-                    kwargs = {"window": window}
+                    kwargs["window"] = window
                 with self._loss_context():
                     if self.schedule is not None:
                         with forward_only(self.schedule):
@@ -214,7 +293,11 @@ class MicrobatchRunner:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.scoring:
             return row_log_likelihoods(logits, targets)
-        return microbatch_loss(logits, targets, self.scale)
+        if not self.training_mtp:
+            return microbatch_loss(logits, targets, self.scale)
+        total, main, mtp = mtp_training_loss(logits, targets, self.mtp_depth, self.mtp_weight, self.seq_len, self.scale)
+        self.step_losses.append((_plain(main).detach().float(), _plain(mtp).detach().float()))
+        return total
 
     def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs and targets of this cp rank's part of each sequence, and (document masking) the document
@@ -238,9 +321,9 @@ class MicrobatchRunner:
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def _pipelined(self, run: Callable, inputs, targets, doc) -> torch.Tensor | None:
+    def _pipelined(self, run: Callable, inputs, targets, doc, **kwargs) -> torch.Tensor | None:
         """The mean loss of one schedule call (`step` or `eval`)."""
-        losses = self._pipelined_losses(run, inputs, targets, doc)
+        losses = self._pipelined_losses(run, inputs, targets, doc, **kwargs)
         return torch.stack([loss.float() for loss in losses]).mean() if self.has_last else None
 
     def _pipelined_losses(self, run: Callable, inputs, targets, doc, **kwargs) -> list[torch.Tensor]:

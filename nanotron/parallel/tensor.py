@@ -11,6 +11,8 @@ gradient summed over tp (one all-reduce of [tokens, qk_rope_head_dim] per layer 
 64 of the 8192 elements per token that a row-parallel output moves). Under sequence parallelism its input arrives
 as the gathered local tensor, the replicated down-projections being plain modules.
 In both modes the embedding and lm_head are vocab-parallel and logits stay sharded for loss_parallel.
+Multi-token prediction's blocks take a decoder layer's plan; its norms and eh_proj are replicated (under sequence
+parallelism they act on the sequence shard, gradients summed over tp).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.llama import LlamaForCausalLM, decoder_layers
 from nanotron.models.moe import MoE
 from nanotron.parallel.torch_private import AsyncCollectiveTensor
 
@@ -97,7 +99,7 @@ def apply_tensor_parallel(
             desired_output_layouts=(Shard(1),),
             use_local_output=True,
         )
-    for layer in model.model.layers.values():
+    for _, layer in decoder_layers(model):  # the MTP modules' blocks too
         plan = moe_plan if isinstance(layer.mlp, MoE) else layer_plan
         if model.config.mla:
             plan = _latent_attention_plan(plan, layer, tp_mesh, sequence_parallel)
@@ -108,6 +110,13 @@ def apply_tensor_parallel(
         top_plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
     if model.model.norm is not None and sequence_parallel:
         top_plan["model.norm"] = SequenceParallel()
+    if model.mtp is not None and sequence_parallel:
+        # Multi-token prediction: its norms and 2h -> h projection act per token, on this rank's sequence shard
+        # (the projection's weight replicated, its gradient summed over tp like a norm's).
+        local = SequenceParallel(use_local_output=True)
+        for k in model.mtp:
+            top_plan |= {f"mtp.{k}.{name}": local for name in ("enorm", "hnorm", "eh_proj")}
+            top_plan[f"mtp.{k}.norm"] = SequenceParallel()
     if model.lm_head is not None:
         # Logits stay vocab-sharded (Shard(-1)) as a DTensor: loss_parallel never gathers them.
         top_plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)

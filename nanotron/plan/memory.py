@@ -78,7 +78,10 @@ def layer_params(m: ModelConfig, index: int) -> list[Param]:
 
 def stage_params(m: ModelConfig, layers: range, first: bool, last: bool) -> tuple[list[Param], list[Param]]:
     """(root params, per-layer params) of one pipeline stage; FQNs as in the model (layout-independent)."""
-    root = [Param(name, shape, tp_shard_dim(name)) for name, shape in root_shapes(m, first, last).items()]
+    root = [  # the MTP modules' blocks (last stage) may hold experts
+        Param(name, shape, tp_shard_dim(name), is_expert_param(name))
+        for name, shape in root_shapes(m, first, last).items()
+    ]
     return root, [p for index in layers for p in layer_params(m, index)]
 
 
@@ -387,26 +390,41 @@ def activation_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights
     activations_saved = 0.0
     for stage in stages:
         held = sum(saved[i][recompute_mode(cfg, i)] for i in stage.layer_indices)
-        # The hidden states crossing a stage boundary are this tp rank's sequence shard under sequence parallelism.
-        held += 0 if stage.first else tokens / sp * e * m.hidden_size  # received input, kept for backward
-        held += 0 if stage.last else tokens / sp * e * m.hidden_size  # output, kept for backward
-        held += tokens * 8 if stage.first else 0  # token ids
+        # The hidden states crossing a stage boundary are this tp rank's sequence shard under sequence parallelism;
+        # with multi-token prediction the MTP tokens' embeddings travel beside them.
+        crossing = tokens / sp * e * m.hidden_size * (1 + m.mtp_depth)
+        held += 0 if stage.first else crossing  # received input, kept for backward
+        held += 0 if stage.last else crossing  # output, kept for backward
+        held += tokens * 8 * (1 + m.mtp_depth) if stage.first else 0  # token ids
         if stage.last:
             held += tokens * ((FP32 + e) * m.hidden_size / sp + e * m.hidden_size)  # final norm
+            held += mtp_activation_bytes(cfg, tokens)
         # Measured with torch 2.13: after a pipelined step the first stage still holds most of one microbatch's
         # saved activations (not freed by gc) until the next step replaces them; count one more microbatch.
         activations_saved += held * (flights + (1 if stage.first and p.pp > 1 else 0))
     return activations_saved, max(rebuilt, default=0.0)
 
 
+def mtp_activation_bytes(cfg: Config, tokens: int) -> float:
+    """What the multi-token prediction modules keep for backward per microbatch on the last stage: per depth its
+    decoder layer's activations (not recomputed), the two norms' and the concatenation's inputs and outputs and
+    its final norm's, as for the model's final norm (its logits are in `logits_bytes`)."""
+    m = cfg.model
+    e, sp = element_bytes(cfg.training.dtype), sequence_shards(cfg)
+    per_depth = tokens * ((FP32 + e) * 3 * m.hidden_size / sp + 2 * e * m.hidden_size * 2)  # 3 norms, cat, eh_proj
+    return sum(layer_activation_bytes(cfg, tokens, m.num_layers + k)["none"] + per_depth for k in range(m.mtp_depth))
+
+
 def logits_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights: float) -> tuple[float, float]:
-    """(the log-softmax outputs kept for backward, the logits while the loss runs) on the rank of the last stage."""
+    """(the log-softmax outputs kept for backward, the logits while the loss runs) on the rank of the last stage;
+    with multi-token prediction each depth's logits too (computed and kept together with the main ones)."""
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
     if not any(s.last for s in stages):
         return 0.0, 0.0
-    saved = tokens * FP32 * m.vocab_size / p.tp * flights
-    return saved, tokens * (e + (FP32 if e == 2 else 0)) * m.vocab_size / p.tp
+    positions = tokens * (1 + m.mtp_depth)
+    saved = positions * FP32 * m.vocab_size / p.tp * flights
+    return saved, positions * (e + (FP32 if e == 2 else 0)) * m.vocab_size / p.tp
 
 
 def communication_buffer_bytes(cfg: Config, tokens: int, largest_layer: int, embedding_extra: float) -> float:
@@ -431,7 +449,7 @@ def pipeline_buffer_bytes(cfg: Config, stages: list[StageShape], tokens: int) ->
     e = element_bytes(cfg.training.dtype)
     sp = sequence_shards(cfg)
     receives = sum((not s.first) + (not s.last) for s in stages)
-    return receives * cfg.training.grad_accum_steps * tokens / sp * m.hidden_size * e
+    return receives * cfg.training.grad_accum_steps * tokens / sp * m.hidden_size * (1 + m.mtp_depth) * e
 
 
 def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
