@@ -556,7 +556,7 @@ def choose(rows: list[Check], settings: argparse.Namespace) -> list[Check]:
     return [by_name[n] for n in with_references(names, needs, [c.name for c in rows])]
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """SIGTERM or SIGINT arrived: the row in flight ends, the summary is written, the command exits non-zero."""
 
     def __init__(self, signum: int) -> None:
@@ -596,7 +596,7 @@ def run_rows(
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def summary(state: str) -> None:
-        ran = [r for r in table if not r["verdict"].startswith("skipped")]
+        ran = [r for r in table if r["check"] in done]  # not the skipped rows, nor one a signal stopped
         failed = sum(r["verdict"] != "ok" for r in ran)
         header = (
             f"gpu_check {state}: {len(ran)} of {len(rows)} rows ran ({failed} failed), {len(skipped)} skipped, "
@@ -624,7 +624,7 @@ def run_rows(
             row["verdict"] = "; ".join(check.problems) or "ok"
             done[check.name] = row
             table.append(row)
-            if check.action is None and check.nproc == 1 and "step_time_sec" in row:
+            if check.name in CALIBRATING and "step_time_sec" in row:
                 timing = refine(timing, check.cost, row["seconds"], row["step_time_sec"], settings.steps)
             summary(f"running (after {check.name})")
         summary("complete")
@@ -644,6 +644,7 @@ def run_rows(
     return 1 if any(r["verdict"] not in ("ok",) and not r["verdict"].startswith("skipped") for r in table) else 0
 
 
+CALIBRATING = ("bf16 eager", "bf16 compile")  # their measurements replace the start-up, step and compile guesses
 ROW_GRACE_SEC = 45.0  # a row started within the budget may overrun it by this much before it is stopped
 
 
@@ -742,9 +743,12 @@ def host_sync_check(common: list[str], settings: argparse.Namespace) -> bool:
         problem = f"a host sync outside the step agreement: {str(error).splitlines()[0]}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
+        stopped = trainer.stop.requested  # the trainer traps SIGTERM/SIGINT while it lives: pass the stop on
         trainer.close()
         destroy_distributed()
         torch.cuda.empty_cache()
+    if stopped:
+        raise Stopped(signal.SIGTERM)
     print(f"host syncs per step: {'1 (the step agreement)' if problem is None else problem}", flush=True)
     return problem is None
 

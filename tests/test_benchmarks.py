@@ -92,7 +92,8 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     uninterrupted run)."""
     stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=360, extra=("--only", "rows"))
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
-    assert list(rows) == ["bf16 eager", "moe bf16", "muon bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
+    one = ["bf16 eager", "cp attention", "moe grouped GEMM", "moe bf16", "muon bf16"]
+    assert list(rows) == [*one, "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2", "moe ep2 overlap"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
@@ -226,6 +227,16 @@ def test_gpu_check_sigterm_mid_run_leaves_the_summary_of_the_rows_that_ran(tmp_p
     rows = {r["check"]: r["verdict"] for r in read_csv(tmp_path / "gpu_check.csv")}
     assert rows == {"moe grouped GEMM": "ok", "muon bf16": "stopped by SIGTERM"}
     assert (tmp_path / "gpu_check.md").read_text().startswith("gpu_check stopped by SIGTERM")
+    run = "--job.name=gpu_check-muon_bf16"
+    left = [c for c in Path("/proc").glob("[0-9]*/cmdline") if _has(c, run) and _has(c, str(work_dir))]
+    assert not left, "the stopped row's training run outlived gpu_check"
+
+
+def _has(cmdline: Path, text: str) -> bool:
+    try:
+        return text in cmdline.read_bytes().decode(errors="replace")
+    except OSError:  # the process ended meanwhile
+        return False
 
 
 @pytest.mark.slow
@@ -237,7 +248,8 @@ def test_gpu_check_quick_runs_the_doctor_and_names_a_hang(tmp_path, work_dir):
     assert "doctor healthy                          ok" in stdout
     assert "doctor rank:0,step:0,kind:bad_matmul    ok" in stdout
     assert "train rank:1,step:3,kind:sleep         ok" in stdout
-    assert not (tmp_path / "gpu_check.csv").exists()
+    rows = {r["check"]: r["verdict"] for r in read_csv(tmp_path / "gpu_check.csv")}
+    assert rows == {"doctor": "ok", "hang watch": "ok"}
 
 
 @pytest.mark.slow
