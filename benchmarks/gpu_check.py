@@ -524,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint.resume_from=none",
         *(["--logging.peak_tflops=1"] if settings.quick else []),
     ]
+    if settings.budget_minutes is not None and not settings.budget_minutes > 0:
+        print(f"gpu_check: --budget-minutes {settings.budget_minutes}: expected minutes > 0 (leave it out: 9 on CUDA)")
+        return 2
     rows = checks(settings, device, common, n_devices)
     try:
         chosen = choose(rows, settings)

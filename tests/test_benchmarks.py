@@ -182,6 +182,23 @@ def test_gpu_check_only_rows_brings_references_and_names_an_unknown_row():
         choose(rows, argparse.Namespace(only_rows="eagre", part=None, only=None))
 
 
+def test_gpu_check_with_one_gpu_skips_the_two_gpu_part_in_one_line(tmp_path, capsys):
+    """Rows that need two GPUs are dropped in one line with one GPU; the rest run and the summary says so."""
+    from benchmarks.gpu_budget import Cost
+    from benchmarks.gpu_check import Check, run_rows
+
+    fixed = Cost(False, fixed_sec=1.0)
+    rows = [Check("kernels", 1, [], cost=fixed, action=lambda: True)]
+    rows += [Check(name, 2, [], cost=fixed, action=lambda: True, part=3) for name in ("ep2 layer", "hang")]
+    settings = argparse.Namespace(budget_minutes=None, quick=True, steps=12, out=tmp_path, timeout=60)
+    assert run_rows(rows, settings, [], "one test GPU", None, n_devices=1) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "two-GPU" in line] == ["two-GPU part: skipped (1 GPU visible): ep2 layer, hang"]
+    assert [r["check"] for r in read_csv(tmp_path / "gpu_check.csv")] == ["kernels"]
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert markdown.startswith("gpu_check complete: 1 of 1 rows ran (0 failed)") and "two-GPU part: skipped" in markdown
+
+
 @pytest.mark.slow
 def test_gpu_check_quick_budget_runs_what_fits_and_names_the_skipped_rows(tmp_path, work_dir):
     """A 9 s budget: the eager row (~12 s estimated on CPU) and the cp kernels (~15 s) are skipped, the grouped GEMM
