@@ -12,7 +12,7 @@ command prints the `--only-rows` command that runs the skipped ones (their refer
 that did start is stopped 45 s past the budget's end. The command exits 0 when every row that ran passed.
 The summary, gpu_check.csv/.md/.json in --out, is replaced whole after every row; its first line (the JSON's
 "status") says how far the run got. SIGTERM or SIGINT stops the row in flight (its training run too), writes the
-summary and exits 128 + the signal number.
+summary (with the command that runs the rows left) and exits 128 + the signal number.
 
 Priority order, each row's estimate on one H100 (a guess until the first GPU run measures it), by --part:
   part 1: bf16 eager ~40s, bf16 compile ~86s, host syncs ~30s, cp attention ~60s, moe grouped GEMM ~20s,
@@ -598,7 +598,7 @@ def run_rows(
     start = time.monotonic()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def summary(state: str) -> None:
+    def summary(state: str, rerun_rows: list[str] = skipped) -> None:
         ran = [r for r in table if r["check"] in done]  # not the skipped rows, nor one a signal stopped
         failed = sum(r["verdict"] != "ok" for r in ran)
         header = (
@@ -606,7 +606,7 @@ def run_rows(
             f"{len(rows) - len(table)} not reached; {time.monotonic() - start:.0f}s"
             + ("" if budget is None else f" of a {budget:.0f}s budget")
         )
-        rerun = f"skipped rows: {rerun_command(skipped, base)}" if skipped else ""
+        rerun = f"to run the rest: {rerun_command(rerun_rows, base)}" if rerun_rows else ""
         extra = {"device": name, "world": n_devices, "budget_sec": budget, "notes": [*notes, rerun]}
         write_summary(settings.out / "gpu_check", header, table, COLUMNS, extra)
 
@@ -634,7 +634,8 @@ def run_rows(
     except Stopped as stop:
         if check is not None and check.name not in done and all(r["check"] != check.name for r in table):
             table.append({"check": check.name, "part": check.part, "verdict": f"stopped by {stop}"})
-        summary(f"stopped by {stop} during {check.name if check else 'start-up'}")
+        rest = [c.name for c in rows if c.name not in done]  # the stopped row, the skipped ones, those not reached
+        summary(f"stopped by {stop} during {check.name if check else 'start-up'}", rest)
         print(f"gpu_check: stopped by {stop}; the summary of what ran is in {settings.out}", flush=True)
         return 128 + stop.signum
     finally:
@@ -644,7 +645,7 @@ def run_rows(
     print(optimizer_line(done), flush=True)
     if skipped:
         print(f"skipped rows, to run next: {rerun_command(skipped, base)}", flush=True)
-    return 1 if any(r["verdict"] not in ("ok",) and not r["verdict"].startswith("skipped") for r in table) else 0
+    return 1 if any(r["verdict"] != "ok" for r in done.values()) else 0
 
 
 CALIBRATING = ("bf16 eager", "bf16 compile")  # their measurements replace the start-up, step and compile guesses

@@ -243,7 +243,9 @@ def test_gpu_check_sigterm_mid_run_leaves_the_summary_of_the_rows_that_ran(tmp_p
     assert status.startswith("gpu_check stopped by SIGTERM during muon bf16: 1 of 2 rows ran (0 failed)"), status
     rows = {r["check"]: r["verdict"] for r in read_csv(tmp_path / "gpu_check.csv")}
     assert rows == {"moe grouped GEMM": "ok", "muon bf16": "stopped by SIGTERM"}
-    assert (tmp_path / "gpu_check.md").read_text().startswith("gpu_check stopped by SIGTERM")
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert markdown.startswith("gpu_check stopped by SIGTERM")
+    assert 'to run the rest: python -m benchmarks.gpu_check --quick --only-rows "muon bf16"' in markdown
     run = "--job.name=gpu_check-muon_bf16"
     left = [c for c in Path("/proc").glob("[0-9]*/cmdline") if _has(c, run) and _has(c, str(work_dir))]
     assert not left, "the stopped row's training run outlived gpu_check"
