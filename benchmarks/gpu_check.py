@@ -91,6 +91,7 @@ from benchmarks.common import (
 from benchmarks.gpu_budget import (
     CPU_NANO,
     H100_1B,
+    H100_1B_BATCH,
     Cost,
     estimate,
     plan,
@@ -578,6 +579,9 @@ def run_rows(
     .md, .json: a kill at the command's limit keeps the rows that ran). 0 when every row that ran passed."""
     budget = None if settings.budget_minutes is None else 60 * settings.budget_minutes
     timing = CPU_NANO if settings.quick else H100_1B
+    timing = replace(
+        timing, step_sec=timing.step_sec * settings.global_batch / (8 if settings.quick else H100_1B_BATCH)
+    )
     base = "python -m benchmarks.gpu_check --quick" if settings.quick else "bash benchmarks/gpu_check.sh"
     notes: list[str] = []
     if n_devices < 2 and any(c.nproc > 1 for c in rows):
