@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_check.sh --part 2              # the one-GPU rows part 1 leaves (--part 3: two GPUs)
 #   bash benchmarks/gpu_check.sh --only-rows "mla bf16,doctor"   # named rows (their reference rows come along)
 #   bash benchmarks/gpu_check.sh --budget-minutes 25   # a longer slot: every row
+#   bash benchmarks/gpu_check.sh --out DIR             # the summary where the machine's files are collected from
 #
 # Exit code 0 when every row that ran passed (skipped rows do not fail it), 1 when a check fails (the table says
 # which and why), 128 + the signal when stopped.
