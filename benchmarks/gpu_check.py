@@ -1,21 +1,45 @@
 """The first GPU run: do the numbers make sense (finite, falling losses that agree across compile and
 layouts) and how fast is it (tokens/s, TFLOP/s, MFU against the detected peak)?
 
-    python -m benchmarks.gpu_check [--micro-batch 8] [--steps 20] [--out runs/gpu_check]
-    bash benchmarks/gpu_check.sh          # the same, refusing to start without a CUDA device
+    bash benchmarks/gpu_check.sh          # refuses to start without a CUDA device; the rows that fit 9 minutes
+    python -m benchmarks.gpu_check [--budget-minutes 9] [--part 1|2|3 | --only-rows "a,b"] [--steps 20] [--out DIR]
 
-Every row is a fresh `python -m nanotron.train` of the ~1.1B model (TinyLlama's shape, seq 2048, bf16) on
-a synthetic corpus, with a warm-up and a sane LR (3e-4, cosine to 3e-5), and the same global batch so
-that losses compare step by step. One device: compile off and on, compile with selective recompute (every
-matmul output kept, and every other one), and a checkpoint saved mid-run in each `checkpoint.async_mode` (sync,
-async, async_pinned: the step's stall, `save_stall_sec`). With two or more: dp2 (NCCL, FSDP2 ZeRO-3, async_pinned
-checkpoints every `steps/2` steps), a resume from the middle checkpoint, and tp2 with compile and async TP, and cp2
-(ring attention over NCCL). Then, on one device, context parallelism's attention (`benchmarks/cp_check.py`: the
-matmul path in float64, then the fused CUDA block kernels, flash and memory-efficient, against float64 at cp 2/4;
-then speed and peak memory against SDPA at 8k, 32k and 128k tokens) and the experts' grouped GEMM
-(`benchmarks/moe.py`'s kernel check: padded and unpadded groups against the loop at 8 and 64 experts, then speed);
-with two or more, one MoE layer at ep2 (`benchmarks/moe_overlap.py`: DeepSeek-V3's width, top 8, a shared expert)
-with `parallelism.ep_overlap` on against off, its output and gradients within 2e-2 (bf16), then its time each way.
+A time budget (`--budget-minutes`, default 9 on CUDA, none with --quick unless given): the rows run in the priority
+order below, each with an estimated cost (benchmarks/gpu_budget.py: start-up + compile + steps x step time, the
+start-up and step time then measured by the eager row, the compile time by the first compile row); a row whose
+estimate no longer fits what is left is not started, its verdict `skipped (budget: needs ~Xs, Ys left)`, and the
+command prints the `--only-rows` command that runs the skipped ones (their reference rows come with them). A row
+that did start is stopped 45 s past the budget's end. The command exits 0 when every row that ran passed.
+The summary, gpu_check.csv/.md/.json in --out, is replaced whole after every row; its first line (the JSON's
+"status") says how far the run got. SIGTERM or SIGINT stops the row in flight (its training run too), writes the
+summary (with the command that runs the rows left) and exits 128 + the signal number.
+
+Priority order, each row's estimate on one H100 (a guess until the first GPU run measures it), by --part:
+  part 1: bf16 eager ~40s, bf16 compile ~86s, host syncs ~30s, cp attention ~60s, moe grouped GEMM ~20s,
+    float8 tensorwise compile ~104s, float8 rowwise compile ~105s, bf16 compile selective ~88s
+  part 2: bf16 compile selective every_other ~87s, moe bf16 ~42s, muon bf16 ~42s, qwen3 bf16 ~41s, mla bf16 ~42s,
+    checkpoint sync ~70s, checkpoint async ~65s, checkpoint async_pinned ~65s, doctor ~30s
+  part 3 (two GPUs; one line "two-GPU part: skipped" with one): dp2 fsdp2 ~68s, dp2 resumed ~63s, cp2 ring ~48s,
+    moe ep2 ~48s, moe ep2 overlap ~45s, dp2 float8 all-gather ~97s, tp2 compile async ~97s, qwen3 tp2 sp ~48s,
+    mla tp2 sp ~48s, hang watch ~90s
+Part 1 is ~533 s, part 2 ~483 s + the eager row it is checked against (~40 s): each under 9 minutes as estimated.
+Part 3 is ~653 s + its one-GPU references (~270 s): more than one slot; the budget names what is left for a rerun.
+The numerics that gate everything come first (eager, compile, the host syncs, the kernels' numerics), then speed
+rows (float8, selective recompute), then the rest. --quick keeps the order but drops the compile, float8, Qwen3,
+MLA, checkpoint-mode and host-sync rows.
+
+Every training row is a fresh `python -m nanotron.train` of the ~1.1B model (TinyLlama's shape, seq 2048, bf16) on a
+synthetic corpus, with a warm-up and a sane LR (3e-4, cosine to 3e-5), and the same global batch so that losses
+compare step by step. One device: compile off and on, compile with selective recompute (every matmul output kept,
+and every other one), and a checkpoint saved mid-run in each `checkpoint.async_mode` (sync, async, async_pinned: the
+step's stall, `save_stall_sec`). With two or more: dp2 (NCCL, FSDP2 ZeRO-3, async_pinned checkpoints every `steps/2`
+steps), a resume from the middle checkpoint, and tp2 with compile and async TP, and cp2 (ring attention over NCCL).
+The kernel rows run in this process: context parallelism's attention (`benchmarks/cp_check.py`: the matmul path in
+float64, then the fused CUDA block kernels, flash and memory-efficient, against float64 at cp 2/4; then speed and
+peak memory against SDPA at 8k, 32k and 128k tokens) and the experts' grouped GEMM (`benchmarks/moe.py`'s kernel
+check: padded and unpadded groups against the loop at 8 and 64 experts, then speed); with two or more, one MoE layer
+at ep2 (`benchmarks/moe_overlap.py`: DeepSeek-V3's width, top 8, a shared expert) with `parallelism.ep_overlap` on
+against off, its output and gradients within 2e-2 (bf16), then its time each way.
 Each row is checked, and the command exits 1 if any check fails:
 - every loss finite, and the last loss below the first by at least 1 nat (the model learns);
 - compile, compile selective (both policies), dp2, tp2, cp2: step-1 loss within 1e-3 and the last 5 within 2e-2
@@ -33,9 +57,9 @@ Each row is checked, and the command exits 1 if any check fails:
 - host syncs: one device, in this process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
   except inside the step agreement, the step's one intended host sync (issue 47; on CPU tests/test_train.py counts).
 `--quick` runs a nano model on CPU (gloo for the 2-rank rows, no compile): the script's own smoke test.
-`--only rows` runs the training rows and the kernel checks, `--only watch` the doctor and hang checks (rerun one
+`--only rows` runs the training rows and the kernel checks, `--only watch` the doctor and hang rows (rerun one
 half after fixing it; the test suite runs the two halves separately, the watch half alone on the machine).
-Writes gpu_check.csv/.md to --out; speed is the median over the steps after --warmup.
+Speed is the median over the steps after --warmup.
 """
 
 from __future__ import annotations
@@ -44,11 +68,14 @@ import argparse
 import json
 import math
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.common import (
@@ -57,13 +84,29 @@ from benchmarks.common import (
     bench_parser,
     ensure_data,
     launch_nanotron,
+    markdown_table,
     median_after_warmup,
     model_overrides,
-    write_table,
+)
+from benchmarks.gpu_budget import (
+    CPU_NANO,
+    H100_1B,
+    H100_1B_BATCH,
+    Cost,
+    estimate,
+    plan,
+    refine,
+    rerun_command,
+    skip_reason,
+    with_references,
+    write_summary,
 )
 
 COLUMNS = (
     "check",
+    "part",
+    "estimate_sec",
+    "seconds",
     "device",
     "world",
     "tokens_per_sec",
@@ -87,6 +130,8 @@ MOE = [  # each expert a quarter of the dense MLP (1b: 1408 = 5632 / 4; nano: 32
     "--model.moe.bias_update_rate=0.001",
 ]
 
+QWEN3 = ["--model.qk_norm=true", "--model.head_dim=128"]
+
 MLA = [
     "--model.q_lora_rank=512",
     "--model.kv_lora_rank=256",
@@ -107,58 +152,133 @@ class Check:
     save_step: int | None = None  # a checkpoint is saved after this step: the next step's excess time is its stall
     # (step-1 loss, mean of the last 5) relative tolerances against `reference`
     tolerance: tuple[float, float] = (1e-3, 2e-2)
+    cost: Cost = Cost()
+    part: int = 1  # --part: 1 and 2 the one-GPU rows, 3 the two-GPU ones
+    action: Callable[[], bool] | None = None  # a kernel or doctor row: runs in this process, True when it passed
+    watch: bool = False  # `--only watch`'s rows
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def needs(self) -> list[str]:
+        return [name for name in (self.reference, self.resume_of) if name is not None]
 
-def checks(settings: argparse.Namespace, n_devices: int) -> list[Check]:
-    compile_ = [] if settings.quick else [Check("bf16 compile", 1, ["--training.compile=true"], "bf16 eager")]
-    # Selective activation checkpointing under compile (torchtitan's default pairing): its speed and memory
-    # against the compile row, its losses against eager.
-    selective = ["--training.compile=true", "--parallelism.recompute=selective"]
-    compile_ += [] if settings.quick else [Check("bf16 compile selective", 1, selective, "bf16 eager")]
-    # torchtitan's op-level policy (every other matmul kept), its default under compile.
-    every_other = [*selective, "--parallelism.selective_matmuls=every_other"]
-    compile_ += [] if settings.quick else [Check("bf16 compile selective every_other", 1, every_other, "bf16 eager")]
+
+def checks(
+    settings: argparse.Namespace, device: str = "cuda", common: list[str] = (), n_devices: int = 1
+) -> list[Check]:
+    """Every row, in priority order (the docstring's): the numerics everything else leans on, then speed, then
+    the rest; the two-GPU rows last (dropped in one line with one GPU)."""
+    quick = settings.quick
+    cpu = (lambda gpu_sec, cpu_sec: cpu_sec) if quick else (lambda gpu_sec, cpu_sec: gpu_sec)
+    compile_ = Cost(step_factor=0.75, compile=True)
     # A mixture of experts of the same shape (8 experts, top 2, each a quarter of the MLP): the grouped GEMM path.
-    moe = [*MOE, f"--model.moe.moe_intermediate_size={32 if settings.quick else 1408}"]
-    rows = [Check("bf16 eager", 1, []), *compile_, *float8_checks(settings), Check("moe bf16", 1, moe)]
-    # Muon (AdamW's lr carries over: Moonlight's scaling) must learn too; its step time is set against bf16 eager's.
-    rows.append(Check("muon bf16", 1, ["--optimizer.name=muon"]))
-    # Qwen3's attention (QK-norm, head_dim 128 apart from hidden / heads): finite falling losses on one device,
-    # and sequence-parallel TP held to it on two (the norm's replicated weight, its gradient summed over tp).
-    qwen3 = [] if settings.quick else ["--model.qk_norm=true", "--model.head_dim=128"]
-    rows += [Check("qwen3 bf16", 1, qwen3)] if qwen3 else []
-    # DeepSeek-V3's multi-head latent attention at the 1B width (32 heads of 64 + 32 for queries/keys and 64 for
-    # values from latents of 512 and 256): learns on one device, and sequence-parallel TP held to it on two (heads
-    # split, the latents' down-projections replicated, the shared RoPE key's gradient summed over tp).
-    mla = [] if settings.quick else [*MLA, "--model.num_kv_heads=32"]
-    rows += [Check("mla bf16", 1, mla)] if mla else []
-    rows += checkpoint_checks(settings)
-    if n_devices < 2:
-        return rows
-    half = settings.steps // 2
-    pinned = "async" if settings.quick else "async_pinned"  # CPU has no pinned memory (refused there)
-    saving = [f"--checkpoint.interval={half}", f"--checkpoint.async_mode={pinned}", "--checkpoint.keep_last=0"]
-    rows += [
-        Check("dp2 fsdp2", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3", *saving], "bf16 eager"),
-        Check("dp2 resumed", 2, ["--parallelism.dp=2", "--parallelism.zero_stage=3"], resume_of="dp2 fsdp2"),
-        Check("cp2 ring", 2, ["--parallelism.cp=2"], "bf16 eager"),  # the ring over NCCL p2p
-        Check("moe ep2", 2, [*moe, "--parallelism.dp=2", "--parallelism.ep=2"], "moe bf16"),  # NCCL all-to-all
+    moe = [*MOE, f"--model.moe.moe_intermediate_size={32 if quick else 1408}"]
+    seq_lens = (256,) if quick else (8192, 32768, 131072)
+    rows = [
+        Check("bf16 eager", 1, []),
+        Check("bf16 compile", 1, ["--training.compile=true"], "bf16 eager", cost=compile_),
+        Check("host syncs", 1, [], cost=Cost(False, fixed_sec=30), action=lambda: host_sync_check(common, settings)),
+        Check(
+            "cp attention",  # the ring's CUDA block kernels against float64, then speed and memory (one device)
+            1,
+            [],
+            cost=Cost(False, fixed_sec=cpu(60, 15)),
+            action=lambda: cp_attention_check(device, seq_lens),
+        ),
+        Check(
+            "moe grouped GEMM",  # padded groups against the per-expert loop at 8 and 64 experts, then speed
+            1,
+            [],
+            cost=Cost(False, fixed_sec=cpu(20, 5)),
+            action=lambda: moe_kernel_check(device),
+        ),
+        *float8_checks(settings),
+        # Selective activation checkpointing under compile (torchtitan's default pairing): its speed and memory
+        # against the compile row, its losses against eager; then torchtitan's op-level policy (every other
+        # matmul kept), its default under compile.
+        Check(
+            "bf16 compile selective",
+            1,
+            ["--training.compile=true", "--parallelism.recompute=selective"],
+            "bf16 eager",
+            cost=replace(compile_, step_factor=0.85),
+        ),
+        Check(
+            "bf16 compile selective every_other",
+            1,
+            [
+                "--training.compile=true",
+                "--parallelism.recompute=selective",
+                "--parallelism.selective_matmuls=every_other",
+            ],
+            "bf16 eager",
+            cost=replace(compile_, step_factor=0.8),
+            part=2,
+        ),
+        Check("moe bf16", 1, moe, cost=Cost(step_factor=1.1), part=2),
+        # Muon (AdamW's lr carries over: Moonlight's scaling) must learn too; its step time against bf16 eager's.
+        Check("muon bf16", 1, ["--optimizer.name=muon"], cost=Cost(step_factor=1.15), part=2),
+        # Qwen3's attention (QK-norm, head_dim 128 apart from hidden / heads): finite falling losses on one
+        # device, and sequence-parallel TP held to it on two (the norm's replicated weight, its gradient summed).
+        Check("qwen3 bf16", 1, QWEN3, cost=Cost(step_factor=1.05), part=2),
+        # DeepSeek-V3's multi-head latent attention at the 1B width (32 heads of 64 + 32 for queries/keys and 64
+        # for values from latents of 512 and 256): learns on one device, and sequence-parallel TP held to it on
+        # two (heads split, the latents' down-projections replicated, the shared RoPE key's gradient summed).
+        Check("mla bf16", 1, [*MLA, "--model.num_kv_heads=32"], cost=Cost(step_factor=1.1), part=2),
+        *checkpoint_checks(settings),
+        Check(
+            "doctor",
+            1,
+            [],
+            cost=Cost(False, fixed_sec=cpu(30, 30)),
+            action=lambda: doctor_check(common, n_devices, settings),
+            part=2,
+            watch=True,
+        ),
+        *two_gpu_checks(settings, device, common, moe),
     ]
-    if not settings.quick:
+    cuda_only = {"host syncs", "qwen3 bf16", "mla bf16"} | {c.name for c in rows if c.cost.compile}
+    return [c for c in rows if not (quick and (c.name in cuda_only or c.name.startswith("checkpoint ")))]
+
+
+def two_gpu_checks(settings: argparse.Namespace, device: str, common: list[str], moe: list[str]) -> list[Check]:
+    """Part 3: dp2 (FSDP2 over NCCL, async checkpoints, a resume), cp2, ep2, then (not in --quick) float8's
+    all-gather, async TP and sequence-parallel TP of Qwen3 and MLA; the ep2 overlap layer and the hang watcher."""
+    quick, half = settings.quick, settings.steps // 2
+    pinned = "async" if quick else "async_pinned"  # CPU has no pinned memory (refused there)
+    saving = [f"--checkpoint.interval={half}", f"--checkpoint.async_mode={pinned}", "--checkpoint.keep_last=0"]
+    dp2 = ["--parallelism.dp=2", "--parallelism.zero_stage=3"]
+    two = Cost(step_factor=0.55, fixed_sec=15)  # half the batch per GPU; torchrun's start-up
+    rows = [
+        Check("dp2 fsdp2", 2, [*dp2, *saving], "bf16 eager", cost=replace(two, fixed_sec=35), part=3),
+        Check("dp2 resumed", 2, dp2, resume_of="dp2 fsdp2", cost=replace(two, fixed_sec=30), part=3),
+        Check("cp2 ring", 2, ["--parallelism.cp=2"], "bf16 eager", cost=two, part=3),  # the ring over NCCL p2p
+        Check(
+            "moe ep2", 2, [*moe, "--parallelism.dp=2", "--parallelism.ep=2"], "moe bf16", cost=two, part=3
+        ),  # NCCL all-to-all
+        Check(
+            "moe ep2 overlap",  # one MoE layer, the shared experts under the token all-to-all, on against off
+            2,
+            [],
+            cost=Cost(False, fixed_sec=45 if not quick else 20),
+            action=lambda: overlap_check(device, 2),
+            part=3,
+        ),
+    ]
+    if not quick:
         # FSDP2's float8 all-gather (tensorwise) with its per-step scale precompute, against the 1-device float8 row.
-        float8_dp2 = [
-            "--parallelism.dp=2",
-            "--parallelism.zero_stage=3",
-            *FLOAT8_COMPILE,
-            "--training.float8=tensorwise",
-        ]
-        rows.append(Check("dp2 float8 all-gather", 2, float8_dp2, "float8 tensorwise compile"))
+        float8_dp2 = [*dp2, *FLOAT8_COMPILE, "--training.float8=tensorwise"]
         async_tp = ["--parallelism.tp=2", "--training.compile=true", "--parallelism.tp_linear_async_communication=true"]
-        rows.append(Check("tp2 compile async", 2, async_tp, "bf16 eager", async_tp=True))
-        rows.append(Check("qwen3 tp2 sp", 2, [*qwen3, "--parallelism.tp=2"], "qwen3 bf16"))
-        rows.append(Check("mla tp2 sp", 2, [*mla, "--parallelism.tp=2"], "mla bf16"))
-    return rows
+        compiled = replace(two, compile=True, step_factor=0.45)
+        rows += [
+            Check("dp2 float8 all-gather", 2, float8_dp2, "float8 tensorwise compile", cost=compiled, part=3),
+            Check("tp2 compile async", 2, async_tp, "bf16 eager", async_tp=True, cost=compiled, part=3),
+            Check("qwen3 tp2 sp", 2, [*QWEN3, "--parallelism.tp=2"], "qwen3 bf16", cost=two, part=3),
+            Check("mla tp2 sp", 2, [*MLA, "--parallelism.tp=2"], "mla bf16", cost=two, part=3),
+        ]
+    hang = Check("hang watch", 2, [], cost=Cost(False, fixed_sec=90), part=3, watch=True)
+    hang.action = lambda: hang_check(common, settings)
+    return [*rows, hang]
 
 
 def checkpoint_checks(settings: argparse.Namespace) -> list[Check]:
@@ -166,8 +286,6 @@ def checkpoint_checks(settings: argparse.Namespace) -> list[Check]:
     step after the save against the median step. sync: the whole write; async: the copy to pageable host memory;
     async_pinned: the copy to pinned memory, overlapped. Losses held to bf16 eager (saving changes no math). Not
     in --quick (CPU has no pinned memory; tests/test_checkpoint.py covers the modes there)."""
-    if settings.quick:
-        return []
     half = settings.steps // 2
     return [
         Check(
@@ -176,6 +294,8 @@ def checkpoint_checks(settings: argparse.Namespace) -> list[Check]:
             [f"--checkpoint.interval={half}", f"--checkpoint.async_mode={mode}", "--checkpoint.keep_last=0"],
             "bf16 eager",
             save_step=half,
+            cost=Cost(fixed_sec=30 if mode == "sync" else 25),  # a 1B model's ~13 GB written (or waited for)
+            part=2,
         )
         for mode in ("sync", "async", "async_pinned")
     ]
@@ -191,8 +311,6 @@ def float8_checks(settings: argparse.Namespace) -> list[Check]:
     """Tensorwise and rowwise float8 (torchao) on one device with compile: tokens/s and MFU against `bf16 compile`,
     losses against bf16 eager. Not in --quick: emulation on CPU is eager-only and no faster (the test suite holds
     float8's CPU numerics to one process at every layout instead)."""
-    if settings.quick:
-        return []
     return [
         Check(
             f"float8 {recipe} compile",
@@ -200,12 +318,16 @@ def float8_checks(settings: argparse.Namespace) -> list[Check]:
             [*FLOAT8_COMPILE, f"--training.float8={recipe}"],
             "bf16 eager",
             tolerance=FLOAT8_TOLERANCE,
+            cost=Cost(step_factor=factor, compile=True, fixed_sec=20),  # float8's own compile on top
         )
-        for recipe in ("tensorwise", "rowwise")
+        for recipe, factor in (("tensorwise", 0.6), ("rowwise", 0.65))
     ]
 
 
-def run_check(check: Check, settings: argparse.Namespace, common: list[str], done: dict[str, dict]) -> dict:
+def run_check(
+    check: Check, settings: argparse.Namespace, common: list[str], done: dict[str, dict], timeout: float
+) -> dict:
+    """One training row, stopped after `timeout` seconds (or when this process is told to stop: `Stopped`)."""
     name = "gpu_check-" + check.name.replace(" ", "_")
     args = [*common, *check.overrides]
     if check.resume_of is not None:
@@ -213,9 +335,19 @@ def run_check(check: Check, settings: argparse.Namespace, common: list[str], don
         args.append(f"--checkpoint.resume_from={saved / f'step-{settings.steps // 2}'}")
     start = time.perf_counter()
     proc, run_dir = launch_nanotron(name, args, check.nproc, settings.work_dir)
-    stdout, stderr = proc.communicate(timeout=settings.timeout)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end(proc)
+        stdout, stderr = "", ""
+        check.problems.append(f"stopped after {timeout:.0f}s (its time limit, or the budget's end)")
+    except BaseException:
+        _end(proc)  # Stopped (SIGTERM/SIGINT): no training run outlives the check
+        raise
     records = _records(run_dir)
     row = {"check": check.name, "run": name, "world": check.nproc, "seconds": time.perf_counter() - start}
+    if check.problems:
+        return row | {"losses": {}}
     if proc.returncode != 0 or not records:
         check.problems.append(f"run failed (exit {proc.returncode}): {stderr.strip().splitlines()[-1:]}")
         print(stdout[-3000:], stderr[-5000:], sep="\n", file=sys.stderr)
@@ -266,17 +398,41 @@ def verify(check: Check, row: dict, done: dict[str, dict]) -> None:
             check.problems.append(f"resumed losses {gap:.2e} from the uninterrupted run")
 
 
-def watch_checks(common: list[str], n_devices: int, settings: argparse.Namespace) -> bool:
-    """`nanotron doctor` on the visible devices: a healthy run passes (exit 0, its table printed) and an injected
-    wrong matmul on rank 0 is caught (exit 2: named, but with one node a requeue without it would have no node
-    left, so a person looks): the checksum and fp64-reference checks on the device's own math.
-    With two devices or more, also a hang on NCCL (rank 1 sleeps in data at step 3): the watcher must name it."""
+def _end(proc: subprocess.Popen) -> None:
+    """Stops a training run: SIGTERM (torchrun passes it to its ranks), then SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def _watch_base(common: list[str], n_devices: int, settings: argparse.Namespace) -> list[str]:
     base = ["--nproc_per_node", str(n_devices), "--config", "configs/tiny.toml"]  # after `python -m nanotron CMD`
     base += [arg for arg in common if arg.startswith(("--training.device", "--data."))]
-    base += [f"--job.out_dir={settings.work_dir / 'runs'}", f"--parallelism.dp={n_devices}"]
+    return [*base, f"--job.out_dir={settings.work_dir / 'runs'}", f"--parallelism.dp={n_devices}"]
+
+
+def doctor_check(common: list[str], n_devices: int, settings: argparse.Namespace) -> bool:
+    """`nanotron doctor` on the visible devices: a healthy run passes (exit 0, its table printed) and an injected
+    wrong matmul on rank 0 is caught (exit 2: named, but with one node a requeue without it would have no node
+    left, so a person looks): the checksum and fp64-reference checks on the device's own math."""
     runs = [("doctor", "", 0, "doctor: "), ("doctor", "rank:0,step:0,kind:bad_matmul", 2, "doctor: rank 0 ")]
-    if n_devices > 1:
-        runs.append(("train", "rank:1,step:3,kind:sleep", 75, "hang: rank 1 "))
+    return _watch_runs(_watch_base(common, n_devices, settings), runs, settings)
+
+
+def hang_check(common: list[str], settings: argparse.Namespace) -> bool:
+    """Two devices: a hang on NCCL (rank 1 sleeps in data at step 3) that the watcher must name; on CUDA also
+    NCCL's own dump on timeout with the watcher off."""
+    base = _watch_base(common, 2, settings)
+    ok = _watch_runs(base, [("train", "rank:1,step:3,kind:sleep", 75, "hang: rank 1 ")], settings)
+    if "--training.device=cuda" in common:
+        ok &= nccl_dump_on_timeout(base, settings)
+    return ok
+
+
+def _watch_runs(base: list[str], runs: list[tuple[str, str, int, str]], settings: argparse.Namespace) -> bool:
     ok = True
     for command, fault, expected, line in runs:
         argv = [sys.executable, "-m", "nanotron", command, *base, f"--job.name=watch-{command}"]
@@ -288,8 +444,6 @@ def watch_checks(common: list[str], n_devices: int, settings: argparse.Namespace
         print(f"{command} {fault or 'healthy':32s} {verdict}", flush=True)
         print(f"{proc.stdout.strip()[-3000:]}\n{proc.stderr.strip()[-2000:]}", flush=True)
         ok &= good
-    if n_devices > 1 and "--training.device=cuda" in common:
-        ok &= nccl_dump_on_timeout(base, settings)
     return ok
 
 
@@ -326,6 +480,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as hung")
     parser.add_argument("--quick", action="store_true", help="nano model on CPU: a smoke test of this script")
     parser.add_argument("--only", choices=("rows", "watch"), help="the training rows and kernels, or the watch checks")
+    parser.add_argument(
+        "--budget-minutes",
+        type=float,
+        help="rows whose estimate no longer fits are skipped and named (default 9 on CUDA, none with --quick)",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--part", type=int, choices=(1, 2, 3), help="1, 2: the one-GPU rows' halves; 3: two-GPU")
+    which.add_argument("--only-rows", help="comma-separated row names (their reference rows come with them)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="folder for gpu_check.csv/.md")
     parser.add_argument("--work-dir", type=Path, default=REPO / ".cache" / "gpu_check", help="corpus and run dirs")
     settings = parser.parse_args(argv)
@@ -342,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device, n_devices, name, size = "cuda", torch.cuda.device_count(), torch.cuda.get_device_name(0), "1b"
         peak = gpu_peak_tflops(name, "bf16")
-    print(f"device: {name} x {n_devices}; bf16 dense peak {peak or 'unknown'} TFLOP/s per device", flush=True)
+        settings.budget_minutes = 9.0 if settings.budget_minutes is None else settings.budget_minutes
     common = [
         *ensure_data(settings.work_dir, n_docs=4000 if not settings.quick else 600),
         *model_overrides(size),
@@ -363,52 +525,181 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint.resume_from=none",
         *(["--logging.peak_tflops=1"] if settings.quick else []),
     ]
-    failed = False
-    if settings.only != "watch":
-        failed |= not training_checks(settings, common, device, name, peak, n_devices)
-    if settings.only != "rows":
-        failed |= not watch_checks(common, n_devices, settings)
-    for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
-        shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each
-    return 1 if failed else 0
+    if settings.budget_minutes is not None and not settings.budget_minutes > 0:
+        print(f"gpu_check: --budget-minutes {settings.budget_minutes}: expected minutes > 0 (leave it out: 9 on CUDA)")
+        return 2
+    rows = checks(settings, device, common, n_devices)
+    try:
+        chosen = choose(rows, settings)
+    except ValueError as error:
+        print(f"gpu_check: {error}", file=sys.stderr)
+        return 2
+    print(f"device: {name} x {n_devices}; bf16 dense peak {peak or 'unknown'} TFLOP/s per device", flush=True)
+    try:
+        return run_rows(chosen, settings, common, name, peak, n_devices)
+    finally:
+        for checkpoints in (settings.work_dir / "runs").glob("*/checkpoints"):
+            shutil.rmtree(checkpoints)  # 1B checkpoints with optimizer state: ~13 GB each
 
 
-def training_checks(
-    settings: argparse.Namespace, common: list[str], device: str, name: str, peak: float | None, n_devices: int
-) -> bool:
-    """The training rows (gpu_check.csv/.md), then context parallelism's and the experts' kernels."""
+def choose(rows: list[Check], settings: argparse.Namespace) -> list[Check]:
+    """The rows --only, --part or --only-rows selects, with the rows they are checked against, in priority order."""
+    by_name = {c.name: c for c in rows}
+    if settings.only_rows is not None:
+        names = [n.strip() for n in settings.only_rows.split(",") if n.strip()]
+        unknown = [n for n in names if n not in by_name]
+        if unknown or not names:
+            raise ValueError(
+                f"--only-rows: no row named {unknown or names!r}; expected a comma-separated list of: "
+                f"{', '.join(by_name)}"
+            )
+    else:
+        names = [c.name for c in rows if settings.part in (None, c.part)]
+        names = [n for n in names if settings.only is None or (settings.only == "watch") == by_name[n].watch]
+    needs = {c.name: c.needs for c in rows}
+    return [by_name[n] for n in with_references(names, needs, [c.name for c in rows])]
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: the row in flight ends, the summary is written, the command exits non-zero."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+def run_rows(
+    rows: list[Check], settings: argparse.Namespace, common: list[str], name: str, peak: float | None, n_devices: int
+) -> int:
+    """Each row in turn while its estimate fits the budget left; the summary rewritten after each (gpu_check.csv,
+    .md, .json: a kill at the command's limit keeps the rows that ran). 0 when every row that ran passed."""
+    budget = None if settings.budget_minutes is None else 60 * settings.budget_minutes
+    timing = CPU_NANO if settings.quick else H100_1B
+    timing = replace(
+        timing, step_sec=timing.step_sec * settings.global_batch / (8 if settings.quick else H100_1B_BATCH)
+    )
+    base = "python -m benchmarks.gpu_check --quick" if settings.quick else "bash benchmarks/gpu_check.sh"
+    notes: list[str] = []
+    if n_devices < 2 and any(c.nproc > 1 for c in rows):
+        names = [c.name for c in rows if c.nproc > 1]
+        notes.append(f"two-GPU part: skipped ({n_devices} GPU visible): {', '.join(names)}")
+        print(notes[-1], flush=True)
+        rows = [c for c in rows if c.nproc == 1]
+    planned = plan([(c.name, estimate(c.cost, timing, settings.steps), c.needs) for c in rows], budget)
+    print(
+        f"plan ({'no budget' if budget is None else f'budget {budget:.0f}s'}): "
+        + ", ".join(f"{c.name} ~{estimate(c.cost, timing, settings.steps):.0f}s" for c in rows)
+        + f"; would skip {[n for n, reason in planned if reason] or 'none'}",
+        flush=True,
+    )
     done: dict[str, dict] = {}
-    rows, failed = [], False
-    for check in checks(settings, n_devices):
-        row = run_check(check, settings, common, done)
+    table: list[dict] = []
+    skipped: list[str] = []
+    start = time.monotonic()
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def summary(state: str, rerun_rows: list[str] = skipped) -> None:
+        ran = [r for r in table if r["check"] in done]  # not the skipped rows, nor one a signal stopped
+        failed = sum(r["verdict"] != "ok" for r in ran)
+        header = (
+            f"gpu_check {state}: {len(ran)} of {len(rows)} rows ran ({failed} failed), {len(skipped)} skipped, "
+            f"{len(rows) - len(table)} not reached; {time.monotonic() - start:.0f}s"
+            + ("" if budget is None else f" of a {budget:.0f}s budget")
+        )
+        rerun = f"to run the rest: {rerun_command(rerun_rows, base)}" if rerun_rows else ""
+        extra = {"device": name, "world": n_devices, "budget_sec": budget, "notes": [*notes, rerun]}
+        write_summary(settings.out / "gpu_check", header, table, COLUMNS, extra)
+
+    check = None
+    try:
+        for check in rows:
+            left = None if budget is None else budget - (time.monotonic() - start)
+            cost = estimate(check.cost, timing, settings.steps)
+            reason = skip_reason(cost, left, [n for n in check.needs if n not in done])
+            if reason is not None:
+                skipped.append(check.name)
+                table.append({"check": check.name, "part": check.part, "estimate_sec": round(cost), "verdict": reason})
+                print(f"{check.name:20s} {reason}", flush=True)
+                summary(f"running (after {check.name})")
+                continue
+            row = run_one(check, settings, common, done, None if left is None else left + ROW_GRACE_SEC)
+            row |= {"device": name, "peak_tflops": peak or 0.0, "part": check.part, "estimate_sec": round(cost)}
+            row["verdict"] = "; ".join(check.problems) or "ok"
+            done[check.name] = row
+            table.append(row)
+            if check.name in CALIBRATING and "step_time_sec" in row:
+                timing = refine(timing, check.cost, row["seconds"], row["step_time_sec"], settings.steps)
+            summary(f"running (after {check.name})")
+        summary("complete")
+    except Stopped as stop:
+        if check is not None and check.name not in done and all(r["check"] != check.name for r in table):
+            table.append({"check": check.name, "part": check.part, "verdict": f"stopped by {stop}"})
+        rest = [c.name for c in rows if c.name not in done]  # the stopped row, the skipped ones, those not reached
+        summary(f"stopped by {stop} during {check.name if check else 'start-up'}", rest)
+        print(f"gpu_check: stopped by {stop}; the summary of what ran is in {settings.out}", flush=True)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(markdown_table(table, COLUMNS))
+    print(optimizer_line(done), flush=True)
+    if skipped:
+        print(f"skipped rows, to run next: {rerun_command(skipped, base)}", flush=True)
+    return 1 if any(r["verdict"] != "ok" for r in done.values()) else 0
+
+
+CALIBRATING = ("bf16 eager", "bf16 compile")  # their measurements replace the start-up, step and compile guesses
+ROW_GRACE_SEC = 45.0  # a row started within the budget may overrun it by this much before it is stopped
+
+
+def run_one(check: Check, settings: argparse.Namespace, common: list[str], done: dict, limit: float | None) -> dict:
+    """One row: a training run checked against its reference, or an in-process kernel/doctor check."""
+    timeout = settings.timeout if limit is None else min(settings.timeout, limit)
+    if check.action is None:
+        row = run_check(check, settings, common, done, timeout)
         verify(check, row, done)
-        row |= {"device": name, "peak_tflops": peak or 0.0, "verdict": "; ".join(check.problems) or "ok"}
-        done[check.name] = row
-        rows.append(row)
-        failed |= bool(check.problems)
         print(
             f"{check.name:20s} {row.get('tokens_per_sec', 0):10.0f} tokens/s {row.get('tflops', 0):8.1f} TFLOP/s "
             f"MFU {100 * row.get('mfu', 0):5.1f}%  loss {row.get('first_loss', math.nan):.3f} -> "
             f"{row.get('last_loss', math.nan):.3f}  ({row['seconds']:.0f} s)  "
             + (f"save stall {row['save_stall_sec']:.2f} s  " if "save_stall_sec" in row else "")
-            + row["verdict"],
+            + ("; ".join(check.problems) or "ok"),
             flush=True,
         )
-    print(write_table(rows, COLUMNS, settings.out / "gpu_check"))
-    print(optimizer_line(done), flush=True)
-    from benchmarks.cp_check import check as cp_attention_check
+        return row
+    begin = time.perf_counter()
+    try:
+        passed = check.action()
+    except Exception:  # a crash in one check is that row's failure; the rows after it still run
+        traceback.print_exc()
+        passed = False
+    if not passed:
+        check.problems.append("failed (its lines above say which)")
+    seconds = time.perf_counter() - begin
+    print(f"{check.name:20s} ({seconds:.0f} s)  {'; '.join(check.problems) or 'ok'}", flush=True)
+    return {"check": check.name, "world": check.nproc, "seconds": seconds, "losses": {}}
 
-    cp_seq_lens = (256,) if settings.quick else (8192, 32768, 131072)
-    failed |= not cp_attention_check(device, cp_seq_lens)  # the CUDA block kernels, one device
+
+def cp_attention_check(device: str, seq_lens: tuple[int, ...]) -> bool:
+    from benchmarks.cp_check import check
+
+    return check(device, seq_lens)
+
+
+def moe_kernel_check(device: str) -> bool:
     from benchmarks.moe import kernel_check
 
-    failed |= not kernel_check(device)  # the experts' grouped GEMM against the loop
+    return kernel_check(device)
+
+
+def overlap_check(device: str, n_devices: int) -> bool:
     from benchmarks.moe_overlap import overlap_check
 
-    failed |= not overlap_check(device, n_devices)  # ep2: the shared experts under the token all-to-all
-    if device == "cuda":
-        failed |= not host_sync_check(common, settings)
-    return not failed
+    return overlap_check(device, n_devices)
 
 
 def optimizer_line(done: dict[str, dict]) -> str:
@@ -460,9 +751,12 @@ def host_sync_check(common: list[str], settings: argparse.Namespace) -> bool:
         problem = f"a host sync outside the step agreement: {str(error).splitlines()[0]}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
+        stopped = trainer.stop.requested  # the trainer traps SIGTERM/SIGINT while it lives: pass the stop on
         trainer.close()
         destroy_distributed()
         torch.cuda.empty_cache()
+    if stopped:
+        raise Stopped(signal.SIGTERM)
     print(f"host syncs per step: {'1 (the step agreement)' if problem is None else problem}", flush=True)
     return problem is None
 

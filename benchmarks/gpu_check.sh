@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# The first GPU run's check: numerics (finite, falling losses that agree across compile and layouts) and
-# speed (tokens/s, TFLOP/s and MFU against the detected peak, with the device name) of the ~1.1B model in
-# bf16. One GPU: compile off and on, compile with selective recompute (both policies), and an 8-expert MoE of
-# the same shape (about 5-7 minutes on an H100/H200 before the three checkpoint rows, each a row plus a 1B save:
-# unmeasured, and the 10-minute slot may need --steps 12). Two or more GPUs
-# visible: also dp2 (NCCL, FSDP2) with async checkpoints and a resume, tp2 with compile and async TP, and cp2
-# (ring attention) and a mixture of experts at ep2 (NCCL all-to-all) against its one-GPU run. One GPU also: a
-# mid-run checkpoint in each checkpoint.async_mode (the step's stall); context parallelism's attention (the fused
-# CUDA block kernels against float64 at cp 2/4, then speed and peak memory against SDPA at 8k/32k/128k tokens); the
-# experts' grouped GEMM (padded groups) against the per-expert loop at 8 and 64 experts, then its speed. Then
-# `nanotron doctor` on every visible GPU: healthy, and with an injected wrong matmul that it must name; with two
-# GPUs or more, an injected hang on NCCL that the watcher must name.
+# The first GPU run's check: numerics (finite, falling losses that agree across compile and layouts; the CUDA
+# kernels against float64; one host sync per step) and speed (tokens/s, TFLOP/s and MFU against the detected peak)
+# of the ~1.1B model in bf16. The rows run in priority order (numerics that gate everything, then speed, then the
+# rest: `python -m benchmarks.gpu_check --help` lists them with their estimates) under a 9-minute budget: a row
+# whose estimate no longer fits is skipped and named, and the command prints the one that runs the skipped rows.
+# The summary (runs/gpu_check/gpu_check.{md,csv,json}) is rewritten after every row, so a command stopped at a
+# 10-minute limit keeps what ran; SIGTERM/SIGINT stop the row in flight, write it, and exit non-zero.
+# One GPU: parts 1 and 2 (each estimated under 9 minutes on an H100; unmeasured until the first GPU run); the
+# two-GPU part (dp2, resume, tp2, cp2, ep2, the hang watcher) is skipped in one line. With two GPUs it runs after.
 #
-#   bash benchmarks/gpu_check.sh [--micro-batch 8] [--steps 20] [other benchmarks.gpu_check flags]
-#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_check.sh     # the single-GPU part only
+#   bash benchmarks/gpu_check.sh                       # what fits 9 minutes, then the rerun command for the rest
+#   bash benchmarks/gpu_check.sh --part 2              # the one-GPU rows part 1 leaves (--part 3: two GPUs)
+#   bash benchmarks/gpu_check.sh --only-rows "mla bf16,doctor"   # named rows (their reference rows come along)
+#   bash benchmarks/gpu_check.sh --budget-minutes 25   # a longer slot: every row
+#   bash benchmarks/gpu_check.sh --out DIR             # the summary where the machine's files are collected from
 #
-# Exit code 1 when a check fails (the table says which and why). Tables land in runs/gpu_check/.
+# Exit code 0 when every row that ran passed (skipped rows do not fail it), 1 when a check fails (the table says
+# which and why), 128 + the signal when stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device is visible')"

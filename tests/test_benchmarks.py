@@ -3,12 +3,16 @@ writes its table. Speed is measured in benchmarks/, never asserted here: only th
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,7 +92,8 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     uninterrupted run)."""
     stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=360, extra=("--only", "rows"))
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
-    assert list(rows) == ["bf16 eager", "moe bf16", "muon bf16", "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2"]
+    one = ["bf16 eager", "cp attention", "moe grouped GEMM", "moe bf16", "muon bf16"]
+    assert list(rows) == [*one, "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2", "moe ep2 overlap"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
     assert "device: cpu x 2" in stdout
@@ -102,6 +107,157 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert "FAILED" not in stdout and "doctor" not in stdout
 
 
+def _gpu_rows(quick: bool = False, n_devices: int = 2) -> list:
+    from benchmarks.gpu_check import checks
+
+    return checks(argparse.Namespace(quick=quick, steps=20), "cuda", [], n_devices)
+
+
+def test_gpu_check_rows_run_in_the_priority_order_and_estimates_its_docstring_states():
+    """The docstring's "Priority order" block is the order the rows run in, each with its H100 estimate and part."""
+    from benchmarks import gpu_check
+    from benchmarks.gpu_budget import H100_1B, estimate
+
+    block = gpu_check.__doc__.split("Priority order")[1].split("\nPart 1 is")[0]
+    stated = []
+    for part, text in re.findall(r"part (\d)[^:]*: (.*?)(?=\n  part |\Z)", block, re.S):
+        stated += [(int(part), n, int(sec)) for n, sec in re.findall(r"(\w[\w -]*?) ~(\d+)s", text)]
+    rows = _gpu_rows()
+    assert [(c.part, c.name, round(estimate(c.cost, H100_1B, 20))) for c in rows] == stated
+    names = [c.name for c in rows]  # the numerics that gate the rest first
+    assert names[:5] == ["bf16 eager", "bf16 compile", "host syncs", "cp attention", "moe grouped GEMM"]
+
+
+def test_gpu_check_parts_each_fit_nine_minutes_on_an_h100_as_estimated():
+    from benchmarks.gpu_budget import H100_1B, PART_LIMIT_SEC, estimate, with_references
+
+    rows = _gpu_rows()
+    by_name, order = {c.name: c for c in rows}, [c.name for c in rows]
+    needs = {c.name: c.needs for c in rows}
+    for part in (1, 2):
+        names = with_references([c.name for c in rows if c.part == part], needs, order)
+        assert all(by_name[n].nproc == 1 for n in names)
+        assert sum(estimate(by_name[n].cost, H100_1B, 20) for n in names) <= PART_LIMIT_SEC, part
+    assert {c.part for c in rows if c.nproc > 1} == {3}
+
+
+def test_gpu_budget_plan_starts_what_fits_and_skips_the_rest_and_their_dependents():
+    from benchmarks.gpu_budget import plan, rerun_command
+
+    rows = [("eager", 40.0, ()), ("compile", 90.0, ["eager"]), ("kernels", 20.0, ()), ("moe", 50.0, ["eager"])]
+    assert plan(rows, None) == [(n, None) for n, _, _ in rows]
+    assert plan(rows, 100.0) == [
+        ("eager", None),
+        ("compile", "skipped (budget: needs ~90s, 60s left)"),
+        ("kernels", None),
+        ("moe", "skipped (budget: needs ~50s, 40s left)"),
+    ]
+    assert plan(rows, 30.0)[3] == ("moe", "skipped (needs eager, which did not run)")
+    assert rerun_command(["compile", "moe"]) == 'bash benchmarks/gpu_check.sh --only-rows "compile,moe"'
+
+
+def test_gpu_budget_estimates_are_refined_from_the_rows_measured():
+    from benchmarks.gpu_budget import Cost, Timing, estimate, refine
+
+    timing = Timing(startup_sec=25.0, step_sec=0.75, compile_sec=50.0)
+    compiled, slow, kernel = Cost(step_factor=0.5, compile=True), Cost(step_factor=2.0), Cost(False, fixed_sec=7.0)
+    assert estimate(compiled, timing, 20) == 25 + 50 + 20 * 0.75 * 0.5
+    assert estimate(kernel, timing, 20) == 7.0
+    measured = refine(timing, Cost(), seconds=70.0, step_sec=2.0, steps=20)  # eager: start-up 30 s, 2 s steps
+    assert measured == Timing(startup_sec=30.0, step_sec=2.0, compile_sec=50.0)
+    assert estimate(slow, measured, 20) == 30 + 20 * 4.0
+    compiled_run = refine(measured, compiled, seconds=150.0, step_sec=1.0, steps=20)  # 150 - 30 - 20
+    assert compiled_run == Timing(startup_sec=30.0, step_sec=2.0, compile_sec=100.0)
+
+
+def test_gpu_check_only_rows_brings_references_and_names_an_unknown_row():
+    from benchmarks.gpu_check import choose
+
+    rows = _gpu_rows()
+    pick = argparse.Namespace(only_rows="moe ep2, dp2 resumed", part=None, only=None)
+    assert [c.name for c in choose(rows, pick)] == ["bf16 eager", "moe bf16", "dp2 fsdp2", "dp2 resumed", "moe ep2"]
+    part2 = choose(rows, argparse.Namespace(only_rows=None, part=2, only=None))
+    assert part2[0].name == "bf16 eager" and all(c.part == 2 for c in part2[1:])
+    with pytest.raises(ValueError, match=r"^--only-rows: no row named \['eagre'\]; expected .*bf16 eager"):
+        choose(rows, argparse.Namespace(only_rows="eagre", part=None, only=None))
+
+
+def test_gpu_check_with_one_gpu_skips_the_two_gpu_part_in_one_line(tmp_path, capsys):
+    """Rows that need two GPUs are dropped in one line with one GPU; the rest run and the summary says so."""
+    from benchmarks.gpu_budget import Cost
+    from benchmarks.gpu_check import Check, run_rows
+
+    fixed = Cost(False, fixed_sec=1.0)
+    rows = [Check("kernels", 1, [], cost=fixed, action=lambda: True)]
+    rows += [Check(name, 2, [], cost=fixed, action=lambda: True, part=3) for name in ("ep2 layer", "hang")]
+    settings = argparse.Namespace(budget_minutes=None, quick=True, steps=12, global_batch=8, out=tmp_path, timeout=60)
+    assert run_rows(rows, settings, [], "one test GPU", None, n_devices=1) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "two-GPU" in line] == ["two-GPU part: skipped (1 GPU visible): ep2 layer, hang"]
+    assert [r["check"] for r in read_csv(tmp_path / "gpu_check.csv")] == ["kernels"]
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert markdown.startswith("gpu_check complete: 1 of 1 rows ran (0 failed)") and "two-GPU part: skipped" in markdown
+
+
+@pytest.mark.slow
+def test_gpu_check_quick_budget_runs_what_fits_and_names_the_skipped_rows(tmp_path, work_dir):
+    """A 9 s budget: the eager row (~12 s estimated on CPU) and the cp kernels (~15 s) are skipped, the grouped GEMM
+    (~5 s) runs, and the command exits 0 and prints the command that runs the skipped rows."""
+    extra = ("--only-rows", "bf16 eager,cp attention,moe grouped GEMM", "--budget-minutes", "0.15")
+    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, extra=extra)
+    rows = {r["check"]: r["verdict"] for r in read_csv(tmp_path / "gpu_check.csv")}
+    assert rows == {
+        "bf16 eager": "skipped (budget: needs ~12s, 9s left)",
+        "cp attention": "skipped (budget: needs ~15s, 9s left)",
+        "moe grouped GEMM": "ok",
+    }
+    assert 'python -m benchmarks.gpu_check --quick --only-rows "bf16 eager,cp attention"' in stdout
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["status"].startswith("gpu_check complete: 1 of 3 rows ran (0 failed), 2 skipped")
+
+
+@pytest.mark.slow
+def test_gpu_check_sigterm_mid_run_leaves_the_summary_of_the_rows_that_ran(tmp_path, work_dir):
+    """SIGTERM during the second row: the first row's summary is on disk, the second is marked stopped, the
+    training run it started ends with it, and the command exits 143."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--out", str(tmp_path), "--work-dir", str(work_dir)]
+    cmd += ["--only-rows", "moe grouped GEMM,muon bf16"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    summary, deadline = tmp_path / "gpu_check.json", time.monotonic() + 120
+    while not summary.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # the summary appears when the first row is done, not at the end
+    assert summary.exists() and proc.poll() is None, proc.communicate()[0][-3000:] if proc.poll() is not None else ""
+    assert json.loads(summary.read_text())["status"].startswith("gpu_check running (after moe grouped GEMM)")
+    time.sleep(1.0)  # the muon row's training run is under way
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    status = json.loads(summary.read_text())["status"]
+    assert status.startswith("gpu_check stopped by SIGTERM during muon bf16: 1 of 2 rows ran (0 failed)"), status
+    rows = {r["check"]: r["verdict"] for r in read_csv(tmp_path / "gpu_check.csv")}
+    assert rows == {"moe grouped GEMM": "ok", "muon bf16": "stopped by SIGTERM"}
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert markdown.startswith("gpu_check stopped by SIGTERM")
+    assert 'to run the rest: python -m benchmarks.gpu_check --quick --only-rows "muon bf16"' in markdown
+    run = "--job.name=gpu_check-muon_bf16"
+    left = [c for c in Path("/proc").glob("[0-9]*/cmdline") if _has(c, run) and _has(c, str(work_dir))]
+    assert not left, "the stopped row's training run outlived gpu_check"
+
+
+def _has(cmdline: Path, text: str) -> bool:
+    try:
+        return text in cmdline.read_bytes().decode(errors="replace")
+    except OSError:  # the process ended meanwhile
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.exclusive  # the doctor and the watcher time the ranks
 def test_gpu_check_quick_runs_the_doctor_and_names_a_hang(tmp_path, work_dir):
@@ -111,7 +267,8 @@ def test_gpu_check_quick_runs_the_doctor_and_names_a_hang(tmp_path, work_dir):
     assert "doctor healthy                          ok" in stdout
     assert "doctor rank:0,step:0,kind:bad_matmul    ok" in stdout
     assert "train rank:1,step:3,kind:sleep         ok" in stdout
-    assert not (tmp_path / "gpu_check.csv").exists()
+    rows = {r["check"]: r["verdict"] for r in read_csv(tmp_path / "gpu_check.csv")}
+    assert rows == {"doctor": "ok", "hang watch": "ok"}
 
 
 @pytest.mark.slow
