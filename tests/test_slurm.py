@@ -328,8 +328,7 @@ def test_bad_input_in_a_two_node_job_is_one_error_line_and_exit_code_2(slurm_env
 
 
 @pytest.mark.slow
-@pytest.mark.cluster
-@pytest.mark.exclusive  # the watcher times the ranks
+@pytest.mark.cluster  # beside other tests, as the hang tests of test_watch.py: an 8 s limit against ms phases
 def test_a_hang_on_one_node_requeues_the_job_without_it_and_resumes_to_the_undisturbed_loss(
     slurm_env, tiny_data, tmp_path
 ):
