@@ -2,7 +2,7 @@
 several seeds, compared on the final validation loss.
 
     python -m benchmarks.float8_quality [--size nano] [--steps 100] [--seeds 1 2 3] [--recipes off tensorwise]
-        [--dtype bfloat16]
+        [--dtype bfloat16] [--global_batch_size 16]
 
 Each run is one process of `configs/tiny.toml` at the benchmark model `--size` on the synthetic corpus, bf16
 compute (FSDP mixed precision, fp32 master weights; `--dtype float32` for a CPU whose bf16 matmuls are too slow:
@@ -68,8 +68,8 @@ def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
         f"--training.steps={settings.steps}",
         f"--training.dtype={settings.dtype}",
         f"--training.float8={recipe}",
-        "--training.micro_batch_size=8",
-        "--training.global_batch_size=16",
+        f"--training.micro_batch_size={min(8, settings.global_batch_size)}",
+        f"--training.global_batch_size={settings.global_batch_size}",
         f"--training.eval_interval={settings.steps}",
         "--training.eval_steps=8",
         "--logging.log_interval=1",
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = bench_parser("float8_quality", __doc__)
     parser.add_argument("--size", default="nano", choices=("nano", "tiny", "small"))
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--global_batch_size", type=int, default=16, help="sequences per step (micro batches of 8)")
     parser.add_argument(
         "--dtype",
         default="bfloat16",
