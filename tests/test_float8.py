@@ -170,12 +170,14 @@ def test_the_sequence_parallel_regather_hook_passes_over_a_float8_copy():
     assert _storage(plain) == plain.untyped_storage().data_ptr()
 
 
-def test_under_float8_tp_plans_sequence_parallel_gathers_the_norm_outputs_in_float8(monkeypatch):
+@pytest.mark.parametrize("regather", ["off", "on"])
+def test_under_float8_tp_plans_sequence_parallel_gathers_the_norm_outputs_in_float8(monkeypatch, regather):
     """torchao's float8 TP plans (CUDA: gloo has no float8 collectives) with sequence parallelism: the attention and
-    the MLP receive their input as a float8 tensor made Replicate by the all-gather, i.e. cast once before it (half
-    the bytes, one cast for q/k/v) rather than gathered in the compute dtype and cast by each linear. Rank 0 of tp2
-    on the fake process group (one process; the wiring, not the values: RESULTS states why no CPU test can hold
-    the float8 gather's numbers to one process); forward and backward run through it."""
+        the MLP receive their input as a float8 tensor made Replicate by the all-gather, i.e. cast once before it (half
+        the bytes, one cast for q/k/v) rather than gathered in the compute dtype and cast by each linear. Rank 0 of tp2
+        on the fake process group (one process; the wiring, not the values: RESULTS states why no CPU test can hold
+        the float8 gather's numbers to one process); forward and backward run through it, with the gathered inputs
+    kept gathered or re-gathered in backward (sp_regather: the float8 copy, a wrapper without storage, is kept)."""
     from torch.distributed.tensor import DTensor, Replicate
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
@@ -183,7 +185,9 @@ def test_under_float8_tp_plans_sequence_parallel_gathers_the_norm_outputs_in_flo
     from nanotron.parallel.mesh import ParallelContext, build_mesh
     from nanotron.parallel.torch_private import fake_process_group
 
-    cfg = config(*FLOAT8_MODEL, "--training.float8=tensorwise", "--parallelism.tp=2")
+    cfg = config(
+        *FLOAT8_MODEL, "--training.float8=tensorwise", "--parallelism.tp=2", f"--parallelism.sp_regather={regather}"
+    )
     monkeypatch.setattr(parallelize, "float8_tp_collectives", lambda cfg, device: True)
     fake_process_group(rank=0, world_size=cfg.world_size)
     try:
