@@ -2,21 +2,26 @@
 several seeds, compared on the final validation loss.
 
     python -m benchmarks.float8_quality [--size nano] [--steps 100] [--seeds 1 2 3] [--recipes off tensorwise]
+        [--dtype bfloat16] [--global_batch_size 16]
 
 Each run is one process of `configs/tiny.toml` at the benchmark model `--size` on the synthetic corpus, bf16
-compute (FSDP mixed precision, fp32 master weights), a constant LR after a short warm-up. The seed changes the
+compute (FSDP mixed precision, fp32 master weights; `--dtype float32` for a CPU whose bf16 matmuls are too slow:
+the reference is then fp32 compute, and float8's unconverted parts run in fp32), a constant LR after a short
+warm-up. The seed changes the
 initial weights and the sample order; each seed's float8 runs are compared with its bf16 run (paired), so the
 seed-to-seed spread does not hide the float8 gap. On CPU float8 is emulated (same numerics as a GPU's float8
 matmuls, slower than bf16): the losses are the measurement, not the speed (benchmarks/gpu_check.py times float8).
 Writes float8_quality.csv/.md to --out, with the stability guard's statistics of each run (the largest loss and
-gradient-norm z-scores after its warm-up, against its thresholds 6 and 8, and the steps over any threshold: the
-runs set stability.action=warn, so a spike is counted, not acted on) and float8_quality.png: the
+gradient-norm z-scores after its warm-up, against its thresholds 6 and 8, the steps over any threshold: the
+runs set stability.action=warn, so a spike is counted, not acted on; and its running statistics at the end,
+`guard_at_end`) and float8_quality.png: the
 training loss curves (mean over seeds) and each seed's float8 - bf16 loss gap along the run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from benchmarks.common import (
     write_table,
 )
 from nanotron.config.resilience import StabilityConfig
+from nanotron.stability import SIGNALS, SpikeDetector
 
 RECIPES = ("off", "tensorwise", "rowwise")
 COLUMNS = (
@@ -43,6 +49,10 @@ COLUMNS = (
     "max_grad_norm_z",
     "max_grad_norm",
     "spikes",
+    "guard_loss_mean",
+    "guard_loss_std",
+    "guard_grad_norm_mean",
+    "guard_grad_norm_std",
     "step_time_sec",
 )
 
@@ -56,10 +66,10 @@ def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
         *data,
         f"--job.seed={seed}",
         f"--training.steps={settings.steps}",
-        "--training.dtype=bfloat16",
+        f"--training.dtype={settings.dtype}",
         f"--training.float8={recipe}",
-        "--training.micro_batch_size=8",
-        "--training.global_batch_size=16",
+        f"--training.micro_batch_size={min(8, settings.global_batch_size)}",
+        f"--training.global_batch_size={settings.global_batch_size}",
         f"--training.eval_interval={settings.steps}",
         "--training.eval_steps=8",
         "--logging.log_interval=1",
@@ -91,9 +101,26 @@ def train(recipe: str, seed: int, settings, data: list[str]) -> dict:
         "max_grad_norm_z": round(max(r.get("stability/grad_norm_z", 0.0) for r in judged), 2),
         "max_grad_norm": round(max(r["grad_norm"] for r in steps), 3),
         "spikes": sum(is_spike(r, guard) for r in judged),
+        **guard_at_end(steps, guard),
         "step_time_sec": round(statistics.median(r["step_time_sec"] for r in records[2:]), 3),
         "losses": losses,
     }
+
+
+def guard_at_end(steps: list[dict], guard: StabilityConfig) -> dict:
+    """What the guard's running statistics read after the last step: its exponentially weighted mean of the log loss
+    and log gradient norm (shown as the geometric mean, exp(mean)) and the standard deviation of its one-step
+    forecast errors (sqrt(var), in log space: 0.01 is 1 %). Recomputed from the logged per-step values, which is
+    what the guard saw: in warn mode every step, spikes included, joins its statistics."""
+    detector = SpikeDetector(guard)
+    for r in steps:
+        detector.observe(r["loss"], r["grad_norm"])
+    out = {}
+    for name in SIGNALS:
+        stats = detector.stats[name]
+        out[f"guard_{name}_mean"] = round(math.exp(stats.mean), 4)
+        out[f"guard_{name}_std"] = round(math.sqrt(stats.var), 4)
+    return out
 
 
 def is_spike(record: dict, guard: StabilityConfig) -> bool:
@@ -110,6 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = bench_parser("float8_quality", __doc__)
     parser.add_argument("--size", default="nano", choices=("nano", "tiny", "small"))
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--global_batch_size", type=int, default=16, help="sequences per step (micro batches of 8)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="compute dtype of the reference and of float8's unconverted parts (float32: a CPU without bf16 "
+        "matmuls; the CSV's gap_vs_bf16 is then the gap to fp32)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES, help="'off' (bf16) first")
     parser.add_argument("--work_dir", type=Path, default=DEFAULT_WORK_DIR)
@@ -126,22 +161,34 @@ def main(argv: list[str] | None = None) -> None:
             row["gap_vs_bf16"] = round(row["final_eval_loss"] - bf16, 4)
             rows.append(row)
             print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+            write_runs(rows, settings.out)  # each finished run kept: a sweep cut short still reports its runs
     for recipe in recipes[1:]:
         gaps = [r["gap_vs_bf16"] for r in rows if r["recipe"] == recipe]
         spread = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
         print(
             f"{recipe}: final eval loss - bf16's = {statistics.mean(gaps):+.4f} (std {spread:.4f}, {len(gaps)} seeds)"
         )
-    settings.out.mkdir(parents=True, exist_ok=True)
-    print(write_table(rows, COLUMNS, settings.out / "float8_quality"))
-    plot(rows, settings.out / "float8_quality.png", settings.size)
+    print(write_runs(rows, settings.out))
+    plot(rows, settings.out / "float8_quality.png", settings.size, REFERENCE[settings.dtype])
+
+
+def write_runs(rows: list[dict], out: Path) -> str:
+    """float8_quality.csv/.md, and each run's per-step training losses (float8_quality_losses.json, the plot's data)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "float8_quality_losses.json").write_text(
+        json.dumps([{k: r[k] for k in ("recipe", "seed", "losses")} for r in rows])
+    )
+    return write_table(rows, COLUMNS, out / "float8_quality")
 
 
 def rolling(values: list[float], window: int = 10) -> list[float]:
     return [statistics.mean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
-def plot(rows: list[dict], path: Path, size: str) -> None:
+REFERENCE = {"bfloat16": "bf16", "float32": "fp32"}  # what recipe 'off' is called in the figure
+
+
+def plot(rows: list[dict], path: Path, size: str, reference: str = "bf16") -> None:
     """Left: training loss (10-step rolling mean, averaged over seeds) per recipe; right: each seed's float8 - bf16
     training-loss gap along the run (10-step rolling mean of the per-step difference)."""
     try:
@@ -157,7 +204,7 @@ def plot(rows: list[dict], path: Path, size: str) -> None:
     for recipe in recipes:
         runs = [r["losses"] for r in rows if r["recipe"] == recipe]
         mean = [statistics.mean(step) for step in zip(*runs)]
-        curves.plot(range(1, len(mean) + 1), rolling(mean), label="bf16" if recipe == "off" else recipe)
+        curves.plot(range(1, len(mean) + 1), rolling(mean), label=reference if recipe == "off" else recipe)
     bf16 = {r["seed"]: r["losses"] for r in rows if r["recipe"] == "off"}
     for r in rows:
         if r["recipe"] != "off":
@@ -165,7 +212,7 @@ def plot(rows: list[dict], path: Path, size: str) -> None:
             gaps.plot(range(1, len(diff) + 1), rolling(diff), label=f"{r['recipe']} seed {r['seed']}", linewidth=0.9)
     gaps.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
     curves.set(xlabel="step", ylabel="training loss (10-step mean)", title=f"{size}: mean over seeds")
-    gaps.set(xlabel="step", ylabel="float8 - bf16 training loss", title="paired by seed (10-step mean)")
+    gaps.set(xlabel="step", ylabel=f"float8 - {reference} training loss", title="paired by seed (10-step mean)")
     curves.legend()
     gaps.legend(fontsize=7)
     fig.tight_layout()

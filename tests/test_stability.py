@@ -484,3 +484,20 @@ def test_the_stop_and_skip_step_policies(poisoned, tmp_path, action):
         assert proc.returncode == 0 and len(train_losses(run_dir)) == STEPS
         assert f"step {POISON_STEP} spiked" in proc.stdout and "update skipped" in proc.stdout
         assert not (run_dir / SKIPPED_SAMPLES).exists()
+
+
+@pytest.mark.slow
+def test_a_float8_run_replays_its_spike_reproduced_and_rolls_back_past_it(poisoned, tmp_path):
+    """The guard on a float8 run (emulated, tensorwise): the poisoned step spikes as in the plain run, its replay
+    from the same state and batch reproduces it (float8's dynamic scales are recomputed from the same values: no
+    false transient fault), and the run rolls back to the checkpoint before it, skips the window and finishes.
+    (Past the rollback the run is a resume from that checkpoint, which test_float8 holds to the uninterrupted run.)"""
+    steps = POISON_STEP + 2  # two steps past the spike are enough to see the run go on
+    run_dir, proc = train(poisoned, tmp_path, "run", ["--training.float8=tensorwise", f"--training.steps={steps}"])
+    assert " float8: tensorwise scaling, emulated" in proc.stdout + proc.stderr
+    [event] = events(run_dir)
+    assert event["step"] == POISON_STEP and event["stability/action"] == "rollback"
+    assert event["stability/window"] == POISON_WINDOW and event["stability/rollback_to"] == 24
+    assert "the replay reproduced it" in proc.stdout
+    assert len(train_losses(run_dir)) == steps + POISON_STEP - 1 - 24  # 25..27 twice; the spiking step once, after
+    assert saved_stability(run_dir / "checkpoints" / f"step-{steps}")["skipped_samples"] == [POISON_WINDOW]

@@ -141,10 +141,11 @@ class _Regather:
         if not torch.is_grad_enabled() or self.shard is None or not isinstance(x, DTensor):
             return
         local = local_tensor(x)
-        if not local.is_contiguous() or local.storage_offset() != 0 or x.shape != self.shard.shape:
+        storage = _storage(local)  # None: a float8 copy gathered (torchao's PrepareFloat8ModuleInput), kept as is
+        if storage is None or not local.is_contiguous() or local.storage_offset() != 0 or x.shape != self.shard.shape:
             return  # not a plain gathered copy of the shard: keep what autograd keeps
         self.gathered = _Gathered(self.shard)
-        self.storage = local.untyped_storage().data_ptr()
+        self.storage = storage
         self.context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.context.__enter__()
 
