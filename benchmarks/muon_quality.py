@@ -208,17 +208,42 @@ def step_share(overrides: list[str], optimizer: str, repeats: int, device: str =
 
 
 def small_step(args: argparse.Namespace) -> int:
-    """One micro-batch (forward + backward) and one optimizer step of configs/small.toml, each optimizer, on CPU."""
-    overrides = ["--config", str(REPO / "configs" / "small.toml"), "--training.dtype=float32"]
-    micro = ["--training.global_batch_size=2"]  # one micro-batch of the config's 2 x 2048 tokens per timed step
+    """One micro-batch (forward + backward) of configs/small.toml in fp32 on this CPU, then one optimizer step of
+    each optimizer on its gradients (cold: the first step, allocations included)."""
+    from nanotron.config import load_config, parse_overrides
+    from nanotron.models.llama import LlamaForCausalLM
+    from nanotron.optim import build_optimizer
+    from nanotron.parallel.init import init_weights
+
+    overrides = ["--config", str(REPO / "configs" / "small.toml"), "--training.dtype=float32", "--parallelism.dp=1"]
+    cfg = load_config(*parse_overrides(overrides))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg.model)
+    model = model.to_empty(device="cpu")
+    init_weights(model, cfg.job.seed)
+    micro, seq = cfg.training.micro_batch_size, cfg.training.seq_len
+    batch = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
+    started = time.perf_counter()
+    logits = model(batch[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+    fwd_bwd = time.perf_counter() - started
+    steps = {}
     for optimizer in OPTIMIZERS:
-        row = step_share([*overrides, *micro], optimizer, repeats=1)
-        print(
-            f"configs/small.toml ({optimizer}, fp32, 1 process): one micro-batch of 2 x 2048 tokens forward+backward "
-            f"{row['forward_backward_s']:.1f} s, optimizer step {row['optimizer_step_s']:.2f} s; its global batch "
-            f"(256 sequences = 128 micro-batches) would take ~{128 * row['forward_backward_s'] / 60:.0f} min per step",
-            flush=True,
-        )
+        opt_cfg = load_config(*parse_overrides([*overrides, f"--optimizer.name={optimizer}"])).optimizer
+        opt = build_optimizer(model, opt_cfg, torch.device("cpu"), cfg.model)
+        started = time.perf_counter()
+        opt.step()
+        steps[optimizer] = time.perf_counter() - started
+        del opt
+    params = sum(p.numel() for p in model.parameters())
+    accum = cfg.training.global_batch_size // micro
+    print(
+        f"configs/small.toml ({params / 1e6:.0f}M parameters, fp32, 1 process, 1 thread): one micro-batch of {micro} x "
+        f"{seq} tokens forward + backward {fwd_bwd:.1f} s; optimizer step adamw {steps['adamw']:.2f} s, muon "
+        f"{steps['muon']:.2f} s; its global batch ({cfg.training.global_batch_size} sequences = {accum} micro-batches) "
+        f"would take ~{accum * fwd_bwd / 60:.0f} min per step here",
+        flush=True,
+    )
     return 0
 
 

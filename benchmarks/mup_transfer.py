@@ -3,6 +3,7 @@
     python -m benchmarks.mup_transfer [--widths 32,64,128,256] [--depths 4,16] [--lrs=-11,-3] [--steps 200]
                                       [--wider-steps 600] [--seeds 3] [--lr-seeds 3] [--kv-heads N]
                                       [--device cpu|cuda] [--preset cpu|gpu] [--workers 2] [--quick] [--resume]
+    python -m benchmarks.mup_transfer --sweep-only --optimizer muon --parametrizations mup   # Muon's µP sweep
     python -m benchmarks.mup_transfer --replot [--sweep-only]       # the figures again from the CSV
     python -m benchmarks.mup_transfer --wider-only -6 --wider-steps 1000   # the loss-vs-width stage alone
     python -m benchmarks.mup_transfer --wider-only base --lrs=-9,-5 --wider-steps 1000 --tune-standard
@@ -30,6 +31,8 @@ over --seeds seeds). --wider-only LOG2_LR runs that stage alone at a given LR (-
 LR of the base's --lrs grid run first at --wider-steps, --lr-seeds seeds each); with --tune-standard, standard
 is tuned per width there too, without a sweep: a bracketed LR search from the LR µP gives the width's hidden
 matrices. --preset gpu: widths 128 -> 2048 (16x), heads of 64, 256-token sequences, on CUDA.
+--optimizer muon: Muon for the layer matrices (µP's Muon LR rule, docs/mup.md; AdamW for the rest), the LR sweeps
+only, into mup_transfer_sweep_muon.csv/.md and lr-transfer-sweep-muon.png; --parametrizations mup sweeps µP alone.
 """
 
 from __future__ import annotations
@@ -564,6 +567,19 @@ def wider_only(args, common: list[str], width_depth: int, log2_lr: int | str) ->
     return 0
 
 
+def grid_runs(rows: list[dict]) -> str:
+    """What each size of a sweep ran, from its rows (a sweep merged from several invocations may differ by size):
+    e.g. "width 32 depth 4: 2^-7..2^-4 x 3 seeds"."""
+    sizes: dict[tuple, dict[int, set]] = {}
+    for r in rows:
+        sizes.setdefault((r["width"], r["depth"]), {}).setdefault(r["log2_lr"], set()).add(r["seed"])
+    parts = []
+    for (width, depth), by_lr in sorted(sizes.items()):
+        seeds = sorted({len(v) for v in by_lr.values()})
+        parts.append(f"width {width} depth {depth}: 2^{min(by_lr)}..2^{max(by_lr)} x {'/'.join(map(str, seeds))} seeds")
+    return "; ".join(parts)
+
+
 def write_sweep(rows: list[dict], table: list[dict], lines: list[str], args, width_depth: int, elapsed) -> int:
     """--sweep-only's outputs: every run, the best LR per size with its interval, the LR-transfer figure
     (`elapsed` None: re-analysed from the CSV by --replot)."""
@@ -571,9 +587,8 @@ def write_sweep(rows: list[dict], table: list[dict], lines: list[str], args, wid
     write_csv(rows, args.out / f"mup_transfer_sweep{args.suffix}.csv")
     took = "re-analysed from the CSV (--replot)" if elapsed is None else f"{elapsed / 60:.1f} min"
     (args.out / f"mup_transfer_sweep{args.suffix}.md").write_text(
-        f"{len(rows)} runs of {args.optimizer}: lr grid {args.lrs} at {args.steps} steps, {args.lr_seeds} seeds per "
-        "point, width sweep "
-        f"at depth {width_depth}, depth sweep at width {args.widths[0]}; {took}\n\n"
+        f"{len(rows)} runs of {args.optimizer}: lr grid {args.lrs} at {args.steps} steps ({grid_runs(rows)}), "
+        f"width sweep at depth {width_depth}, depth sweep at width {args.widths[0]}; {took}\n\n"
         + markdown_table(table, list(table[0]))
         + "\n\n"
         + "\n".join(f"- {line}" for line in lines)
