@@ -314,14 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     args.cache = Cache(args)
     started = time.perf_counter()
     rows, sweep, final = [], [], {}
-    for optimizer in OPTIMIZERS:
+    for optimizer in OPTIMIZERS:  # both sweeps first, then the seeds in turns: a run cut short is still fair
         runs = [run(optimizer, lr, 0, args) for lr in lrs[optimizer]]
         best = min(runs, key=lambda r: r["late_loss"])
+        edge = " (grid edge)" if best["log2_lr"] in (min(lrs[optimizer]), max(lrs[optimizer])) else ""
         sweep.append({"optimizer": optimizer, **{f"2^{r['log2_lr']}": r["late_loss"] for r in runs},
-                      "best": f"2^{best['log2_lr']}" + (" (grid edge)" if best["log2_lr"] in (min(lrs[optimizer]),
-                      max(lrs[optimizer])) else "")})  # fmt: skip
-        final[optimizer] = [best] + [run(optimizer, best["log2_lr"], s, args) for s in range(1, args.seeds)]
-        rows += runs + final[optimizer][1:]
+                      "best": f"2^{best['log2_lr']}{edge}"})  # fmt: skip
+        final[optimizer] = [best]
+        rows += runs
+    for seed in range(1, args.seeds):
+        for optimizer in OPTIMIZERS:
+            final[optimizer].append(run(optimizer, final[optimizer][0]["log2_lr"], seed, args))
+            rows.append(final[optimizer][-1])
     table, lines = compare(final, args.steps)
     timing_overrides = ["--config", str(REPO / "configs" / "tiny.toml"), *args.shape, *args.data]
     shares = [step_share(timing_overrides, optimizer, args.timing_steps) for optimizer in OPTIMIZERS]
