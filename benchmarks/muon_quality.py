@@ -159,6 +159,11 @@ def compare(final: dict[str, list[dict]], steps: int) -> tuple[list[dict], list[
             f"{steps} steps (its own final: {adamw[-1]:.4f}): AdamW needs more than {steps} steps for it"
         ),
     ]
+    reach = []
+    for mark in range(max(steps // 10, 1), steps + 1, max(steps // 10, 1)):
+        needed = steps_to_reach(adamw, muon[mark - 1])
+        reach.append(f"{mark}: {needed} ({needed / mark:.2f}x)" if needed else f"{mark}: > {steps}")
+    lines.append("steps AdamW's seed-mean curve needs to reach Muon's loss at Muon's step k: " + ", ".join(reach))
     return table, lines
 
 
