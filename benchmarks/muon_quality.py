@@ -13,13 +13,13 @@ list), the best LR being the lowest mean training loss over the last 20% of the 
 model: less than one pass over the data), then --seeds - 1 more seeds at that LR. Reported, mean and spread over
 the seeds at each optimizer's best LR: the training loss (a 10-step rolling mean) at a quarter, half and all of the
 steps, the validation loss at the end, and the first step at which AdamW's seed-mean curve reaches Muon's final
-loss (Muon's "speed-up" in steps; "not reached" bounds it below).
+loss, and Muon's loss at every tenth of the run (Muon's "speed-up" in steps; "> steps": not reached).
 
 The optimizer's share of a training step is timed separately, in this process on one thread: the same model and
 batch, forward and backward of the config's micro-batches, then `optimizer.step()` alone, medians over
 --timing-steps steps after 2 warm-up steps (not the trainer's loop: no data loading or logging in the timed part).
---small-step times configs/small.toml (162M parameters, seq 2048) the same way for one micro-batch and one
-optimizer step, to state what a step of the config the issue names would cost on this CPU.
+--small-step times configs/small.toml (162M parameters, seq 2048, fp32): one micro-batch's forward and backward,
+then each optimizer's first step on those gradients (once, cold), to state what the issue's config costs on this CPU.
 Writes muon_quality.csv (every run's row), muon_quality.md (the sweep, the comparison, the step-time shares) and
 muon_quality.png (loss vs step, mean ± spread over seeds, both optimizers) to --out.
 """
@@ -226,6 +226,10 @@ def small_step(args: argparse.Namespace) -> int:
         model = LlamaForCausalLM(cfg.model)
     model = model.to_empty(device="cpu")
     init_weights(model, cfg.job.seed)
+    optimizers = {}  # built first: building one creates its state with a throw-away step that clears the grads
+    for optimizer in OPTIMIZERS:
+        opt_cfg = load_config(*parse_overrides([*overrides, f"--optimizer.name={optimizer}"])).optimizer
+        optimizers[optimizer] = build_optimizer(model, opt_cfg, torch.device("cpu"), cfg.model)
     micro, seq = cfg.training.micro_batch_size, cfg.training.seq_len
     batch = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
     started = time.perf_counter()
@@ -233,13 +237,10 @@ def small_step(args: argparse.Namespace) -> int:
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
     fwd_bwd = time.perf_counter() - started
     steps = {}
-    for optimizer in OPTIMIZERS:
-        opt_cfg = load_config(*parse_overrides([*overrides, f"--optimizer.name={optimizer}"])).optimizer
-        opt = build_optimizer(model, opt_cfg, torch.device("cpu"), cfg.model)
+    for optimizer, opt in optimizers.items():  # each on the same gradients
         started = time.perf_counter()
         opt.step()
         steps[optimizer] = time.perf_counter() - started
-        del opt
     params = sum(p.numel() for p in model.parameters())
     accum = cfg.training.global_batch_size // micro
     print(
