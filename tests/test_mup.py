@@ -18,10 +18,10 @@ from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.parametrization import (
+    fan_ratios,
     multipliers,
     param_eps_scale,
     param_init_std,
-    fan_ratios,
     param_lr_scale,
     param_weight_decay_scale,
 )
