@@ -48,7 +48,10 @@ Each row is checked, and the command exits 1 if any check fails:
   eager bf16 row (float8's own error; a first guess to calibrate); dp2 float8 all-gather (FSDP2, ZeRO-3, tensorwise)
   and tp2 sp float8 gather (the norm outputs all-gathered in float8) within the bf16 tolerances of the 1-device
   float8 row;
-- muon (optimizer.name = "muon", AdamW's lr): learns on one device; its step time against bf16 eager's is printed;
+- muon (optimizer.name = "muon", AdamW's lr): learns on one device; its step time against bf16 eager's is printed,
+  then, where the muon row ran (`optimizer_step_line`, in this process, outside the budget's estimates), the
+  optimizer step alone, Muon's (Newton-Schulz in fp32: the code has no bf16 iteration) against AdamW's fused one,
+  each as a share of forward + backward of one micro-batch;
 - qwen3 (QK-norm, head_dim 128): learns on one device; qwen3 tp2 sp within the bf16 tolerances of it;
 - checkpoint sync/async/async_pinned: within the bf16 tolerances of eager (saving changes no math);
 - mla (DeepSeek-V3's multi-head latent attention at the 1B width): learns on one device; mla tp2 sp within the bf16
@@ -654,6 +657,8 @@ def run_rows(
             signal.signal(sig, handler)
     print(markdown_table(table, COLUMNS))
     print(optimizer_line(done), flush=True)
+    if "muon bf16" in done:
+        print(optimizer_step_line(settings, "cpu" if settings.quick else "cuda"), flush=True)
     if skipped:
         print(f"skipped rows, to run next: {rerun_command(skipped, base)}", flush=True)
     return 1 if any(r["verdict"] != "ok" for r in done.values()) else 0
@@ -716,6 +721,32 @@ def optimizer_line(done: dict[str, dict]) -> str:
     if not muon or not adamw:
         return "optimizer: muon or adamw row missing, no step time comparison"
     return f"optimizer: muon step {muon:.3f}s vs adamw {adamw:.3f}s ({muon / adamw:.2f}x) on one device"
+
+
+def optimizer_step_line(settings: argparse.Namespace, device: str) -> str:
+    """Muon's optimizer step alone against AdamW's on one device, the model of the rows (fp32 master weights, bf16
+    autocast on CUDA), medians of 5 steps after 2 (`benchmarks.muon_quality.step_share`): the orthogonalisation's
+    own time, which the whole-step comparison above mixes with forward and backward."""
+    import torch
+
+    from benchmarks.muon_quality import step_share
+
+    micro = settings.micro_batch
+    overrides = [
+        *model_overrides("nano" if settings.quick else "1b"),
+        f"--training.dtype={'bfloat16' if device == 'cuda' else 'float32'}",
+        f"--training.micro_batch_size={micro}",
+        f"--training.global_batch_size={micro}",
+    ]
+    rows = {name: step_share(overrides, name, repeats=5, device=device) for name in ("adamw", "muon")}
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    adamw, muon = rows["adamw"], rows["muon"]
+    return (
+        f"optimizer step alone: muon {muon['optimizer_step_s']:.4f}s vs adamw {adamw['optimizer_step_s']:.4f}s; "
+        f"share of a step of one micro-batch of {micro}: muon {100 * muon['share']:.1f}%, "
+        f"adamw {100 * adamw['share']:.1f}% (forward + backward {muon['forward_backward_s']:.3f}s)"
+    )
 
 
 def host_sync_check(common: list[str], settings: argparse.Namespace) -> bool:

@@ -3,6 +3,7 @@
     python -m benchmarks.mup_transfer [--widths 32,64,128,256] [--depths 4,16] [--lrs=-11,-3] [--steps 200]
                                       [--wider-steps 600] [--seeds 3] [--lr-seeds 3] [--kv-heads N]
                                       [--device cpu|cuda] [--preset cpu|gpu] [--workers 2] [--quick] [--resume]
+    python -m benchmarks.mup_transfer --sweep-only --optimizer muon --parametrizations mup   # Muon's µP sweep
     python -m benchmarks.mup_transfer --replot [--sweep-only]       # the figures again from the CSV
     python -m benchmarks.mup_transfer --wider-only -6 --wider-steps 1000   # the loss-vs-width stage alone
     python -m benchmarks.mup_transfer --wider-only base --lrs=-9,-5 --wider-steps 1000 --tune-standard
@@ -30,6 +31,8 @@ over --seeds seeds). --wider-only LOG2_LR runs that stage alone at a given LR (-
 LR of the base's --lrs grid run first at --wider-steps, --lr-seeds seeds each); with --tune-standard, standard
 is tuned per width there too, without a sweep: a bracketed LR search from the LR µP gives the width's hidden
 matrices. --preset gpu: widths 128 -> 2048 (16x), heads of 64, 256-token sequences, on CUDA.
+--optimizer muon: Muon for the layer matrices (µP's Muon LR rule, docs/mup.md; AdamW for the rest), the LR sweeps
+only, into mup_transfer_sweep_muon.csv/.md and lr-transfer-sweep-muon.png; --parametrizations mup sweeps µP alone.
 """
 
 from __future__ import annotations
@@ -211,10 +214,10 @@ def analyse(rows: list[dict], args, width_depth: int) -> tuple[list[dict], list[
     table, lines = [], []
     sweeps = (("width", [(w, width_depth) for w in args.widths]), ("depth", [(args.widths[0], d) for d in args.depths]))
     for sweep, sizes in sweeps:
-        fitted: dict[str, list[float]] = {p: [] for p in PARAMETRIZATIONS}
+        fitted: dict[str, list[float]] = {p: [] for p in args.parametrizations}
         for width, depth in sizes:
             row = {"sweep": sweep, "size": width if sweep == "width" else depth}
-            for p in PARAMETRIZATIONS:
+            for p in args.parametrizations:
                 points = curve(rows, p, width, depth, args.steps)
                 fit, grid = best_log2_lr(points)
                 fitted[p].append(fit)
@@ -224,7 +227,7 @@ def analyse(rows: list[dict], args, width_depth: int) -> tuple[list[dict], list[
                 row[f"{LABEL[p]} loss"] = min(y for _, y in points)
             table.append(row)
         first, last = sizes[0][0 if sweep == "width" else 1], sizes[-1][0 if sweep == "width" else 1]
-        for p in PARAMETRIZATIONS:
+        for p in args.parametrizations:
             shift = fitted[p][-1] - fitted[p][0]
             verdict = f" (target |shift| <= 1: {'met' if abs(shift) <= 1 else 'MISSED'})" if p == "mup" else ""
             lines.append(
@@ -323,7 +326,7 @@ def tuned_lines(rows: list[dict], args, depth: int, base_lr: int, steps: int) ->
 
 def wider_is_better(rows: list[dict], args, width_depth: int, log2_lr: int, steps: int, target: bool) -> list[str]:
     lines = []
-    for p in ("mup", "standard"):
+    for p in sorted(args.parametrizations):  # µP's line first
         losses = width_losses(rows, args, p, width_depth, log2_lr, steps)
         means = [statistics.fmean(losses[w]) for w in args.widths]
         monotone = all(b < a for a, b in zip(means, means[1:]))
@@ -375,10 +378,13 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int | None, name: st
         return False
     low, high = loss_axis(rows, args.steps)
     sweeps = (("width", [(w, width_depth) for w in args.widths]), ("depth", [(args.widths[0], d) for d in args.depths]))
-    fig, axes = plt.subplots(len(sweeps), 2, figsize=(11, 4.2 * len(sweeps)), sharey=True, squeeze=False)
+    columns = len(args.parametrizations)
+    fig, axes = plt.subplots(
+        len(sweeps), columns, figsize=(5.5 * columns, 4.2 * len(sweeps)), sharey=True, squeeze=False
+    )
     colors = plt.get_cmap("viridis")
     for i, (sweep, sizes) in enumerate(sweeps):
-        for j, p in enumerate(PARAMETRIZATIONS):
+        for j, p in enumerate(args.parametrizations):
             ax = axes[i][j]
             for k, (width, depth) in enumerate(sizes):
                 points = curve(rows, p, width, depth, args.steps)
@@ -399,7 +405,8 @@ def plot(rows: list[dict], args, width_depth: int, log2_lr: int | None, name: st
             ax.set_xlabel("log2 learning rate")
             seeds = max(len(v) for w, d in sizes for v in seed_losses(rows, p, w, d, args.steps).values())
             ax.set_title(
-                f"{LABEL[p]}: loss vs LR across {sweep}, mean ± s.e. of {seeds} seed(s)\n(dotted: fitted best LR; "
+                f"{LABEL[p]}{args.optimizer_label}: loss vs LR across {sweep}, mean ± s.e. of {seeds} seed(s)\n"
+                "(dotted: fitted best LR; "
                 "bands at the foot: its 95% bootstrap interval)",
                 fontsize=9,
             )
@@ -480,7 +487,7 @@ def replot(args, width_depth: int) -> int:
     """The figures again from a finished run's CSV (same analysis, no training); with --sweep-only, the sweep's
     summary and figure from `mup_transfer_sweep.csv` (e.g. after adding a width's runs to it)."""
     if args.sweep_only:
-        rows = read_rows(args.out / "mup_transfer_sweep.csv")
+        rows = read_rows(args.out / f"mup_transfer_sweep{args.suffix}.csv")
         return write_sweep(rows, *sweep_report(rows, args, width_depth), args, width_depth, None)
     rows = read_rows(args.out / "mup_transfer.csv")
     base_lr = round(base_best_log2_lr(rows, args, width_depth, args.wider_steps)[0])
@@ -560,22 +567,35 @@ def wider_only(args, common: list[str], width_depth: int, log2_lr: int | str) ->
     return 0
 
 
+def grid_runs(rows: list[dict]) -> str:
+    """What each size of a sweep ran, from its rows (a sweep merged from several invocations may differ by size):
+    e.g. "width 32 depth 4: 2^-7..2^-4 x 3 seeds"."""
+    sizes: dict[tuple, dict[int, set]] = {}
+    for r in rows:
+        sizes.setdefault((r["width"], r["depth"]), {}).setdefault(r["log2_lr"], set()).add(r["seed"])
+    parts = []
+    for (width, depth), by_lr in sorted(sizes.items()):
+        seeds = sorted({len(v) for v in by_lr.values()})
+        parts.append(f"width {width} depth {depth}: 2^{min(by_lr)}..2^{max(by_lr)} x {'/'.join(map(str, seeds))} seeds")
+    return "; ".join(parts)
+
+
 def write_sweep(rows: list[dict], table: list[dict], lines: list[str], args, width_depth: int, elapsed) -> int:
     """--sweep-only's outputs: every run, the best LR per size with its interval, the LR-transfer figure
     (`elapsed` None: re-analysed from the CSV by --replot)."""
     rows.sort(key=lambda r: (r["seed"], r["depth"], r["width"], r["parametrization"], r["log2_lr"]))
-    write_csv(rows, args.out / "mup_transfer_sweep.csv")
+    write_csv(rows, args.out / f"mup_transfer_sweep{args.suffix}.csv")
     took = "re-analysed from the CSV (--replot)" if elapsed is None else f"{elapsed / 60:.1f} min"
-    (args.out / "mup_transfer_sweep.md").write_text(
-        f"{len(rows)} runs: lr grid {args.lrs} at {args.steps} steps, {args.lr_seeds} seeds per point, width sweep "
-        f"at depth {width_depth}, depth sweep at width {args.widths[0]}; {took}\n\n"
+    (args.out / f"mup_transfer_sweep{args.suffix}.md").write_text(
+        f"{len(rows)} runs of {args.optimizer}: lr grid {args.lrs} at {args.steps} steps ({grid_runs(rows)}), "
+        f"width sweep at depth {width_depth}, depth sweep at width {args.widths[0]}; {took}\n\n"
         + markdown_table(table, list(table[0]))
         + "\n\n"
         + "\n".join(f"- {line}" for line in lines)
         + "\n"
     )
     print("\n".join(lines))
-    if not plot(rows, args, width_depth, None, "lr-transfer-sweep.png"):
+    if not plot(rows, args, width_depth, None, f"lr-transfer-sweep{args.suffix.replace('_', '-')}.png"):
         print("matplotlib missing (pip install -e '.[bench]'): no plot written")
     return 0
 
@@ -593,6 +613,18 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         choices=("cpu", "gpu"),
         help="gpu: widths 128..2048 (16x, base 128), heads of 64, 256-token sequences, --device cuda, one worker",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "muon"),
+        help="muon: Muon for the layer matrices (µP's Muon LR rule, docs/mup.md), with --sweep-only only; its files "
+        "end in _muon / -muon",
+    )
+    parser.add_argument(
+        "--parametrizations",
+        default="standard,mup",
+        help="which to sweep, of standard,mup (e.g. mup alone: half the runs)",
     )
     parser.add_argument("--lrs", default="-11,-3", help="log2 LR grid: first,last (every integer between)")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run of the LR sweeps")
@@ -637,6 +669,13 @@ def main(argv: list[str] | None = None) -> int:
         "same settings and the same code (a long sweep stopped part-way reruns only what is missing)",
     )
     args = parser.parse_args(argv)
+    args.parametrizations = tuple(p for p in PARAMETRIZATIONS if p in args.parametrizations.split(","))
+    if not args.parametrizations:
+        parser.error(f"--parametrizations: expected some of {','.join(PARAMETRIZATIONS)}")
+    if args.optimizer == "muon" and not args.sweep_only:
+        parser.error("--optimizer muon: only with --sweep-only (the loss-vs-width stage is AdamW's)")
+    args.suffix = "" if args.optimizer == "adamw" else f"_{args.optimizer}"
+    args.optimizer_label = "" if args.optimizer == "adamw" else f" ({args.optimizer})"
     if args.tune_standard and args.wider_only is None:
         parser.error("--tune-standard: only with --wider-only (a full run tunes standard from its own sweep)")
     if args.quick:
@@ -667,18 +706,19 @@ def main(argv: list[str] | None = None) -> int:
         "--training.eval_interval=0",
         "--logging.log_interval=1",
         "--optimizer.decay_style=cosine",
+        *(["--optimizer.name=muon"] if args.optimizer == "muon" else []),
     ]
     if args.wider_only is not None:
         return wider_only(args, common, width_depth, args.wider_only)
     sizes = [(w, width_depth) for w in args.widths] + [(args.widths[0], d) for d in args.depths[1:]]
-    points = [(p, w, d, lr, s, args.steps) for s in range(args.lr_seeds) for w, d in sizes for p in PARAMETRIZATIONS
-              for lr in grid]  # fmt: skip
+    points = [(p, w, d, lr, s, args.steps) for s in range(args.lr_seeds) for w, d in sizes
+              for p in args.parametrizations for lr in grid]  # fmt: skip
     started = time.perf_counter()
     # The first run alone, in this process: it tokenizes the corpus into the cache the workers then read.
     rows = run_all(points[:1], common, args, workers=1)
     rows += run_all(points[1:], common, args)
     for w, d in sizes:
-        for p in PARAMETRIZATIONS:
+        for p in args.parametrizations:
             losses = " ".join(f"{y:.3f}" for _, y in curve(rows, p, w, d, args.steps))
             print(f"  {p:8s} width {w:4d} depth {d:2d}: loss by lr 2^{first}..2^{last}: {losses}", flush=True)
     table, lines = sweep_report(rows, args, width_depth)

@@ -104,6 +104,7 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert "moe grouped GEMM (cpu, 64 experts, 512 rows): relative error vs the loop" in stdout  # CUDA: the GPU row
     assert "moe ep2 overlap (cpu): largest difference on vs off" in stdout  # two GPUs: NCCL, the DeepSeek-V3 width
     assert re.search(r"optimizer: muon step [\d.]+s vs adamw [\d.]+s", stdout), stdout[-2000:]
+    assert re.search(r"optimizer step alone: muon [\d.]+s vs adamw [\d.]+s; share .* muon [\d.]+%", stdout)
     assert "FAILED" not in stdout and "doctor" not in stdout
 
 
@@ -322,6 +323,43 @@ def test_mup_transfer_quick_writes_runs_best_lrs_and_figures(tmp_path, work_dir)
     assert "standard tuned per width (4 steps" in summary
     if importlib.util.find_spec("matplotlib"):
         assert all((tmp_path / f).stat().st_size > 0 for f in ("lr-transfer.png", "wider-is-better.png"))
+    else:
+        assert "no plot written" in stdout
+
+
+@pytest.mark.slow
+def test_mup_transfer_quick_sweeps_muon_under_mup_alone(tmp_path, work_dir):
+    """--optimizer muon --parametrizations mup: µP's runs only, with Muon (the trainer's start-up line says so),
+    into the _muon files."""
+    extra = ("--sweep-only", "--optimizer", "muon", "--parametrizations", "mup")
+    stdout = run_benchmark("benchmarks.mup_transfer", tmp_path, work_dir, extra=extra)
+    rows = read_csv(tmp_path / "mup_transfer_sweep_muon.csv")
+    assert len(rows) == 3 * 2 * 2 and {r["parametrization"] for r in rows} == {"mup"}  # (2 widths + 1 depth) x 2 x 2
+    summary = (tmp_path / "mup_transfer_sweep_muon.md").read_text()
+    assert summary.startswith("12 runs of muon:") and "standard" not in summary
+    log = next(work_dir.glob("runs/transfer-mup-w64-d1-*/train.log")).read_text()
+    assert "optimizer: muon on" in log
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "lr-transfer-sweep-muon.png").stat().st_size > 0
+    else:
+        assert "no plot written" in stdout
+
+
+@pytest.mark.slow
+def test_muon_quality_quick_compares_both_optimizers_at_their_best_lr(tmp_path, work_dir):
+    stdout = run_benchmark("benchmarks.muon_quality", tmp_path, work_dir)
+    rows = read_csv(tmp_path / "muon_quality.csv")
+    # 2 LRs each at seed 0, then seed 1 at each optimizer's best.
+    assert sorted((r["optimizer"], r["seed"]) for r in rows) == [("adamw", "0")] * 2 + [("adamw", "1")] + [
+        ("muon", "0")
+    ] * 2 + [("muon", "1")]
+    summary = (tmp_path / "muon_quality.md").read_text()
+    assert "| optimizer | log2 lr | seeds | train loss @ 1 |" in summary
+    assert re.search(r"AdamW's seed-mean curve (reaches|does not reach) Muon's final loss", summary)
+    shares = re.findall(r"\| (adamw|muon) \| \d+ \| [\d.]+ \| [\d.]+ \| (0\.\d+) \|", summary)
+    assert [name for name, _ in shares] == ["adamw", "muon"], summary
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "muon_quality.png").stat().st_size > 0
     else:
         assert "no plot written" in stdout
 

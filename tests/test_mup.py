@@ -18,6 +18,7 @@ from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.parametrization import (
+    fan_ratios,
     multipliers,
     param_eps_scale,
     param_init_std,
@@ -81,6 +82,33 @@ def test_each_matrix_scales_by_its_own_fans():
     fixed_kv = config(*base(hidden=16, heads=2, kv_heads=2, intermediate=32)).model  # K/V width 16 at both
     assert param_init_std(fixed_kv, "model.layers.0.self_attn.v_proj.weight") == pytest.approx(0.02 / 2)
     assert param_lr_scale(fixed_kv, "model.layers.0.self_attn.v_proj.weight") == 0.5
+
+
+def test_muons_first_step_meets_the_spectral_condition_at_2x_width():
+    """Under µP, Muon's update of each layer matrix has the spectral norm its base-width counterpart has (lr x
+    update_rms x sqrt(max(fans at the base))), times sqrt(m_out / m_in): the spectral condition, not Adam's 1/m_in.
+    The cubic iteration run to convergence makes the orthogonal factor's norm exactly 1."""
+    muon = ["--optimizer.name=muon", "--optimizer.muon_coefficients=cubic", "--optimizer.muon_ns_steps=40"]
+    cfg = config(*MUP.flags, *muon, "--optimizer.weight_decay=0")  # m = 2, r = 2 (CompleteP: depth factor 1)
+    model = LlamaForCausalLM(cfg.model)
+    init_weights(model, cfg.job.seed)
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
+    set_lr(optimizer, 1e-2)
+    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+    optimizer.step()
+    checked = 0
+    for name, param in model.named_parameters():
+        if not name.startswith("model.layers.") or param.ndim != 2:
+            continue
+        m_in, m_out = fan_ratios(cfg.model, name)
+        base_out, base_in = param.shape[0] / m_out, param.shape[1] / m_in
+        expected = 1e-2 * 0.2 * max(base_in, base_out) ** 0.5 * (m_out / m_in) ** 0.5
+        moved = torch.linalg.matrix_norm(param.detach() - before[name], ord=2).item()
+        assert moved == pytest.approx(expected, rel=1e-4), name
+        checked += 1
+    assert checked == 7 * cfg.model.num_layers
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.5])

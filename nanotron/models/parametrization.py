@@ -40,6 +40,15 @@ so, following each matrix's µP LR (1/m_in slower decay per step for wider matri
 weight_decay by m_in so lr x weight_decay does not shrink with width, as microsoft/mup's MuAdam (its default,
 decoupled_wd=False) and CompleteP's reference implementation do.
 
+Muon (`optimizer.name = "muon"`, `optim/muon.py`) steps the layer matrices with an orthogonalised update whose
+size it sets itself: every singular value ~ lr x 0.2 sqrt(max(fan_in, fan_out)) (Moonlight's AdamW-matched RMS).
+Adam's 1/m_in LR assumes an update of entries of size ~lr, whose spectral norm grows like the width; Muon's does
+not, so 1/m_in would shrink its updates sqrt(m) too far. Muon's matrices instead get the LR factor that brings
+the update's spectral norm to sqrt(fan_out / fan_in) x its base-model value (the spectral condition for feature
+learning, Yang, Simon & Bernstein 2023, arXiv:2310.17813, which µP's Adam rule also meets): 1/sqrt(m) for a
+matrix whose fans both grow, 1/m when only the fan-in grows; times the same depth factor r^(alpha-1). AdamW's
+parameters keep the table above.
+
 At the base shape (every m_in = m = r = 1) every factor is exactly 1: µP is the standard parametrization
 there, so hyperparameters tuned on the base model are the same in both.
 """
@@ -91,17 +100,10 @@ def _in_layer(name: str) -> bool:
     return name.startswith(("model.layers.", "mtp."))
 
 
-def fan_ratios(cfg: ModelConfig, name: str) -> tuple[float, float] | None:
-    """(m_in, m_out): how many times the fan-in and fan-out of layer matrix `name` exceed the base model's;
-    None for what is not a layer matrix (norms, embedding, head). (1, 1) under standard parametrization."""
-    if not (is_mup(cfg) and _in_layer(name)) or name.endswith("norm.weight"):
-        return None
-    b = cfg.mup_base
-    hidden = cfg.hidden_size / b.hidden
-    kv = cfg.num_kv_heads * cfg.head_dim / (b.kv_heads * b.head_dim)
-    mlp = cfg.intermediate_size / b.intermediate
+def _fans(name: str, hidden: float, kv: float, mlp: float) -> tuple[float, float]:
+    """(fan-in, fan-out) of layer matrix `name` in a model of these widths (hidden = num_heads x head_dim)."""
     for suffix, fans in (
-        (("q_proj.weight", "o_proj.weight"), (hidden, hidden)),  # hidden = num_heads x head_dim at every size
+        (("q_proj.weight", "o_proj.weight"), (hidden, hidden)),
         (("k_proj.weight", "v_proj.weight"), (hidden, kv)),
         (("gate_proj.weight", "up_proj.weight"), (hidden, mlp)),
         (("down_proj.weight",), (mlp, hidden)),
@@ -110,6 +112,26 @@ def fan_ratios(cfg: ModelConfig, name: str) -> tuple[float, float] | None:
         if name.endswith(suffix):
             return fans
     raise ValueError(f"{name}: no µP fan-in/fan-out rule for this parameter")  # a new parameter needs one
+
+
+def _model_and_base_fans(cfg: ModelConfig, name: str) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """(fan-in, fan-out) of layer matrix `name` in this model and in the µP base model; None for what is not a
+    layer matrix (norms, embedding, head) or under standard parametrization."""
+    if not (is_mup(cfg) and _in_layer(name)) or name.endswith("norm.weight"):
+        return None
+    b = cfg.mup_base
+    model = _fans(name, cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size)
+    return model, _fans(name, b.hidden, b.kv_heads * b.head_dim, b.intermediate)
+
+
+def fan_ratios(cfg: ModelConfig, name: str) -> tuple[float, float] | None:
+    """(m_in, m_out): how many times the fan-in and fan-out of layer matrix `name` exceed the base model's;
+    None for what is not a layer matrix (norms, embedding, head). (1, 1) under standard parametrization."""
+    fans = _model_and_base_fans(cfg, name)
+    if fans is None:
+        return None
+    (fan_in, fan_out), (base_in, base_out) = fans
+    return fan_in / base_in, fan_out / base_out
 
 
 def _width_factor(cfg: ModelConfig, name: str) -> tuple[float, float]:
@@ -142,6 +164,34 @@ def param_lr_scale(cfg: ModelConfig, name: str) -> float:
     if not is_mup(cfg) or not _in_layer(name):
         return 1.0
     return depth_ratio(cfg) ** (cfg.mup_depth_exponent - 1.0) / _width_factor(cfg, name)[1]
+
+
+def _muon_width_factor(cfg: ModelConfig, name: str) -> float:
+    """The spectral condition's update norm sqrt(fan_out / fan_in) over Muon's own scale sqrt(max(fan_in,
+    fan_out)), relative to the base model's: 1 at the base width, 1/sqrt(m) when both fans grow m-fold, 1/m when
+    only the fan-in grows (k/v at a fixed K/V width); 1 for what is not a layer matrix or under standard."""
+    fans = _model_and_base_fans(cfg, name)
+    if fans is None:
+        return 1.0
+    (fan_in, fan_out), (base_in, base_out) = fans
+    spectral = (fan_out / fan_in) ** 0.5 / max(fan_in, fan_out) ** 0.5
+    return spectral / ((base_out / base_in) ** 0.5 / max(base_in, base_out) ** 0.5)
+
+
+def param_muon_lr_scale(cfg: ModelConfig, name: str) -> float:
+    """The factor on the scheduled LR for a matrix Muon steps (module docstring, "Muon"): µP's depth factor
+    times the width factor that makes Muon's update meet the spectral condition (not Adam's 1/m_in)."""
+    if not is_mup(cfg) or not _in_layer(name):
+        return 1.0
+    return depth_ratio(cfg) ** (cfg.mup_depth_exponent - 1.0) * _muon_width_factor(cfg, name)
+
+
+def param_muon_weight_decay_scale(cfg: ModelConfig, name: str, mode: str = "coupled") -> float:
+    """Muon's counterpart of `param_weight_decay_scale`: under `independent`, the inverse of its width factor,
+    so lr x weight_decay does not shrink with width; 1 under `coupled` or standard parametrization."""
+    if not is_mup(cfg) or mode == "coupled":
+        return 1.0
+    return 1.0 / _muon_width_factor(cfg, name)
 
 
 def param_eps_scale(cfg: ModelConfig, name: str, mode: str = "scaled") -> float:

@@ -12,7 +12,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nanotron.config import ModelConfig, OptimizerConfig
-from nanotron.models.parametrization import param_eps_scale, param_lr_scale, param_weight_decay_scale
+from nanotron.models.parametrization import (
+    param_eps_scale,
+    param_lr_scale,
+    param_muon_lr_scale,
+    param_muon_weight_decay_scale,
+    param_weight_decay_scale,
+)
 from nanotron.optim.muon import build_muon
 
 
@@ -31,7 +37,7 @@ def build_optimizer(
     Params are also grouped by their DTensor mesh: fused/foreach kernels can't mix plain tensors (e.g.
     replicated norms under plain TP) with DTensors, nor DTensors of different meshes, in one call.
     With optimizer.name = "muon" the hidden matrices leave these groups for Muon's, which exchanges shards over
-    `group` (the pipeline stage's ranks).
+    `group` (the pipeline stage's ranks), with their own µP LR and decay factors (`param_muon_lr_scale`).
     """
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for name, param in module.named_parameters():  # tied weights are yielded once
@@ -50,7 +56,14 @@ def build_optimizer(
         fused = cfg.fused and device.type in ("cuda", "cpu")
         return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
 
-    optimizer = build_muon(module, cfg, groups, adamw, group) if cfg.name == "muon" else adamw(groups.items())
+    def muon_settings(name: str) -> tuple[float, float]:
+        decay = cfg.weight_decay * param_muon_weight_decay_scale(model, name, cfg.weight_decay_mode)
+        return decay, param_muon_lr_scale(model, name)
+
+    if cfg.name == "muon":
+        optimizer = build_muon(module, cfg, groups, adamw, group, muon_settings)
+    else:
+        optimizer = adamw(groups.items())
     init_state(optimizer)
     return optimizer
 

@@ -280,27 +280,31 @@ class Muon(torch.optim.Optimizer):
         return list(out.split(recv_sizes))
 
 
-def build_muon(module: nn.Module, cfg: OptimizerConfig, adamw_groups: dict, make_adamw, group) -> Muon:
+def build_muon(module: nn.Module, cfg: OptimizerConfig, adamw_groups: dict, make_adamw, group, settings) -> Muon:
     """Splits `adamw_groups` ({settings key: params}) into Muon's and AdamW's by the rule; refuses a rule that
-    leaves Muon nothing."""
+    leaves Muon nothing. `settings(name)`: a Muon matrix's (weight decay, lr_scale), µP's rule for Muon."""
     names = {id(p): n for n, p in module.named_parameters()}
-    muon_groups, rest = [], []
-    muon_names: list[str] = []
+    chosen: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    rest = []
     for key, params in adamw_groups.items():
-        chosen, others = [], []
+        others = []
         for p in params:
-            (chosen if is_muon_matrix(names[id(p)], p.ndim, cfg.muon_adamw_names) else others).append(p)
-        if chosen:
-            decay, lr_scale = key[0], key[1]
-            muon_groups.append({"params": chosen, "weight_decay": decay, "lr_scale": lr_scale, "muon": True})
-            muon_names += [names[id(p)] for p in chosen]
+            if is_muon_matrix(names[id(p)], p.ndim, cfg.muon_adamw_names):
+                chosen[(*settings(names[id(p)]), key[-1])].append(p)  # key[-1]: the mesh
+            else:
+                others.append(p)
         if others:
             rest.append((key, others))
-    if not muon_groups:
+    if not chosen:
         raise ConfigError(
             f"optimizer.name=muon: no parameter goes to Muon (optimizer.muon_adamw_names={cfg.muon_adamw_names} "
             "leaves no decoder-layer matrix); name fewer matrices there, or use optimizer.name=adamw"
         )
+    muon_groups = [
+        {"params": params, "weight_decay": decay, "lr_scale": lr_scale, "muon": True}
+        for (decay, lr_scale, _), params in chosen.items()
+    ]
+    muon_names = [names[id(p)] for g in muon_groups for p in g["params"]]
     return Muon(muon_groups, make_adamw(rest), muon_names, cfg, group)
 
 
