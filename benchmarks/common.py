@@ -245,3 +245,25 @@ def markdown_table(rows: list[dict], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+class RunCache:
+    """--resume: finished runs' rows in a JSON-lines file, each under the key a benchmark derives from the run's
+    settings (and, where it says so, its code), so a sweep stopped part-way reruns only what is missing."""
+
+    def __init__(self, path: Path, resume: bool, key: Callable[[tuple], str]):
+        self.path, self.resume, self.key = path, resume, key
+        self.rows: dict[str, dict] = {}
+        if resume and path.exists():
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                self.rows[entry["key"]] = entry["row"]
+
+    def get(self, point: tuple) -> dict | None:
+        return self.rows.get(self.key(point)) if self.resume else None
+
+    def put(self, point: tuple, row: dict) -> None:
+        if self.resume:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"key": self.key(point), "row": row}) + "\n")

@@ -36,7 +36,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_parser, markdown_table, write_csv
+from benchmarks.common import (
+    DEFAULT_WORK_DIR,
+    REPO,
+    RESULTS_DIR,
+    RunCache,
+    bench_parser,
+    markdown_table,
+    write_csv,
+)
 from benchmarks.inprocess import late_train_loss, train_run
 
 OPTIMIZERS = ("adamw", "muon")
@@ -81,29 +89,6 @@ def run(optimizer: str, log2_lr: int, seed: int, args: argparse.Namespace) -> di
     )
     args.cache.put((optimizer, log2_lr, seed), row)
     return row
-
-
-class Cache:
-    """--resume: finished runs' rows in `<work dir>/muon_quality_runs.jsonl`, keyed by the run's overrides."""
-
-    def __init__(self, args: argparse.Namespace):
-        self.path, self.args, self.rows = args.work_dir / "muon_quality_runs.jsonl", args, {}
-        if args.resume and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                entry = json.loads(line)
-                self.rows[entry["key"]] = entry["row"]
-
-    def key(self, point: tuple) -> str:
-        return json.dumps(run_overrides(*point, self.args))
-
-    def get(self, point: tuple) -> dict | None:
-        return self.rows.get(self.key(point)) if self.args.resume else None
-
-    def put(self, point: tuple, row: dict) -> None:
-        if self.args.resume:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"key": self.key(point), "row": row}) + "\n")
 
 
 def rolling(values: list[float], window: int = WINDOW) -> list[float]:
@@ -317,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         args.shape, args.data = model_overrides("nano"), ensure_data(args.work_dir)
     else:
         args.shape, args.data = [], corpus_overrides(args.work_dir, False, vocab_size=8192)
-    args.cache = Cache(args)
+    key = lambda point: json.dumps(run_overrides(*point, args))  # noqa: E731
+    args.cache = RunCache(args.work_dir / "muon_quality_runs.jsonl", args.resume, key)  # --resume: finished runs
     started = time.perf_counter()
     rows, sweep, final = [], [], {}
     for optimizer in OPTIMIZERS:  # both sweeps first, then the seeds in turns: a run cut short is still fair

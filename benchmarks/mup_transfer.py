@@ -53,7 +53,15 @@ from pathlib import Path
 import numpy
 import torch
 
-from benchmarks.common import DEFAULT_WORK_DIR, REPO, RESULTS_DIR, bench_parser, markdown_table, write_csv
+from benchmarks.common import (
+    DEFAULT_WORK_DIR,
+    REPO,
+    RESULTS_DIR,
+    RunCache,
+    bench_parser,
+    markdown_table,
+    write_csv,
+)
 from benchmarks.inprocess import corpus_overrides, family_overrides, late_train_loss, train_run
 
 PARAMETRIZATIONS = ("standard", "mup")
@@ -108,39 +116,22 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-class RunCache:
+def run_cache(common: list[str], args: argparse.Namespace) -> RunCache:
     """--resume: finished runs' rows in `<work dir>/mup_transfer_runs.jsonl`, each under a key of its overrides
     and the code's hash, so a sweep stopped part-way reruns only what is missing — and nothing measured by other
     code or with other settings is reused."""
+    code = source_digest() if args.resume else ""
 
-    def __init__(self, common: list[str], args: argparse.Namespace):
-        self.path, self.common, self.args, self.code = args.work_dir / "mup_transfer_runs.jsonl", common, args, ""
-        self.rows: dict[str, dict] = {}
-        if args.resume:
-            self.code = source_digest()
-            if self.path.exists():
-                for line in self.path.read_text().splitlines():
-                    entry = json.loads(line)
-                    self.rows[entry["key"]] = entry["row"]
+    def key(point: tuple) -> str:
+        return hashlib.sha256(json.dumps([code, point_overrides(point, common, args)]).encode()).hexdigest()
 
-    def key(self, point: tuple) -> str:
-        text = json.dumps([self.code, point_overrides(point, self.common, self.args)])
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def get(self, point: tuple) -> dict | None:
-        return self.rows.get(self.key(point)) if self.args.resume else None
-
-    def put(self, point: tuple, row: dict) -> None:
-        if self.args.resume:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"key": self.key(point), "row": row}) + "\n")
+    return RunCache(args.work_dir / "mup_transfer_runs.jsonl", args.resume, key)
 
 
 def run_all(points: list[tuple], common: list[str], args: argparse.Namespace, workers: int | None = None) -> list[dict]:
     """Every point on `workers` (default --workers) processes, costliest first; with --resume, the points a
     previous invocation finished with the same code and settings are read back instead of run."""
-    cache = RunCache(common, args)
+    cache = run_cache(common, args)
     points = sorted(points, key=lambda p: -(p[1] ** 2) * p[2] * p[5])
     rows = {point: cache.get(point) for point in points}
     todo = [point for point, row in rows.items() if row is None]

@@ -84,20 +84,26 @@ def test_each_matrix_scales_by_its_own_fans():
     assert param_lr_scale(fixed_kv, "model.layers.0.self_attn.v_proj.weight") == 0.5
 
 
+def first_step(cfg, lr: float) -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:
+    """The model after one optimizer step at `lr` on a fixed random batch, and its weights before it."""
+    model = LlamaForCausalLM(cfg.model)
+    init_weights(model, cfg.job.seed)
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
+    set_lr(optimizer, lr)
+    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+    optimizer.step()
+    return model, before
+
+
 def test_muons_first_step_meets_the_spectral_condition_at_2x_width():
     """Under µP, Muon's update of each layer matrix has the spectral norm its base-width counterpart has (lr x
     update_rms x sqrt(max(fans at the base))), times sqrt(m_out / m_in): the spectral condition, not Adam's 1/m_in.
     The cubic iteration run to convergence makes the orthogonal factor's norm exactly 1."""
     muon = ["--optimizer.name=muon", "--optimizer.muon_coefficients=cubic", "--optimizer.muon_ns_steps=40"]
     cfg = config(*MUP.flags, *muon, "--optimizer.weight_decay=0")  # m = 2, r = 2 (CompleteP: depth factor 1)
-    model = LlamaForCausalLM(cfg.model)
-    init_weights(model, cfg.job.seed)
-    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    batch = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
-    set_lr(optimizer, 1e-2)
-    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
-    optimizer.step()
+    model, before = first_step(cfg, lr=1e-2)
     checked = 0
     for name, param in model.named_parameters():
         if not name.startswith("model.layers.") or param.ndim != 2:
@@ -161,14 +167,7 @@ def test_the_first_adam_step_moves_each_weight_by_its_scaled_learning_rate():
     """Adam's first step moves every weight with a gradient by lr x its group's lr_scale (|m/sqrt(v)| = 1):
     the factors reach the update, not only the param groups."""
     cfg = config(*MUP.flags, "--optimizer.weight_decay=0", "--optimizer.eps=1e-30")
-    model = LlamaForCausalLM(cfg.model)
-    init_weights(model, cfg.job.seed)
-    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    batch = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
-    set_lr(optimizer, 1e-2)
-    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
-    optimizer.step()
+    model, before = first_step(cfg, lr=1e-2)
     for name, param in model.named_parameters():
         moved = (param.detach() - before[name]).abs().max().item()
         assert moved == pytest.approx(1e-2 * param_lr_scale(cfg.model, name), rel=1e-3), name
