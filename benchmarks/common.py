@@ -108,10 +108,11 @@ def synthetic_documents(n_docs: int, seed: int = 0) -> list[str]:
 
 
 def synthetic_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> tuple[Path, Path]:
-    """(JSONL corpus, tokenizer dir) of the synthetic text, written once under `work_dir`."""
+    """(JSONL corpus, tokenizer dir) of the synthetic text, written once under `work_dir` per (n_docs, vocab_size):
+    benchmarks sharing a work dir each get the corpus they ask for, whichever ran first."""
     from nanotron.tokenize.bpe import train_tokenizer
 
-    root = work_dir / "data"
+    root = work_dir / "data" / f"synthetic-{n_docs}docs-{vocab_size}vocab"
     corpus, tokenizer = root / "corpus" / "docs.jsonl", root / "tokenizer"
     if not (tokenizer / "tokenizer.json").is_file():
         docs = synthetic_documents(n_docs)
@@ -124,7 +125,7 @@ def synthetic_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -
 def ensure_data(work_dir: Path, n_docs: int = 1200, vocab_size: int = 1024) -> list[str]:
     """The `--data.*` overrides of the synthetic text (`synthetic_data`), tokenized once."""
     corpus, tokenizer = synthetic_data(work_dir, n_docs, vocab_size)
-    return data_overrides(corpus.parent, tokenizer, work_dir / "data" / "tokens")
+    return data_overrides(corpus.parent, tokenizer, tokenizer.parent / "tokens")
 
 
 def data_overrides(corpus: Path, tokenizer: Path, tokens: Path) -> list[str]:

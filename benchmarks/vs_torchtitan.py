@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         if settings.global_batch % (layout.dp * layout.microbatches):
             parser.error(f"--global-batch must divide over {layout.name}'s dp x microbatches")
     corpus, tokenizer = synthetic_data(settings.work_dir)
-    settings.nanotron_data = data_overrides(corpus.parent, tokenizer, settings.work_dir / "data" / "tokens")
+    settings.nanotron_data = data_overrides(corpus.parent, tokenizer, tokenizer.parent / "tokens")
     runs = measure(layouts, settings)
     rows = summarize(runs)
     loads = [r["load"] for r in runs]

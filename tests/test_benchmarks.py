@@ -420,14 +420,14 @@ def test_a_resumed_sweep_reads_back_only_runs_of_the_same_settings_and_code(tmp_
     args = argparse.Namespace(widths=[32, 64], depths=[4, 16], head_dim=16, kv_heads=None, work_dir=tmp_path,
                               resume=True)  # fmt: skip
     point, row = ("mup", 64, 4, -6, 0, 200), {"loss": 4.5}
-    mup_transfer.RunCache(["--a=1"], args).put(point, row)
-    assert mup_transfer.RunCache(["--a=1"], args).get(point) == row
-    assert mup_transfer.RunCache(["--a=1"], args).get(("mup", 64, 4, -6, 1, 200)) is None  # another seed
-    assert mup_transfer.RunCache(["--a=2"], args).get(point) is None  # other settings
-    assert mup_transfer.RunCache(["--a=1"], argparse.Namespace(**vars(args) | {"widths": [16, 64]})).get(point) is None
+    mup_transfer.run_cache(["--a=1"], args).put(point, row)
+    assert mup_transfer.run_cache(["--a=1"], args).get(point) == row
+    assert mup_transfer.run_cache(["--a=1"], args).get(("mup", 64, 4, -6, 1, 200)) is None  # another seed
+    assert mup_transfer.run_cache(["--a=2"], args).get(point) is None  # other settings
+    assert mup_transfer.run_cache(["--a=1"], argparse.Namespace(**vars(args) | {"widths": [16, 64]})).get(point) is None
     monkeypatch.setattr(mup_transfer, "source_digest", lambda: "other code")
-    assert mup_transfer.RunCache(["--a=1"], args).get(point) is None
-    assert mup_transfer.RunCache(["--a=1"], argparse.Namespace(**vars(args) | {"resume": False})).get(point) is None
+    assert mup_transfer.run_cache(["--a=1"], args).get(point) is None
+    assert mup_transfer.run_cache(["--a=1"], argparse.Namespace(**vars(args) | {"resume": False})).get(point) is None
 
 
 def test_standard_tuned_at_the_long_horizon_brackets_its_best_lr(monkeypatch):
@@ -613,3 +613,14 @@ def test_muon_exchange_quick_counts_the_routes_the_plan_charges():
     row = count(QUICK, rank=owned.index(max(owned)))
     assert row["ranks"] == 8 and not row["matrices_owned"].startswith("0 of"), row
     assert row["sent_mb"] == row["received_mb"] == row["plan_sent_mb"] > 0, row
+
+
+def test_the_synthetic_corpus_is_the_one_each_benchmark_asks_for_whichever_ran_first(tmp_path):
+    """The bug: the corpus was written once per work dir with the first caller's size (gpu_check --quick: 600
+    documents), and a benchmark run after it in the same dir (stability: 1200) trained on other data, so its
+    LR spike went undetected in one test order of the suite."""
+    from benchmarks.common import synthetic_data
+
+    small, _ = synthetic_data(tmp_path, n_docs=20, vocab_size=300)
+    large, _ = synthetic_data(tmp_path, n_docs=40, vocab_size=300)
+    assert len(small.read_text().splitlines()) == 20 and len(large.read_text().splitlines()) == 40
