@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,21 +82,58 @@ def _cpu_share(request, tmp_path_factory):
     starved by the other worker's stream of shared ones. A test marked `cluster` (it submits to the local Slurm
     cluster, whose nodes the jobs take whole) first takes the cluster's own lock: one such test at a time,
     beside the other worker's shared tests (taken before the CPU locks, so the two never deadlock)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    root = tmp_path_factory.getbasetemp().parent
-    exclusive = request.node.get_closest_marker("exclusive") is not None
     with contextlib.ExitStack() as held:
-        if request.node.get_closest_marker("cluster") is not None:
-            cluster = held.enter_context(open(root / "cluster.lock", "a"))
-            fcntl.flock(cluster, fcntl.LOCK_EX)
-        turnstile = held.enter_context(open(root / "turnstile.lock", "a"))
-        share = held.enter_context(open(root / "share.lock", "a"))
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(share, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if "PYTEST_XDIST_WORKER" in os.environ:
+            root = tmp_path_factory.getbasetemp().parent
+            exclusive = request.node.get_closest_marker("exclusive") is not None
+            if request.node.get_closest_marker("cluster") is not None:
+                cluster = held.enter_context(open(root / "cluster.lock", "a"))
+                fcntl.flock(cluster, fcntl.LOCK_EX)
+            turnstile = held.enter_context(open(root / "turnstile.lock", "a"))
+            share = held.enter_context(open(root / "share.lock", "a"))
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            fcntl.flock(share, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        with _ends_its_processes(request.node.nodeid):  # before the locks are let go
+            yield
+
+
+def _interpreter_helper(proc: Path) -> bool:
+    """multiprocessing's resource tracker (or fork server): started by a test's first spawn context (the tokenizer's
+    workers), it serves the pytest worker's interpreter for its lifetime, not the test."""
+    return b"from multiprocessing." in (proc / "cmdline").read_bytes()
+
+
+TEST_VARIABLE = "NANOTRON_TEST"  # in the environment of every process a test starts: which test started it
+_tests_run = itertools.count()
+
+
+@contextlib.contextmanager
+def _ends_its_processes(nodeid: str):
+    """A test's processes do not outlive it. One that failed or timed out mid-run (pytest-timeout) would otherwise
+    leave ranks training, or waiting in a collective for distributed.timeout_minutes, beside every test after it:
+    each process it started (the marker in its /proc environ, which forked ranks share with their launcher, and
+    which a rank's own session does not hide) is SIGKILLed when it ends, and named in a warning."""
+    outer, value = os.environ.get(TEST_VARIABLE), f"{os.getpid()}.{next(_tests_run)}"
+    marker = f"{TEST_VARIABLE}={value}".encode()
+    os.environ[TEST_VARIABLE] = value
+    try:
         yield
+    finally:
+        if outer is None:
+            os.environ.pop(TEST_VARIABLE, None)
+        else:
+            os.environ[TEST_VARIABLE] = outer
+        left = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            with contextlib.suppress(OSError):
+                if marker in environ.read_bytes().split(b"\0") and not _interpreter_helper(environ.parent):
+                    left.append(int(environ.parent.name))
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if left:
+            warnings.warn(f"{nodeid} left {len(left)} process(es) running; killed: {left}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")

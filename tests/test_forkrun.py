@@ -1,5 +1,8 @@
 """tests/forkrun.py, the suite's launcher of multi-process runs, ends a failed run as torchrun does."""
 
+import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -18,3 +21,14 @@ def test_a_rank_killed_mid_run_ends_the_launch_with_1_and_no_rank_left(tiny_data
     proc = run_train(args, nproc=2, check=False, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert time.monotonic() - started < 60, proc.stderr[-3000:]
+
+
+def test_a_process_a_test_leaves_running_is_killed_and_named_when_the_test_ends():
+    """tests/conftest.py: a test that fails or times out mid-run leaves no ranks running beside the next tests,
+    including a rank in a session of its own (as forkrun's and torchrun's are)."""
+    from conftest import _ends_its_processes
+
+    with pytest.warns(UserWarning, match=r"the test left 1 process\(es\) running; killed"):
+        with _ends_its_processes("the test"):
+            proc = subprocess.Popen(["sleep", "600"], env=os.environ.copy(), start_new_session=True)  # exec'd
+    assert proc.wait(timeout=10) == -signal.SIGKILL

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, TinyData, read_metrics, run_train, train_env
+from conftest import REPO, TEST_VARIABLE, TINY_MODEL, TinyData, read_metrics, run_train, train_env
 
 # Tests that submit jobs are marked `cluster`: one at a time on the cluster, beside other shared tests.
 
@@ -94,7 +94,9 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     if os.geteuid() != 0:
         unavailable("no Slurm cluster answers `scontrol ping` and starting the local one needs root")
     cluster = tmp_path_factory.mktemp("slurm-cluster")
-    setup = {**os.environ, "SLURM_LOCAL_NODES": "3", "SLURM_LOCAL_FAKE_GPUS": "2"}
+    # the daemons outlive the test that starts them: without its marker, or the test's end would kill them
+    setup = {k: v for k, v in os.environ.items() if k != TEST_VARIABLE}
+    setup |= {"SLURM_LOCAL_NODES": "3", "SLURM_LOCAL_FAKE_GPUS": "2"}
     up_script = ["bash", str(CLUSTER_SCRIPTS / "cluster-up.sh"), str(cluster)]
     down = ["bash", str(CLUSTER_SCRIPTS / "cluster-down.sh"), str(cluster)]
     up = subprocess.run(up_script, env=setup, capture_output=True, text=True, timeout=600)

@@ -19,7 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FORKRUN, REPO, TINY_MODEL, console_messages, read_metrics, train_env, train_losses, watcher_pids
+from conftest import (
+    FORKRUN,
+    REPO,
+    TINY_MODEL,
+    child_pids,
+    console_messages,
+    read_metrics,
+    train_env,
+    train_losses,
+    watcher_pids,
+)
 
 from nanotron.config import WatchConfig
 from nanotron.errors import ConfigError, NodeFaultError
@@ -300,11 +310,21 @@ LAYOUTS = {
 }
 
 
-def forked_rank(launcher: int, rank: int) -> int:
-    """The pid of rank `rank` of tests/forkrun.py's `launcher`: its `rank`-th child (it forks them in rank order;
+def forked_ranks(launcher: int) -> list[int]:
+    """The pids of tests/forkrun.py's `launcher`'s ranks, in rank order: its children (it forks them in rank order;
     their /proc environ is the launcher's, not the RANK each sets after the fork)."""
-    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    return int(children[rank])
+    with contextlib.suppress(OSError):
+        return [int(pid) for pid in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()]
+    return sorted(child_pids(launcher))  # pids grow in fork order
+
+
+def kill_forked_run(launcher: int, ranks: list[int]) -> None:
+    """SIGKILLs a forkrun launcher and its ranks. The ranks run in sessions of their own and answer their
+    launcher's death with a graceful stop (a SIGTERM agreed at the next step): one that cannot take part would
+    keep them waiting in a collective for distributed.timeout_minutes, the test's stdout pipe open."""
+    for pid in [launcher, *ranks]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def duty_cycle(pid: int, done: threading.Event, stopped: float = 0.15, running: float = 0.15) -> None:
@@ -336,26 +356,33 @@ def run_with_a_half_speed_rank(tiny_data, tmp_path: Path, layout: str, slow_rank
     proc = subprocess.Popen(
         command, cwd=REPO, env=train_env(), stdout=pipe, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
-    done, cycler, lines = threading.Event(), None, []
+    done, cycler, lines, ranks = threading.Event(), None, [], []
+    # the console is read to its end: a run that neither names a straggler nor ends is killed at the deadline
+    deadline = threading.Timer(240, lambda: kill_forked_run(proc.pid, ranks or forked_ranks(proc.pid)))
+    deadline.start()
     try:
         for line in proc.stdout:
             lines.append(line)
-            if cycler is None and slow_rank is not None and " step 1/" in line:
-                cycler = threading.Thread(target=duty_cycle, args=(forked_rank(proc.pid, slow_rank), done), daemon=True)
-                cycler.start()
+            if not ranks and " step 1/" in line:
+                ranks[:] = forked_ranks(proc.pid)
+                if slow_rank is not None:
+                    cycler = threading.Thread(target=duty_cycle, args=(ranks[slow_rank], done), daemon=True)
+                    cycler.start()
             if "warning: straggler:" in line:
                 done.set()
-                os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=300)
+                if cycler is not None:
+                    cycler.join()  # the slow rank continued, and left so
+                kill_forked_run(proc.pid, ranks)
+        proc.wait(timeout=60)
     finally:
+        deadline.cancel()
         done.set()
         if cycler is not None:
             cycler.join()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_forked_run(proc.pid, ranks)
     stdout = "".join(lines)
     named = any("warning: straggler:" in line for line in lines)
-    assert named or proc.returncode == 0, stdout[-3000:]
+    assert named or proc.returncode == 0, f"exit {proc.returncode} (-9: killed at the deadline)\n{stdout[-3000:]}"
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.endswith("}")]  # a record cut by the kill is left out
     records = [r for r in records if "straggler/max" in r]
