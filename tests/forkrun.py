@@ -23,7 +23,11 @@ GRACE_SECONDS = 30.0  # torchrun's wait between SIGTERM and SIGKILL of the ranks
 
 
 def main(nproc: int, args: list[str]) -> int:
-    from nanotron.commands.train import main as train  # torch, torch.distributed and dynamo: imported once
+    import torch.distributed.checkpoint  # noqa: F401 - the checkpoint saves' DCP and fsspec
+
+    import nanotron.plan.search  # noqa: F401 - the planner that resolves parallelism.sp_regather = "auto"
+    import nanotron.trainer  # noqa: F401 - dynamo and the rest of the trainer: the command imports them lazily
+    from nanotron.commands.train import main as train
     from nanotron.errors import run_as_main
 
     ports = []
