@@ -9,9 +9,14 @@ import json
 import os
 import random
 import re
+import selectors
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,12 +233,102 @@ def run_train(
     args: list[str], nproc: int = 1, cwd: Path = REPO, timeout: float = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
     """Runs `python -m nanotron.train` in one process, or as `nproc` ranks forked by tests/forkrun.py (torchrun's
-    environment and exit, without each rank's own imports: half the CPU of a 4-rank tiny run)."""
+    environment and exit, without each rank's own imports: half the CPU of a 4-rank tiny run), either forked by
+    this worker's tests/zygote.py (the imports done once per worker, not once per run)."""
     command = train_command(1, args) if nproc == 1 else [sys.executable, str(FORKRUN), str(nproc), *args]
-    proc = subprocess.run(command, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    if os.environ.get("NANOTRON_TEST_ZYGOTE", "1") == "0":  # each run a fresh interpreter, for comparison
+        proc = subprocess.run(command, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = ZYGOTE.run(command, args, nproc, cwd, train_env(), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+class Zygote:
+    """The client of this worker's tests/zygote.py, started on first use and stopped with the session."""
+
+    def __init__(self) -> None:
+        self.server: subprocess.Popen | None = None
+        self.path = ""
+
+    def start(self) -> None:
+        self.path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
+        env = {k: v for k, v in train_env().items() if k != TEST_VARIABLE}  # it outlives the test that starts it
+        command = [sys.executable, str(Path(__file__).with_name("zygote.py")), self.path]
+        self.server = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path):
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tests/zygote.py did not start (exit {self.server.poll()})")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.kill()
+            self.server.wait()
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+            self.server = None
+
+    def run(self, command, args, nproc, cwd, env, timeout) -> subprocess.CompletedProcess:
+        """subprocess.run(command, cwd, env, capture_output=True, text=True, timeout) for a training command."""
+        if self.server is None or self.server.poll() is not None:
+            self.start()
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        pid, code, chunks = None, None, {out_read: [], err_read: []}
+        with open(os.devnull) as stdin, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            try:
+                conn.connect(self.path)
+                request = {"args": list(args), "nproc": nproc, "env": dict(env), "cwd": str(cwd)}
+                socket.send_fds(conn, [json.dumps(request).encode()], [stdin.fileno(), out_write, err_write])
+                os.close(out_write)
+                os.close(err_write)
+                out_write = err_write = -1
+                replies, deadline = b"", time.monotonic() + timeout
+                with selectors.DefaultSelector() as selector:
+                    for fd in (out_read, err_read, conn.fileno()):
+                        selector.register(fd, selectors.EVENT_READ)
+                    streams = selector.get_map()
+                    while code is None or out_read in streams or err_read in streams:  # the rc; both streams' ends
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise subprocess.TimeoutExpired(command, timeout, *(self.text(c) for c in chunks.values()))
+                        for key, _ in selector.select(min(left, 1.0)):
+                            data = os.read(key.fd, 1 << 16)
+                            if not data:
+                                selector.unregister(key.fd)
+                            elif key.fd in chunks:
+                                chunks[key.fd].append(data)
+                            else:
+                                replies += data
+                                for line in replies.decode().splitlines():
+                                    word, _, number = line.partition(" ")
+                                    pid, code = (int(number), code) if word == "pid" else (pid, int(number))
+                        if code is None and conn.fileno() not in selector.get_map():
+                            raise RuntimeError("tests/zygote.py's handler ended without the run's exit code")
+            except BaseException:
+                if pid is not None and code is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)  # as subprocess.run does: its ranks stop with it (forkrun)
+                raise
+            finally:
+                for fd in (out_read, err_read, out_write, err_write):
+                    if fd >= 0:
+                        os.close(fd)
+        return subprocess.CompletedProcess(command, code, self.text(chunks[out_read]), self.text(chunks[err_read]))
+
+    @staticmethod
+    def text(chunks: list[bytes]) -> str:
+        """As subprocess's text mode decodes: universal newlines."""
+        return b"".join(chunks).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+
+
+ZYGOTE = Zygote()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    ZYGOTE.stop()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
