@@ -450,20 +450,26 @@ def test_a_transient_hang_restarts_the_ranks_in_place_and_a_permanent_one_stops_
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", *WATCH, *common]
     command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", "2", *args]
     transient = train_env() | {"NANOTRON_FAULT": "rank:1,step:5,kind:sleep,restart:0"}
-    done = subprocess.run([*command, "--job.name=transient"], cwd=REPO, env=transient, capture_output=True, text=True)
+    done = subprocess.run(
+        [*command, "--job.name=transient"], cwd=REPO, env=transient, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (hang,) = [line for line in done.stderr.splitlines() if line.startswith("hang:")]
     assert hang.startswith(f"hang: rank 1 (node {os.uname().nodename}) stalled in data at step 5; 1 rank waits in ")
     assert "restarting the ranks in place (attempt 1) after: hang: rank 1" in done.stdout
     steps = [r["step"] for r in read_metrics(tmp_path / "transient") if "loss" in r]
     assert steps == [1, 2, 3, 4, *range(5, 9)]  # the second attempt resumed from step 4's checkpoint
-    reference = subprocess.run([*command, "--job.name=reference"], cwd=REPO, env=train_env(), capture_output=True)
+    reference = subprocess.run(
+        [*command, "--job.name=reference"], cwd=REPO, env=train_env(), capture_output=True, timeout=300
+    )
     assert reference.returncode == 0
     final, undisturbed = (train_losses(tmp_path / name)[-1] for name in ("transient", "reference"))
     assert final == pytest.approx(undisturbed, rel=1e-6)
 
     permanent = train_env() | {"NANOTRON_FAULT": "rank:1,step:5,kind:sleep"}
-    stuck = subprocess.run([*command, "--job.name=permanent"], cwd=REPO, env=permanent, capture_output=True, text=True)
+    stuck = subprocess.run(
+        [*command, "--job.name=permanent"], cwd=REPO, env=permanent, capture_output=True, text=True, timeout=300
+    )
     assert stuck.returncode == 2, stuck.stderr[-3000:]
     errors = [line for line in stuck.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "2 node faults in a row without a new checkpoint (latest: step-4" in errors[0]
