@@ -12,7 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import FORKRUN, TINY_MODEL
+from conftest import FORKRUN, TINY_MODEL, ZYGOTE, train_env
 
 from nanotron.commands.coord_check import main
 from nanotron.coord_check import runs
@@ -71,11 +71,16 @@ def test_a_member_of_a_resolved_config_gets_its_own_head_dim():
     assert (wide.hidden_size, wide.num_heads, wide.head_dim) == (256, 4, 64) == (member.width, member.heads, 64)
 
 
-def forked(command: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """The member's `python -m nanotron.train ARGS --nproc_per_node N`, its ranks forked by tests/forkrun.py:
-    the same ranks without each one's imports (10 members x 2 ranks of ~3 s of CPU each)."""
+def forked(command: list[str], stdout, stderr) -> subprocess.CompletedProcess:
+    """The member's `python -m nanotron.train ARGS --nproc_per_node N`, its ranks forked by tests/forkrun.py from
+    the worker's tests/zygote.py: the same ranks without their imports (6 members x 2 ranks of ~4 s of CPU each);
+    its output into the member's log, as the command's."""
     assert command[1:3] == ["-m", "nanotron.train"] and command[-2] == "--nproc_per_node", command
-    return subprocess.run([sys.executable, str(FORKRUN), command[-1], *command[3:-2]], **kwargs)
+    assert stderr == subprocess.STDOUT
+    nproc, args = int(command[-1]), command[3:-2]
+    proc = ZYGOTE.run([sys.executable, str(FORKRUN), *command[-1:], *args], args, nproc, Path.cwd(), train_env(), 300)
+    stdout.write(proc.stdout + proc.stderr)
+    return proc
 
 
 @pytest.mark.slow
