@@ -217,9 +217,12 @@ TINY_MUP = [
 FORKRUN = Path(__file__).with_name("forkrun.py")
 
 
-def train_env() -> dict[str, str]:
+WORKER_ENVIRONMENT = dict(os.environ)  # before any test's monkeypatch.setenv
+
+
+def train_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = {
-        **os.environ,
+        **(os.environ if base is None else base),
         "OMP_NUM_THREADS": "1",
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
@@ -254,7 +257,8 @@ class Zygote:
 
     def start(self) -> None:
         self.path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
-        env = {k: v for k, v in train_env().items() if k != TEST_VARIABLE}  # it outlives the test that starts it
+        # imported with the worker's own environment, not that of the test that happens to start it
+        env = train_env(WORKER_ENVIRONMENT)
         command = [sys.executable, str(Path(__file__).with_name("zygote.py")), self.path]
         self.server = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 120

@@ -6,7 +6,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import TINY_MODEL, run_train
+from conftest import TINY_MODEL, read_metrics, run_train
 
 
 @pytest.mark.slow
@@ -32,3 +32,13 @@ def test_a_process_a_test_leaves_running_is_killed_and_named_when_the_test_ends(
         with _ends_its_processes("the test"):
             proc = subprocess.Popen(["sleep", "600"], env=os.environ.copy(), start_new_session=True)  # exec'd
     assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_a_zygote_run_gets_the_tests_directory_arguments_and_environment(tiny_data, tmp_path, monkeypatch):
+    """tests/zygote.py's runs are what `python -m nanotron.train` started by subprocess would be: relative paths
+    resolve in the test's cwd, and a variable the test sets reaches the trainer (a fault injected at step 2)."""
+    monkeypatch.setenv("NANOTRON_FAULT", "rank:0,step:2,kind:crash")
+    args = [*TINY_MODEL, *tiny_data.overrides(), "--job.out_dir=out", "--job.name=here", "--training.steps=3"]
+    proc = run_train(args, cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0 and [r["step"] for r in read_metrics(tmp_path / "out" / "here")] == [1], proc.stderr
