@@ -239,10 +239,7 @@ def run_train(
     environment and exit, without each rank's own imports: half the CPU of a 4-rank tiny run), either forked by
     this worker's tests/zygote.py (the imports done once per worker, not once per run)."""
     command = train_command(1, args) if nproc == 1 else [sys.executable, str(FORKRUN), str(nproc), *args]
-    if os.environ.get("NANOTRON_TEST_ZYGOTE", "1") == "0":  # each run a fresh interpreter, for comparison
-        proc = subprocess.run(command, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=timeout)
-    else:
-        proc = ZYGOTE.run(command, args, nproc, cwd, train_env(), timeout)
+    proc = ZYGOTE.run(command, args, nproc, cwd, train_env(), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -254,9 +251,25 @@ class Zygote:
     def __init__(self) -> None:
         self.server: subprocess.Popen | None = None
         self.path = ""
+        self.failed = False
+
+    def ready(self) -> bool:
+        """Started (on first use, again if it died); False, with one warning, where it cannot start: the runs are
+        then fresh interpreters, slower but the same."""
+        if self.failed:
+            return False
+        if self.server is None or self.server.poll() is not None:
+            try:
+                self.start()
+            except (OSError, RuntimeError) as error:
+                self.stop()
+                self.failed = True
+                warnings.warn(f"tests/zygote.py unavailable, runs start fresh interpreters: {error}", stacklevel=2)
+                return False
+        return True
 
     def start(self) -> None:
-        self.path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
+        self.path = os.path.join(tempfile.mkdtemp(prefix="zygote-", dir="/tmp"), "socket")  # AF_UNIX: < 108 bytes
         # imported with the worker's own environment, not that of the test that happens to start it
         env = train_env(WORKER_ENVIRONMENT)
         command = [sys.executable, str(Path(__file__).with_name("zygote.py")), self.path]
@@ -275,9 +288,11 @@ class Zygote:
             self.server = None
 
     def run(self, command, args, nproc, cwd, env, timeout) -> subprocess.CompletedProcess:
-        """subprocess.run(command, cwd, env, capture_output=True, text=True, timeout) for a training command."""
-        if self.server is None or self.server.poll() is not None:
-            self.start()
+        """subprocess.run(command, cwd, env, capture_output=True, text=True, timeout) for a training command: forked
+        from the server, or that very call where there is none (NANOTRON_TEST_ZYGOTE=0: fresh interpreters, to
+        compare)."""
+        if os.environ.get("NANOTRON_TEST_ZYGOTE", "1") == "0" or not self.ready():
+            return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
         pid, code, chunks = None, None, {out_read: [], err_read: []}
