@@ -115,10 +115,25 @@ def job_args(data: TinyData, out_dir: Path, name: str, *overrides: str) -> list[
     return ["configs/tiny.toml", *TINY_MODEL, *data.overrides(), *run, *overrides]
 
 
+SUBMITTED: list[tuple[str, dict[str, str]]] = []  # the running test's jobs, with the environment that reaches them
+
+
 def sbatch(args: list[str], env: dict[str, str], cwd: Path = REPO) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
+    job = proc.stdout.strip().split(";")[0]
+    SUBMITTED.append((job, env))
+    return job
+
+
+@pytest.fixture(autouse=True)
+def _cancel_submitted() -> Iterator[None]:
+    """A test's jobs end with it: one that failed mid-job (or timed out) must not leave its job running or requeued,
+    holding the nodes that the next cluster test's jobs wait for. Its own jobs only: the cluster may be shared."""
+    yield
+    while SUBMITTED:
+        job, env = SUBMITTED.pop()
+        subprocess.run(["scancel", job], env=env, capture_output=True, timeout=60)
 
 
 def job_field(job: str, field: str, env: dict[str, str]) -> str:
