@@ -2,7 +2,7 @@
 layouts) and how fast is it (tokens/s, TFLOP/s, MFU against the detected peak)?
 
     bash benchmarks/gpu_check.sh          # refuses to start without a CUDA device; the rows that fit 9 minutes
-    python -m benchmarks.gpu_check [--budget-minutes 9] [--part 1|2|3 | --only-rows "a,b"] [--steps 20] [--out DIR]
+    python -m benchmarks.gpu_check [--budget-minutes 9] [--part 1|2|3|4 | --only-rows "a,b"] [--steps 20] [--out DIR]
 
 A time budget (`--budget-minutes`, default 9 on CUDA, none with --quick unless given): the rows run in the priority
 order below, each with an estimated cost (benchmarks/gpu_budget.py: start-up + compile + steps x step time, the
@@ -22,11 +22,12 @@ Priority order, each row's estimate on one H100 (a guess until the first GPU run
   part 3 (two GPUs; one line "two-GPU part: skipped" with one): dp2 fsdp2 ~68s, dp2 resumed ~63s, cp2 ring ~48s,
     moe ep2 ~48s, moe ep2 overlap ~45s, dp2 float8 all-gather ~97s, tp2 sp float8 gather ~97s,
     tp2 compile async ~97s, qwen3 tp2 sp ~48s, mla tp2 sp ~48s, hang watch ~90s
+  part 4 (one GPU, the rows parts 1 and 2 have no room for): mtp bf16 ~44s
 Part 1 is ~533 s, part 2 ~483 s + the eager row it is checked against (~40 s): each under 9 minutes as estimated.
 Part 3 is ~750 s + its one-GPU references (~270 s): more than one slot; the budget names what is left for a rerun.
-The numerics that gate everything come first (eager, compile, the host syncs, the kernels' numerics), then speed
-rows (float8, selective recompute), then the rest. --quick keeps the order but drops the compile, float8, Qwen3,
-MLA, checkpoint-mode and host-sync rows.
+Part 4 is ~44 s (no reference row). The numerics that gate everything come first (eager, compile, the host syncs,
+the kernels' numerics), then speed rows (float8, selective recompute), then the rest. --quick keeps the order but
+drops the compile, float8, Qwen3, MLA, MTP, checkpoint-mode and host-sync rows.
 
 Every training row is a fresh `python -m nanotron.train` of the ~1.1B model (TinyLlama's shape, seq 2048, bf16) on a
 synthetic corpus, with a warm-up and a sane LR (3e-4, cosine to 3e-5), and the same global batch so that losses
@@ -50,12 +51,15 @@ Each row is checked, and the command exits 1 if any check fails:
   float8 row;
 - muon (optimizer.name = "muon", AdamW's lr): learns on one device; its step time against bf16 eager's is printed,
   then, where the muon row ran (`optimizer_step_line`, in this process, outside the budget's estimates), the
-  optimizer step alone, Muon's (Newton-Schulz in fp32: the code has no bf16 iteration) against AdamW's fused one,
-  each as a share of forward + backward of one micro-batch;
+  optimizer step alone, Muon's with its Newton-Schulz in fp32 and in bf16 (`optimizer.muon_ns_dtype`; the row
+  itself runs bf16, auto's choice on CUDA; --quick times fp32 only) against AdamW's fused one, each as a share of
+  forward + backward of one micro-batch;
 - qwen3 (QK-norm, head_dim 128): learns on one device; qwen3 tp2 sp within the bf16 tolerances of it;
 - checkpoint sync/async/async_pinned: within the bf16 tolerances of eager (saving changes no math);
 - mla (DeepSeek-V3's multi-head latent attention at the 1B width): learns on one device; mla tp2 sp within the bf16
   tolerances of it;
+- mtp (multi-token prediction, `model.mtp_depth=1`, `training.mtp_loss_weight=0.3`, on the MLA row's model with the
+  MoE): learns on one device, and its mtp_loss is logged at every step and finite;
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran;
 - host syncs: one device, in this process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
@@ -144,6 +148,8 @@ MLA = [
     "--model.v_head_dim=64",
 ]
 
+MTP = ["--model.mtp_depth=1", "--training.mtp_loss_weight=0.3"]
+
 
 @dataclass
 class Check:
@@ -157,8 +163,9 @@ class Check:
     # (step-1 loss, mean of the last 5) relative tolerances against `reference`
     tolerance: tuple[float, float] = (1e-3, 2e-2)
     cost: Cost = Cost()
-    part: int = 1  # --part: 1 and 2 the one-GPU rows, 3 the two-GPU ones
+    part: int = 1  # --part: 1, 2 and 4 the one-GPU rows, 3 the two-GPU ones
     action: Callable[[], bool] | None = None  # a kernel or doctor row: runs in this process, True when it passed
+    logged: tuple[str, ...] = ()  # metrics the row must log at every step, finite (beside the loss)
     watch: bool = False  # `--only watch`'s rows
     problems: list[str] = field(default_factory=list)
 
@@ -240,8 +247,19 @@ def checks(
             watch=True,
         ),
         *two_gpu_checks(settings, device, common, moe),
+        # DeepSeek-V3's multi-token prediction (depth 1, lambda 0.3) on the MLA row's model with the MoE (so the MTP
+        # module's block is a MoE layer, as in DeepSeek-V3): learns, its mtp_loss logged every step and finite.
+        # Part 4: parts 1 and 2 are full (each planned to fit 9 minutes).
+        Check(
+            "mtp bf16",
+            1,
+            [*MLA, "--model.num_kv_heads=32", *moe, *MTP],
+            cost=Cost(step_factor=1.25),
+            part=4,
+            logged=("mtp_loss",),
+        ),
     ]
-    cuda_only = {"host syncs", "qwen3 bf16", "mla bf16"} | {c.name for c in rows if c.cost.compile}
+    cuda_only = {"host syncs", "qwen3 bf16", "mla bf16", "mtp bf16"} | {c.name for c in rows if c.cost.compile}
     return [c for c in rows if not (quick and (c.name in cuda_only or c.name.startswith("checkpoint ")))]
 
 
@@ -363,6 +381,7 @@ def run_check(
         print(stdout[-3000:], stderr[-5000:], sep="\n", file=sys.stderr)
         return row | {"losses": {}}
     losses = {r["step"]: r["loss"] for r in records}
+    row["logged"] = {key: {r["step"]: r.get(key) for r in records} for key in check.logged}
     steady = records[settings.warmup :] or records
     for key in ("tokens_per_sec", "tokens_per_sec_per_device", "tflops", "mfu"):
         row[key] = statistics.median(r[key] for r in steady)
@@ -389,6 +408,13 @@ def verify(check: Check, row: dict, done: dict[str, dict]) -> None:
         check.problems.append("non-finite loss")
     if check.resume_of is None and not row["last_loss"] < row["first_loss"] - 1.0:
         check.problems.append(f"loss did not fall ({row['first_loss']:.3f} -> {row['last_loss']:.3f})")
+    for key in check.logged:
+        values = row.get("logged", {}).get(key, {})
+        missing = [step for step in losses if values.get(step) is None]
+        if missing:
+            check.problems.append(f"{key} not logged at steps {missing}")
+        elif not all(math.isfinite(values[step]) for step in losses):
+            check.problems.append(f"non-finite {key}")
     if check.reference is not None:
         ref = done[check.reference]["losses"]
         if not ref:
@@ -496,7 +522,12 @@ def main(argv: list[str] | None = None) -> int:
         help="rows whose estimate no longer fits are skipped and named (default 9 on CUDA, none with --quick)",
     )
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--part", type=int, choices=(1, 2, 3), help="1, 2: the one-GPU rows' halves; 3: two-GPU")
+    which.add_argument(
+        "--part",
+        type=int,
+        choices=(1, 2, 3, 4),
+        help="1, 2, 4: the one-GPU rows (4: what 1 and 2 had no room for); 3: two-GPU",
+    )
     which.add_argument("--only-rows", help="comma-separated row names (their reference rows come with them)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="folder for gpu_check.csv/.md")
     parser.add_argument("--work-dir", type=Path, default=REPO / ".cache" / "gpu_check", help="corpus and run dirs")
@@ -724,9 +755,10 @@ def optimizer_line(done: dict[str, dict]) -> str:
 
 
 def optimizer_step_line(settings: argparse.Namespace, device: str) -> str:
-    """Muon's optimizer step alone against AdamW's on one device, the model of the rows (fp32 master weights, bf16
-    autocast on CUDA), medians of 5 steps after 2 (`benchmarks.muon_quality.step_share`): the orthogonalisation's
-    own time, which the whole-step comparison above mixes with forward and backward."""
+    """Muon's optimizer step alone, its Newton-Schulz in fp32 and in bf16 (`optimizer.muon_ns_dtype`), against
+    AdamW's on one device, the model of the rows (fp32 master weights, bf16 autocast on CUDA), medians of 5 steps
+    after 2 (`benchmarks.muon_quality.step_share`): the orthogonalisation's own time, which the whole-step
+    comparison above mixes with forward and backward. On CPU (--quick) fp32 only: bf16 matmuls are slow there."""
     import torch
 
     from benchmarks.muon_quality import step_share
@@ -738,14 +770,21 @@ def optimizer_step_line(settings: argparse.Namespace, device: str) -> str:
         f"--training.micro_batch_size={micro}",
         f"--training.global_batch_size={micro}",
     ]
-    rows = {name: step_share(overrides, name, repeats=5, device=device) for name in ("adamw", "muon")}
+    runs = {"adamw": ("adamw", []), "muon fp32": ("muon", ["--optimizer.muon_ns_dtype=float32"])}
+    if device == "cuda":
+        runs["muon bf16"] = ("muon", ["--optimizer.muon_ns_dtype=bfloat16"])
+    rows = {
+        label: step_share([*overrides, *extra], name, repeats=5, device=device) for label, (name, extra) in runs.items()
+    }
     if device == "cuda":
         torch.cuda.empty_cache()
-    adamw, muon = rows["adamw"], rows["muon"]
+    muons, adamw = [label for label in rows if label != "adamw"], rows["adamw"]
+    times = ", ".join(f"{label} {rows[label]['optimizer_step_s']:.4f}s" for label in muons)
+    shares = ", ".join(f"{label} {100 * rows[label]['share']:.1f}%" for label in [*muons, "adamw"])
     return (
-        f"optimizer step alone: muon {muon['optimizer_step_s']:.4f}s vs adamw {adamw['optimizer_step_s']:.4f}s; "
-        f"share of a step of one micro-batch of {micro}: muon {100 * muon['share']:.1f}%, "
-        f"adamw {100 * adamw['share']:.1f}% (forward + backward {muon['forward_backward_s']:.3f}s)"
+        f"optimizer step alone: {times} vs adamw {adamw['optimizer_step_s']:.4f}s; share of a step of one "
+        f"micro-batch of {micro}: {shares} (forward + backward {adamw['forward_backward_s']:.3f}s)"
+        + ("" if device == "cuda" else "; Newton-Schulz in fp32 only on CPU (its bf16 matmuls are slow)")
     )
 
 

@@ -6,11 +6,12 @@
 # whose estimate no longer fits is skipped and named, and the command prints the one that runs the skipped rows.
 # The summary (runs/gpu_check/gpu_check.{md,csv,json}) is rewritten after every row, so a command stopped at a
 # 10-minute limit keeps what ran; SIGTERM/SIGINT stop the row in flight, write it, and exit non-zero.
-# One GPU: parts 1 and 2 (each estimated under 9 minutes on an H100; unmeasured until the first GPU run); the
-# two-GPU part (dp2, resume, tp2, cp2, ep2, the hang watcher) is skipped in one line. With two GPUs it runs after.
+# One GPU: parts 1 and 2 (each estimated under 9 minutes on an H100; unmeasured until the first GPU run) and 4 (the
+# one-GPU rows they have no room for: multi-token prediction); the two-GPU part 3 (dp2, resume, tp2, cp2, ep2, the
+# hang watcher) is skipped in one line. With two GPUs it runs after parts 1 and 2.
 #
 #   bash benchmarks/gpu_check.sh                       # what fits 9 minutes, then the rerun command for the rest
-#   bash benchmarks/gpu_check.sh --part 2              # the one-GPU rows part 1 leaves (--part 3: two GPUs)
+#   bash benchmarks/gpu_check.sh --part 2              # the one-GPU rows part 1 leaves (--part 3: two GPUs; 4: mtp)
 #   bash benchmarks/gpu_check.sh --only-rows "mla bf16,doctor"   # named rows (their reference rows come along)
 #   bash benchmarks/gpu_check.sh --budget-minutes 25   # a longer slot: every row
 #   bash benchmarks/gpu_check.sh --out DIR             # the summary where the machine's files are collected from

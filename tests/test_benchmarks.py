@@ -104,7 +104,10 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert "moe grouped GEMM (cpu, 64 experts, 512 rows): relative error vs the loop" in stdout  # CUDA: the GPU row
     assert "moe ep2 overlap (cpu): largest difference on vs off" in stdout  # two GPUs: NCCL, the DeepSeek-V3 width
     assert re.search(r"optimizer: muon step [\d.]+s vs adamw [\d.]+s", stdout), stdout[-2000:]
-    assert re.search(r"optimizer step alone: muon [\d.]+s vs adamw [\d.]+s; share .* muon [\d.]+%", stdout)
+    assert re.search(
+        r"optimizer step alone: muon fp32 [\d.]+s vs adamw [\d.]+s; share .* muon fp32 [\d.]+%.*fp32 only on CPU",
+        stdout,
+    )
     assert "FAILED" not in stdout and "doctor" not in stdout
 
 
@@ -135,7 +138,7 @@ def test_gpu_check_parts_each_fit_nine_minutes_on_an_h100_as_estimated():
     rows = _gpu_rows()
     by_name, order = {c.name: c for c in rows}, [c.name for c in rows]
     needs = {c.name: c.needs for c in rows}
-    for part in (1, 2):
+    for part in (1, 2, 4):  # the one-GPU parts
         names = with_references([c.name for c in rows if c.part == part], needs, order)
         assert all(by_name[n].nproc == 1 for n in names)
         assert sum(estimate(by_name[n].cost, H100_1B, 20) for n in names) <= PART_LIMIT_SEC, part
@@ -181,6 +184,29 @@ def test_gpu_check_only_rows_brings_references_and_names_an_unknown_row():
     assert part2[0].name == "bf16 eager" and all(c.part == 2 for c in part2[1:])
     with pytest.raises(ValueError, match=r"^--only-rows: no row named \['eagre'\]; expected .*bf16 eager"):
         choose(rows, argparse.Namespace(only_rows="eagre", part=None, only=None))
+
+
+def test_gpu_check_mtp_row_learns_with_its_mtp_loss_logged_finite_at_every_step():
+    """The mtp bf16 row (CUDA only: the MLA row's 1B shape): a valid config of the 1B model with MLA, the MoE and
+    MTP depth 1, and its verdict fails a run whose mtp_loss is missing at a step or not finite."""
+    from benchmarks.common import model_overrides
+    from benchmarks.gpu_check import Check, verify
+    from nanotron.config import load_config, parse_overrides
+
+    (row,) = [c for c in _gpu_rows() if c.name == "mtp bf16"]
+    assert row.logged == ("mtp_loss",) and row.nproc == 1 and row.part == 4
+    cfg = load_config(*parse_overrides([*model_overrides("1b"), "--training.dtype=bfloat16", *row.overrides]))
+    assert cfg.model.mtp_depth == 1 and cfg.model.kv_lora_rank > 0 and cfg.model.moe.num_experts > 1
+    assert "mtp bf16" not in [c.name for c in _gpu_rows(quick=True)]
+
+    losses = {1: 10.4, 2: 9.0, 3: 8.1}
+    verdicts = {}
+    for case, mtp in (("ok", {1: 10.5, 2: 9.2, 3: 8.3}), ("missing", {1: 10.5, 2: None, 3: 8.3}),
+                      ("nan", {1: 10.5, 2: float("nan"), 3: 8.3})):  # fmt: skip
+        check = Check("mtp bf16", 1, [], logged=("mtp_loss",))
+        verify(check, {"losses": losses, "first_loss": 10.4, "last_loss": 8.1, "logged": {"mtp_loss": mtp}}, {})
+        verdicts[case] = check.problems
+    assert verdicts == {"ok": [], "missing": ["mtp_loss not logged at steps [2]"], "nan": ["non-finite mtp_loss"]}
 
 
 def test_gpu_check_with_one_gpu_skips_the_two_gpu_part_in_one_line(tmp_path, capsys):

@@ -89,6 +89,13 @@ class OptimizerConfig:
     muon_momentum: float = opt(0.95, "Muon: momentum of the gradient's running average", min=0.0)
     muon_nesterov: bool = opt(True, "Muon: orthogonalise the Nesterov look-ahead g + momentum x buffer")
     muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per matrix and step", min=1)
+    muon_ns_dtype: str = opt(
+        "auto",
+        "Muon: the Newton-Schulz iteration's dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32 or bfloat16 "
+        "(tensor cores, about half the orthogonalisation's time; the quintic is built to stay stable in bf16, but "
+        "the layouts then agree only to bf16 rounding, not to 1e-5: docs/configuration.md#muon)",
+        ("auto", "float32", "bfloat16"),
+    )
     muon_coefficients: str = opt(
         "jordan",
         "Muon: the Newton-Schulz polynomial a X + b (X X^T) X + c (X X^T)^2 X: jordan (3.4445, -4.7750, 2.0315), "

@@ -18,8 +18,9 @@ classifier, outside the layers), norms and biases (1-D) go to AdamW.
 Cost at 512 GPUs / 70B (tp 8 x FSDP 64; `benchmarks/muon_exchange.py` on the fake process group, and `nanotron
 plan`): the busiest owner sends and receives 1.47 GB per step (its fp32 shards of the 560 matrices, 0.53 GB, and the
 other ranks' shards of the whole MLP matrix it owns, 0.94 GB): 0.033 s at 45 GB/s; it runs 44 TFLOP of
-Newton-Schulz (~0.11 s): +0.9 % on a 15.5 s step. The routes are built once at start-up, from every rank's blocks
-(two lists of ints per parameter and rank, gathered then); a step touches only this rank's pieces.
+Newton-Schulz (~0.11 s in bf16, `optimizer.muon_ns_dtype`'s choice on CUDA; up to 2x that in fp32 on TF32): +0.9 %
+on a 15.5 s step. The routes are built once at start-up, from every rank's blocks (two lists of ints per parameter
+and rank, gathered then); a step touches only this rank's pieces.
 """
 
 from __future__ import annotations
@@ -53,15 +54,29 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
     return steps * (4 * m * m * n + 2 * m**3)
 
 
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def ns_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """`optimizer.muon_ns_dtype`: auto is bf16 on CUDA (tensor cores; Jordan's quintic is built to stay stable in
+    bf16) and fp32 elsewhere (CPU bf16 matmuls are slow, and the layout matrix holds fp32 to 1e-5)."""
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return NS_DTYPES[setting]
+
+
 @torch.no_grad()
-def newton_schulz(matrix: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
-    """The orthogonal factor's approximation U V^T of matrix = U S V^T, in fp32 (X X^T on the shorter side)."""
+def newton_schulz(
+    matrix: torch.Tensor, steps: int, coefficients: tuple[float, float, float], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The orthogonal factor's approximation U V^T of matrix = U S V^T (X X^T on the shorter side), iterated and
+    returned in `dtype`; the normalisation by the Frobenius norm is done in fp32 first."""
     a, b, c = coefficients
     x = matrix.float()
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
-    x = x / (x.norm() + 1e-7)
+    x = (x / (x.norm() + 1e-7)).to(dtype)
     for _ in range(steps):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
@@ -207,6 +222,7 @@ class Muon(torch.optim.Optimizer):
         self._link()
         params = [p for g in self.param_groups if g.get("muon") for p in g["params"]]
         self.plan = Plan(names, params, group)
+        self.ns_dtype = ns_dtype(cfg.muon_ns_dtype, params[0].device)  # where the matrices, hence the owners, are
 
     def _link(self) -> None:
         self.adamw.param_groups = [g for g in self.param_groups if not g.get("muon")]
@@ -255,7 +271,8 @@ class Muon(torch.optim.Optimizer):
         results = {}
         for m, whole in wholes.items():
             scale = self.cfg.muon_update_rms * math.sqrt(max(m.shape))
-            results[m] = newton_schulz(whole, self.cfg.muon_ns_steps, coefficients).mul_(scale).to(whole.dtype)
+            ortho = newton_schulz(whole, self.cfg.muon_ns_steps, coefficients, self.ns_dtype)
+            results[m] = ortho.to(whole.dtype).mul_(scale)
         back = [[results[m][index].reshape(-1) for m, index in route] for route in plan.back]
         returned = self._exchange(back, plan.returning_sizes, directions[0].dtype)
         updates = [torch.zeros_like(d) for d in directions]
@@ -323,5 +340,6 @@ def describe(optimizer: Muon, module: nn.Module) -> str:
     return (
         f"optimizer: muon on {len(plan.matrices)} matrices of the decoder layers ({counts['muon']:,} parameters; "
         f"q/k/v/o, gate/up/down, each expert's own, fused gate_up split), spread over {plan.size} rank(s); "
-        f"adamw on {counts['adamw']:,} parameters ({', '.join(sorted(set(adamw)))})"
+        f"adamw on {counts['adamw']:,} parameters ({', '.join(sorted(set(adamw)))}); Newton-Schulz in "
+        f"{str(optimizer.ns_dtype).removeprefix('torch.')} (optimizer.muon_ns_dtype={optimizer.cfg.muon_ns_dtype})"
     )
