@@ -1,7 +1,7 @@
 """Is Muon worth using here? Muon against AdamW on `configs/tiny.toml`, each at its own best learning rate.
 
     python -m benchmarks.muon_quality [--steps 300] [--seeds 3] [--adamw-lrs=-10,-9,-8] [--muon-lrs=-10,-9,-8]
-                                      [--timing-steps 10] [--quick] [--resume]
+                                      [--adamw-horizon 600] [--timing-steps 10] [--quick] [--resume]
     python -m benchmarks.muon_quality --small-step     # one micro-batch and one optimizer step of configs/small.toml
 
 Each run is one process of `configs/tiny.toml` (hidden 128, 4 layers, vocab 8192, batch 16 x 128 tokens) on the
@@ -13,7 +13,9 @@ list), the best LR being the lowest mean training loss over the last 20% of the 
 model: less than one pass over the data), then --seeds - 1 more seeds at that LR. Reported, mean and spread over
 the seeds at each optimizer's best LR: the training loss (a 10-step rolling mean) at a quarter, half and all of the
 steps, the validation loss at the end, and the first step at which AdamW's seed-mean curve reaches Muon's final
-loss, and Muon's loss at every tenth of the run (Muon's "speed-up" in steps; "> steps": not reached).
+loss, and Muon's loss at every tenth of the run (Muon's "speed-up" in steps; "> steps": not reached). Where AdamW
+does not get there within --steps, --adamw-horizon N trains it again at its best LR over an N-step schedule (its
+own warm-up and cosine; --seeds seeds) and reports the first step of that seed-mean curve at Muon's final loss.
 
 The optimizer's share of a training step is timed separately, in this process on one thread: the same model and
 batch, forward and backward of the config's micro-batches, then `optimizer.step()` alone, medians over
@@ -51,8 +53,8 @@ OPTIMIZERS = ("adamw", "muon")
 WINDOW = 10  # the rolling mean over which a curve's loss at a step is read
 
 
-def run_overrides(optimizer: str, log2_lr: int, seed: int, args: argparse.Namespace) -> list[str]:
-    lr = 2.0**log2_lr
+def run_overrides(optimizer: str, log2_lr: int, seed: int, args: argparse.Namespace, steps: int = 0) -> list[str]:
+    lr, steps = 2.0**log2_lr, steps or args.steps
     return [
         "--config",
         str(REPO / "configs" / "tiny.toml"),
@@ -61,33 +63,38 @@ def run_overrides(optimizer: str, log2_lr: int, seed: int, args: argparse.Namesp
         f"--optimizer.name={optimizer}",
         f"--optimizer.lr={lr}",
         f"--optimizer.min_lr={lr / 10}",
-        f"--optimizer.warmup_steps={max(args.steps // 10, 1)}",
+        f"--optimizer.warmup_steps={max(steps // 10, 1)}",
         "--optimizer.decay_style=cosine",
         f"--job.seed={seed}",
-        f"--training.steps={args.steps}",
-        f"--training.eval_interval={args.steps}",
+        f"--training.steps={steps}",
+        f"--training.eval_interval={steps}",
         "--training.eval_steps=8",
         "--logging.log_interval=1",
     ]
 
 
-def run(optimizer: str, log2_lr: int, seed: int, args: argparse.Namespace) -> dict:
-    """One training run in this process; its row (the per-step losses kept for the curves)."""
-    cached = args.cache.get((optimizer, log2_lr, seed))
+def run(optimizer: str, log2_lr: int, seed: int, args: argparse.Namespace, steps: int = 0) -> dict:
+    """One training run of `steps` (default --steps) in this process; its row (the per-step losses kept for the
+    curves)."""
+    steps = steps or args.steps
+    point = (optimizer, log2_lr, seed) if steps == args.steps else (optimizer, log2_lr, seed, steps)
+    cached = args.cache.get(point)
     if cached is not None:
         return cached
     started = time.perf_counter()
-    name = f"muon_quality-{optimizer}-lr{log2_lr}-s{seed}-n{args.steps}"
-    records, finished = train_run(name, run_overrides(optimizer, log2_lr, seed, args), args.work_dir)
+    name = f"muon_quality-{optimizer}-lr{log2_lr}-s{seed}-n{steps}"
+    records, finished = train_run(name, run_overrides(optimizer, log2_lr, seed, args, steps), args.work_dir)
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    row = dict(optimizer=optimizer, log2_lr=log2_lr, seed=seed, steps=args.steps,
+    row = dict(optimizer=optimizer, log2_lr=log2_lr, seed=seed, steps=steps,
                late_loss=late_train_loss(records, finished), eval_loss=evals[-1] if evals and finished else math.inf,
                seconds=round(time.perf_counter() - started, 1), losses=losses)  # fmt: skip
     print(
-        f"  {optimizer} lr 2^{log2_lr} seed {seed}: late loss {row['late_loss']:.4f} in {row['seconds']} s", flush=True
+        f"  {optimizer} lr 2^{log2_lr} seed {seed} ({steps} steps): late loss {row['late_loss']:.4f} in "
+        f"{row['seconds']} s",
+        flush=True,
     )
-    args.cache.put((optimizer, log2_lr, seed), row)
+    args.cache.put(point, row)
     return row
 
 
@@ -150,6 +157,27 @@ def compare(final: dict[str, list[dict]], steps: int) -> tuple[list[dict], list[
         reach.append(f"{mark}: {needed} ({needed / mark:.2f}x)" if needed else f"{mark}: > {steps}")
     lines.append("steps AdamW's seed-mean curve needs to reach Muon's loss at Muon's step k: " + ", ".join(reach))
     return table, lines
+
+
+def horizon_line(longer: list[dict], final: dict[str, list[dict]], steps: int) -> str:
+    """Where AdamW, trained over a longer schedule, reaches Muon's final loss: the first step of its seed-mean curve
+    at or below Muon's seed-mean loss at step `steps`."""
+    target = mean_curve(final["muon"])[-1]
+    curve, horizon = mean_curve(longer), len(longer[0]["losses"])
+    reached = steps_to_reach(curve, target)
+    head = (
+        f"AdamW at 2^{longer[0]['log2_lr']} over a {horizon}-step schedule ({len(longer)} seeds; its own warm-up and "
+        f"cosine decay, so its curve at step k is not that of a k-step run): "
+    )
+    if reached is None:
+        return (
+            head + f"does not reach Muon's final loss ({target:.4f} at step {steps}) in {horizon} steps (its own "
+            f"final: {curve[-1]:.4f}): AdamW needs more than {horizon / steps:.1f}x Muon's steps"
+        )
+    return (
+        head + f"reaches Muon's final loss ({target:.4f} at step {steps}) at step {reached}: "
+        f"{reached / steps:.2f}x Muon's steps (its final: {curve[-1]:.4f})"
+    )
 
 
 def step_share(overrides: list[str], optimizer: str, repeats: int, device: str = "cpu") -> dict:
@@ -238,8 +266,9 @@ def small_step(args: argparse.Namespace) -> int:
     return 0
 
 
-def plot(final: dict[str, list[dict]], path: Path, label: str) -> bool:
-    """Training loss vs step (rolling mean), mean over seeds with a band of ± one standard deviation."""
+def plot(final: dict[str, list[dict]], path: Path, label: str, longer: list[dict] = ()) -> bool:
+    """Training loss vs step (rolling mean), mean over seeds with a band of ± one standard deviation; AdamW over
+    the longer horizon dashed, with Muon's final loss as a horizontal line."""
     try:
         import matplotlib
 
@@ -256,6 +285,11 @@ def plot(final: dict[str, list[dict]], path: Path, label: str) -> bool:
         lr = final[optimizer][0]["log2_lr"]
         ax.plot(xs, mean, label=f"{optimizer} at lr 2^{lr} ({len(curves)} seeds)")
         ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25)
+    if longer:
+        mean = mean_curve(longer)
+        lr = longer[0]["log2_lr"]
+        ax.plot(range(1, len(mean) + 1), mean, "--", label=f"adamw at lr 2^{lr}, {len(mean)}-step schedule")
+        ax.axhline(mean_curve(final["muon"])[-1], color="grey", lw=0.8, label="muon's final loss")
     tail = [
         y for optimizer in OPTIMIZERS for r in final[optimizer] for y in rolling(r["losses"])[len(r["losses"]) // 5 :]
     ]
@@ -275,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds at each optimizer's best LR (seed 0: the sweep's)")
     parser.add_argument("--adamw-lrs", default="-10,-9,-8", help="AdamW's log2 LR sweep, comma-separated")
     parser.add_argument("--muon-lrs", default="-10,-9,-8", help="Muon's log2 LR sweep, comma-separated")
+    parser.add_argument(
+        "--adamw-horizon",
+        type=int,
+        default=0,
+        help="then AdamW at its best LR over this many steps (its own schedule), --seeds seeds: the step at which it "
+        "reaches Muon's final loss (0: not run; with --quick: 12)",
+    )
     parser.add_argument("--timing-steps", type=int, default=10, help="timed steps of the optimizer-share measurement")
     parser.add_argument("--small-step", action="store_true", help="only time one step of configs/small.toml")
     parser.add_argument("--quick", action="store_true", help="nano model, synthetic text, 6 steps, 2 LRs, 2 seeds")
@@ -294,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{optimizer}-lrs={text}: expected comma-separated integers (log2 LRs), e.g. -10,-9,-8")
     if args.quick:
         args.steps, args.seeds, args.timing_steps = 6, 2, 1
+        args.adamw_horizon = args.adamw_horizon and 12
         lrs = {optimizer: values[:2] for optimizer, values in lrs.items()}
+    if args.adamw_horizon and args.adamw_horizon <= args.steps:
+        parser.error(f"--adamw-horizon={args.adamw_horizon}: expected more steps than --steps={args.steps}, or 0")
     from benchmarks.common import ensure_data, model_overrides
     from benchmarks.inprocess import corpus_overrides
 
@@ -302,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         args.shape, args.data = model_overrides("nano"), ensure_data(args.work_dir)
     else:
         args.shape, args.data = [], corpus_overrides(args.work_dir, False, vocab_size=8192)
-    key = lambda point: json.dumps(run_overrides(*point, args))  # noqa: E731
+    key = lambda point: json.dumps(run_overrides(*point[:3], args, *point[3:]))  # noqa: E731
     args.cache = RunCache(args.work_dir / "muon_quality_runs.jsonl", args.resume, key)  # --resume: finished runs
     started = time.perf_counter()
     rows, sweep, final = [], [], {}
@@ -319,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
             final[optimizer].append(run(optimizer, final[optimizer][0]["log2_lr"], seed, args))
             rows.append(final[optimizer][-1])
     table, lines = compare(final, args.steps)
+    longer = []
+    if args.adamw_horizon:  # AdamW given more steps, each run its own warm-up and cosine over the longer horizon
+        longer = [run("adamw", final["adamw"][0]["log2_lr"], s, args, args.adamw_horizon) for s in range(args.seeds)]
+        rows += longer
+        lines.append(horizon_line(longer, final, args.steps))
     timing_overrides = ["--config", str(REPO / "configs" / "tiny.toml"), *args.shape, *args.data]
     shares = [step_share(timing_overrides, optimizer, args.timing_steps) for optimizer in OPTIMIZERS]
     elapsed = time.perf_counter() - started
@@ -337,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(markdown_table(table, list(table[0])) + "\n" + "\n".join(lines))
     print(markdown_table(shares, list(shares[0])))
-    if not plot(final, args.out / "muon_quality.png", model):
+    if not plot(final, args.out / "muon_quality.png", model, longer):
         print("matplotlib missing (pip install -e '.[bench]'): no plot written")
     print(f"muon quality: {len(rows)} runs in {elapsed / 60:.1f} min")
     return 0

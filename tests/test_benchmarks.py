@@ -373,15 +373,19 @@ def test_mup_transfer_quick_sweeps_muon_under_mup_alone(tmp_path, work_dir):
 
 @pytest.mark.slow
 def test_muon_quality_quick_compares_both_optimizers_at_their_best_lr(tmp_path, work_dir):
-    stdout = run_benchmark("benchmarks.muon_quality", tmp_path, work_dir)
+    stdout = run_benchmark("benchmarks.muon_quality", tmp_path, work_dir, extra=("--adamw-horizon", "600"))
     rows = read_csv(tmp_path / "muon_quality.csv")
-    # 2 LRs each at seed 0, then seed 1 at each optimizer's best.
-    assert sorted((r["optimizer"], r["seed"]) for r in rows) == [("adamw", "0")] * 2 + [("adamw", "1")] + [
-        ("muon", "0")
-    ] * 2 + [("muon", "1")]
+    # 2 LRs each at seed 0, then seed 1 at each optimizer's best, then AdamW's 2 seeds over the longer horizon
+    # (--quick: 12 steps).
+    assert sorted((r["optimizer"], r["seed"], r["steps"]) for r in rows) == [("adamw", "0", "12"), ("adamw", "0", "6"),
+        ("adamw", "0", "6"), ("adamw", "1", "12"), ("adamw", "1", "6"), ("muon", "0", "6"), ("muon", "0", "6"),
+        ("muon", "1", "6")]  # fmt: skip
     summary = (tmp_path / "muon_quality.md").read_text()
     assert "| optimizer | log2 lr | seeds | train loss @ 1 |" in summary
     assert re.search(r"AdamW's seed-mean curve (reaches|does not reach) Muon's final loss", summary)
+    assert re.search(
+        r"AdamW at 2\^-\d+ over a 12-step schedule \(2 seeds.*(reaches|does not reach) Muon's final", summary
+    )
     shares = re.findall(r"\| (adamw|muon) \| \d+ \| [\d.]+ \| [\d.]+ \| (0\.\d+) \|", summary)
     assert [name for name, _ in shares] == ["adamw", "muon"], summary
     if importlib.util.find_spec("matplotlib"):
