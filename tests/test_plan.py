@@ -955,6 +955,29 @@ def test_float8_runs_are_planned_in_float8_as_a_check_kept_out_of_the_fit():
         assert planned_per_gpu(checked[name]) / planned_per_gpu(twin) == pytest.approx(1.49, abs=0.005)
 
 
+# Qwen3 (QK-norm, heads decoupled from the width) and Qwen3-MoE (softmax top-k, no shared expert) on a 512-rank
+# fake world: tp splits the heads and their norms stay whole, ep splits the experts.
+QWEN3_CHECKS = {
+    "qwen3": ("configs/qwen3.toml", []),
+    "qwen3_moe": ("configs/qwen3_moe.toml", ["--parallelism.ep=8"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", QWEN3_CHECKS)
+def test_check_builds_qwen3_ranks_exactly_on_a_512_rank_world_with_every_tp_plan_entry_resolved(family):
+    config, extra = QWEN3_CHECKS[family]
+    layout = ["--parallelism.dp=64", "--parallelism.tp=2", "--parallelism.pp=4", "--parallelism.zero_stage=3"]
+    layout += ["--training.global_batch_size=1024", *extra]
+    proc = plan("--config", config, "--nodes", "64", "--gpus_per_node", "8", "--check", *layout)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, "| rank | pp |")
+    assert {int(r[1]) for r in rows} == {0, 1, 2, 3} and {int(r[0]) for r in rows} >= {0, 511}
+    assert all(int(r[5]) == int(r[6]) > 0 for r in rows), rows
+    # The tp plan names only modules the layer has (torch warns of each entry it cannot resolve, on every rank).
+    assert "could not be resolved" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_check_builds_mtp_ranks_exactly_and_the_plan_counts_the_modules_on_the_last_stage():
     """Multi-token prediction in the facts table: configs/mla.toml with one MTP module (a MoE block) on a fake

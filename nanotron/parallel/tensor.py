@@ -106,7 +106,7 @@ def apply_tensor_parallel(
             plan = _float8_gathers(plan, layer)
         if model.config.mla:
             plan = _latent_attention_plan(plan, layer, tp_mesh, sequence_parallel)
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, _present(plan, layer))
 
     top_plan: dict[str, nn.Module] = {}
     if model.model.embed_tokens is not None:
@@ -129,6 +129,13 @@ def apply_tensor_parallel(
     if model.config.tie_word_embeddings and model.lm_head is not None:
         # Both plans shard the shared [vocab, hidden] weight on dim 0: re-tie the two DTensors.
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _present(plan: dict, layer: nn.Module) -> dict:
+    """The entries of `plan` naming a module `layer` has: the plans list every attention's linears (standard and
+    latent), and torch warns on every rank of each entry it cannot resolve."""
+    present = {name for name, _ in layer.named_modules()}
+    return {name: style for name, style in plan.items() if name in present}
 
 
 def _float8_gathers(plan: dict, layer: nn.Module) -> dict:
