@@ -28,7 +28,7 @@ from nanotron.optim.muon import (
 )
 from nanotron.parallel.init import init_weights
 from nanotron.plan.memory import stage_memory
-from nanotron.plan.timing import estimate_step, parse_gpu, peak_tflops
+from nanotron.plan.timing import estimate_step, parse_gpu
 
 
 def test_cubic_newton_schulz_converges_to_the_orthogonal_factor_and_jordans_lands_near_it():
@@ -160,6 +160,26 @@ def test_an_unknown_coefficient_set_or_iteration_dtype_is_one_line(key, value, n
     assert len(errors) == 1 and f"optimizer.{key}" in errors[0] and named in errors[0], errors
 
 
+@pytest.mark.parametrize(
+    "ns_dtype, tf32, mode", [("auto", True, "bf16"), ("bfloat16", False, "bf16"), ("float32", True, "tf32"),
+                             ("float32", False, "fp32")]
+)  # fmt: skip
+def test_the_plan_charges_newton_schulz_at_the_peak_of_its_own_dtype(ns_dtype, tf32, mode):
+    """auto (bf16 on CUDA) and bfloat16 at the bf16 peak whatever the model's dtype; float32 at TF32's with
+    training.tf32, else full fp32's (an fp32 model: its matmuls at TF32 either way)."""
+    cfg, _ = muon_model()
+    overrides = [*TINY_MODEL, f"--model.num_layers={cfg.model.num_layers}", "--training.global_batch_size=8"]
+    overrides += ["--optimizer.name=muon", f"--optimizer.muon_ns_dtype={ns_dtype}", f"--training.tf32={tf32}"]
+    gpu = parse_gpu("h100")
+    muon = load_config(*parse_overrides(overrides))
+    adamw = load_config(*parse_overrides([*overrides[:-3], "--optimizer.name=adamw", f"--training.tf32={tf32}"]))
+    base, step = (estimate_step(c, gpu, gpus_per_node=8, efficiency=0.5) for c in (adamw, muon))
+    newton_schulz_s = step.step_s - base.step_s - step.comm["muon"].seconds
+    flops = newton_schulz_s * gpu.device.peak(mode) * 1e12 * 0.5
+    shapes = [(32, 32), (16, 32), (16, 32), (32, 32), (64, 32), (64, 32), (32, 64)]  # q k v o gate up down
+    assert flops == pytest.approx(4 * sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes), rel=1e-6)
+
+
 def test_the_plan_counts_one_momentum_buffer_the_exchange_and_newton_schulz():
     """Optimizer state: the bytes the real optimizer holds (Muon's matrices one fp32 buffer, AdamW two moments and
     a step). Step time: Muon adds its all-to-alls and the Newton-Schulz FLOPs (5 x (4 m^2 n + 2 m^3), m the shorter
@@ -184,7 +204,7 @@ def test_the_plan_counts_one_momentum_buffer_the_exchange_and_newton_schulz():
         )
         base, step = (estimate_step(c, gpu, gpus_per_node=8, efficiency=0.5) for c in (adamw, muon))
         newton_schulz_s = step.step_s - base.step_s - step.comm["muon"].seconds
-        all_flops_s = flops / (peak_tflops(muon, gpu)[1] * 1e12 * 0.5)
+        all_flops_s = flops / (gpu.device.peak("bf16") * 1e12 * 0.5)  # auto: bf16 on CUDA
         gb = step.comm["muon"].gb
         if world == 1:
             assert gb == 0 and newton_schulz_s == pytest.approx(all_flops_s, rel=1e-6)

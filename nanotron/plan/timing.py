@@ -113,6 +113,22 @@ def peak_tflops(cfg: Config, gpu: Gpu) -> tuple[str, float]:
     return mode, peak
 
 
+def newton_schulz_peak_tflops(cfg: Config, gpu: Gpu) -> float:
+    """The dense peak of Muon's Newton-Schulz matmuls: bf16 for optimizer.muon_ns_dtype 'bfloat16' and 'auto'
+    (bf16 on CUDA), whatever the model's dtype; fp32 on TF32 tensor cores for 'float32' with training.tf32, else
+    full fp32."""
+    dtype = "float32" if cfg.optimizer.muon_ns_dtype == "float32" else "bfloat16"
+    mode = math_mode(dtype, cfg.training.tf32)
+    peak = gpu.device.peak(mode)
+    if peak is None:
+        raise ConfigError(
+            f"--gpu {gpu.name}: no {mode} peak is known for it (optimizer.muon_ns_dtype="
+            f"'{cfg.optimizer.muon_ns_dtype}', training.tf32={str(cfg.training.tf32).lower()}); plan with "
+            f"optimizer.muon_ns_dtype='bfloat16' or training.tf32=true, or a GPU of the table ({', '.join(PLANNED)})"
+        )
+    return peak
+
+
 def float8_peak_tflops(cfg: Config, gpu: Gpu) -> float | None:
     """The dense e4m3 peak the converted linears' matmuls reach under training.float8; None when it is off."""
     if cfg.training.float8 == "off":
@@ -205,7 +221,8 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     step_s = data_parallel_s + comm["tp"].seconds + comm["pp"].seconds + exposed_cp + comm["ep"].seconds + scales_s
     parts |= {"tp": comm["tp"].seconds, "pp": comm["pp"].seconds, "cp": exposed_cp, "ep": comm["ep"].seconds}
     if cfg.optimizer.name == "muon":  # after backward, before the next forward: nothing to hide behind
-        comm["muon"], newton_schulz_s = muon_step(cfg, gpus_per_node, gpu, peak * efficiency)
+        ns_peak = newton_schulz_peak_tflops(cfg, gpu) * 1e12
+        comm["muon"], newton_schulz_s = muon_step(cfg, gpus_per_node, gpu, ns_peak * efficiency)
         parts["muon"] = comm["muon"].seconds + newton_schulz_s
         step_s += parts["muon"]
     parts["dp"] = data_parallel_s - compute_s
