@@ -22,11 +22,17 @@ import time
 GRACE_SECONDS = 30.0  # torchrun's wait between SIGTERM and SIGKILL of the ranks left after a failure
 
 
-def main(nproc: int, args: list[str]) -> int:
+def preimport() -> None:
+    """What a run imports before its first step, for the forks to share (tests/zygote.py imports it too)."""
     import torch.distributed.checkpoint  # noqa: F401 - the checkpoint saves' DCP and fsspec
 
+    import nanotron.commands.train  # noqa: F401
     import nanotron.plan.search  # noqa: F401 - the planner that resolves parallelism.sp_regather = "auto"
     import nanotron.trainer  # noqa: F401 - dynamo and the rest of the trainer: the command imports them lazily
+
+
+def main(nproc: int, args: list[str]) -> int:
+    preimport()
     from nanotron.commands.train import main as train
     from nanotron.errors import run_as_main
 

@@ -24,15 +24,11 @@ import sys
 
 
 def preimport() -> None:
-    """What a run imports: the command, the trainer and its lazily imported parts (what forkrun pre-imports)."""
-    import torch.distributed.checkpoint  # noqa: F401 - the checkpoint saves' DCP and fsspec
-
-    import nanotron.plan.search  # noqa: F401 - the planner that resolves parallelism.sp_regather = "auto"
-    import nanotron.trainer  # noqa: F401
-    from nanotron.commands.train import main  # noqa: F401
-
+    """What a run imports (forkrun's list), and forkrun itself."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import forkrun  # noqa: F401
+    import forkrun
+
+    forkrun.preimport()
 
 
 def serve(path: str) -> None:
