@@ -295,47 +295,50 @@ class Zygote:
             return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
-        pid, code, chunks = None, None, {out_read: [], err_read: []}
-        with open(os.devnull) as stdin, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            try:
+        chunks, reply = {out_read: [], err_read: []}, {}
+        try:
+            with open(os.devnull) as stdin, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.connect(self.path)
                 request = {"args": list(args), "nproc": nproc, "env": dict(env), "cwd": str(cwd)}
                 socket.send_fds(conn, [json.dumps(request).encode()], [stdin.fileno(), out_write, err_write])
                 os.close(out_write)
                 os.close(err_write)
                 out_write = err_write = -1
-                replies, deadline = b"", time.monotonic() + timeout
-                with selectors.DefaultSelector() as selector:
-                    for fd in (out_read, err_read, conn.fileno()):
-                        selector.register(fd, selectors.EVENT_READ)
-                    streams = selector.get_map()
-                    while code is None or out_read in streams or err_read in streams:  # the rc; both streams' ends
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            raise subprocess.TimeoutExpired(command, timeout, *(self.text(c) for c in chunks.values()))
-                        for key, _ in selector.select(min(left, 1.0)):
-                            data = os.read(key.fd, 1 << 16)
-                            if not data:
-                                selector.unregister(key.fd)
-                            elif key.fd in chunks:
-                                chunks[key.fd].append(data)
-                            else:
-                                replies += data
-                                for line in replies.decode().splitlines():
-                                    word, _, number = line.partition(" ")
-                                    pid, code = (int(number), code) if word == "pid" else (pid, int(number))
-                        if code is None and conn.fileno() not in selector.get_map():
-                            raise RuntimeError("tests/zygote.py's handler ended without the run's exit code")
-            except BaseException:
-                if pid is not None and code is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)  # as subprocess.run does: its ranks stop with it (forkrun)
-                raise
-            finally:
-                for fd in (out_read, err_read, out_write, err_write):
-                    if fd >= 0:
-                        os.close(fd)
-        return subprocess.CompletedProcess(command, code, self.text(chunks[out_read]), self.text(chunks[err_read]))
+                self.read_until_exit(conn, chunks, reply, time.monotonic() + timeout, command, timeout)
+        except BaseException:
+            if "pid" in reply and "rc" not in reply:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(reply["pid"], signal.SIGKILL)  # as subprocess.run does: its ranks stop with it (forkrun)
+            raise
+        finally:
+            for fd in (out_read, err_read, out_write, err_write):
+                if fd >= 0:
+                    os.close(fd)
+        stdout, stderr = (self.text(chunks[fd]) for fd in (out_read, err_read))
+        return subprocess.CompletedProcess(command, reply["rc"], stdout, stderr)
+
+    def read_until_exit(self, conn, chunks: dict[int, list[bytes]], reply: dict[str, int], deadline, command, timeout):
+        """Collects the run's two streams (to their ends) into `chunks` and the handler's "pid N" and "rc N" lines
+        into `reply`, until all three are in."""
+        pending = b""
+        with selectors.DefaultSelector() as selector:
+            for fd in (*chunks, conn.fileno()):
+                selector.register(fd, selectors.EVENT_READ)
+            while "rc" not in reply or any(fd in selector.get_map() for fd in chunks):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(command, timeout, *(self.text(c) for c in chunks.values()))
+                for key, _ in selector.select(min(left, 1.0)):
+                    data = os.read(key.fd, 1 << 16)
+                    if not data:
+                        selector.unregister(key.fd)
+                    elif key.fd in chunks:
+                        chunks[key.fd].append(data)
+                    else:  # whole lines only
+                        *lines, pending = (pending + data).split(b"\n")
+                        reply.update((word.decode(), int(number)) for word, number in (line.split() for line in lines))
+                if "rc" not in reply and conn.fileno() not in selector.get_map():
+                    raise RuntimeError("tests/zygote.py's handler ended without the run's exit code")
 
     @staticmethod
     def text(chunks: list[bytes]) -> str:
