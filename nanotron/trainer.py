@@ -39,7 +39,7 @@ from nanotron.optim.muon import describe as describe_muon
 from nanotron.parallel.expert import ExpertBalance
 from nanotron.parallel.float8 import describe_float8, precompute_float8_scales
 from nanotron.parallel.layout import layout_sizes
-from nanotron.parallel.mesh import ParallelContext, init_distributed
+from nanotron.parallel.mesh import ParallelContext, init_distributed, submesh
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.regather import agree_on_regather
 from nanotron.parallel.runner import MicrobatchRunner
@@ -131,7 +131,7 @@ class Trainer:
         self.agree = drill.collective(self.ctx.agree)  # the step's collective (`ParallelContext.agree`)
         # One optimizer per stage module keeps optimizer-state keys equal to parameter FQNs (DCP resharding).
         muon = cfg.optimizer.name == "muon"
-        stage_group = self.ctx.mesh["stage"].get_group() if muon else None
+        stage_group = submesh(self.ctx.mesh, "stage").get_group() if muon else None
         self.optimizers = [
             build_optimizer(module, cfg.optimizer, self.ctx.device, cfg.model, stage_group) for module in self.modules
         ]

@@ -7,6 +7,7 @@ instead of a run on a cluster. Each test checks the effect the project relies on
 from __future__ import annotations
 
 import pickle
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -34,10 +35,18 @@ def test_set_group_timeout_changes_an_existing_groups_timeout(world_of_one):
     assert dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=123)
 
 
-def test_flatten_mesh_names_a_new_dimension_of_the_root_mesh(world_of_one):
-    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
-    flat = door.flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
-    assert flat.mesh_dim_names == ("dp",) and mesh["dp"].size() == 1
+def test_flatten_mesh_names_a_new_dimension_of_the_root_mesh_that_submesh_finds_without_slicing_it(world_of_one):
+    mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp"))
+    flat = door.flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
+    shard_cp = door.flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+    assert flat.mesh_dim_names == ("dp",) and mesh["dp"].size() == 1  # torch's own slicing still knows it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when a flattened dim is sliced from the root mesh
+        assert door.submesh(mesh, "dp") is flat and door.submesh(mesh, "pp").mesh_dim_names == ("pp",)
+        hsdp = door.submesh(mesh, "dp_replicate", "dp_shard_cp")
+        assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and hsdp.size() == 1
+        assert door.submesh(mesh, "dp_shard", "cp").mesh_dim_names == ("dp_shard", "cp")
+    assert shard_cp.size() == 1
 
 
 def test_replicate_keeps_names_and_averages_gradients(world_of_one):

@@ -21,7 +21,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nanotron.config import Config
 from nanotron.errors import ConfigError
-from nanotron.parallel.torch_private import concatenate_meshes, flatten_mesh, set_group_timeout, unflatten_mesh
+from nanotron.parallel.torch_private import (
+    concatenate_meshes,
+    flatten_mesh,
+    set_group_timeout,
+    submesh,
+    unflatten_mesh,
+)
 
 
 def launched_world_size() -> int:
@@ -61,8 +67,8 @@ class ParallelContext:
         groups = [
             dist.group.WORLD,
             *(self.mesh.get_group(n) for n in self.mesh.mesh_dim_names),
-            self.mesh["dp"].get_group(),
-            *([self.mesh["dp_cp"].get_group()] if "cp" in (self.mesh.mesh_dim_names or ()) else []),
+            submesh(self.mesh, "dp").get_group(),
+            *([submesh(self.mesh, "dp_cp").get_group()] if "cp" in (self.mesh.mesh_dim_names or ()) else []),
             *([self.expert_mesh.get_group(n) for n in ("edp", "ep")] if self.expert_mesh is not None else []),
         ]
         return list({id(group): group for group in groups}.values())
@@ -126,7 +132,7 @@ def init_distributed(cfg: Config) -> ParallelContext:
         device,
         dist.get_rank(),
         dist.get_world_size(),
-        mesh["dp"].get_local_rank(),
+        submesh(mesh, "dp").get_local_rank(),
         mesh["tp"].get_local_rank(),
         mesh["pp"].get_local_rank(),
         mesh["cp"].get_local_rank() if cfg.parallelism.cp > 1 else 0,
@@ -162,14 +168,14 @@ def build_mesh(cfg: Config, device_type: str) -> DeviceMesh:
         dims = {"pp": p.pp, "dp": p.dp, **cp_dim, "tp": p.tp}
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         if cp_dim:
-            flatten_mesh(mesh["dp", "cp"], "dp_cp")
+            flatten_mesh(mesh, ("dp", "cp"), "dp_cp")
         return _with_stage(mesh, cfg)
     dims = {"pp": p.pp, "dp_replicate": p.dp // shard, "dp_shard": shard, **cp_dim, "tp": p.tp}
     mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
-    flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+    flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
     if cp_dim:
-        flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
-        flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
+        flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+        flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
     return _with_stage(mesh, cfg)
 
 
@@ -177,7 +183,7 @@ def _with_stage(mesh: DeviceMesh, cfg: Config) -> DeviceMesh:
     """Muon's "stage": every rank of one pipeline stage (all dims but pp), which hold the same parameters'
     shards and exchange them once per step. Made only for Muon (one more communicator per stage)."""
     if cfg.optimizer.name == "muon":
-        flatten_mesh(mesh[tuple(name for name in mesh.mesh_dim_names if name != "pp")], "stage")
+        flatten_mesh(mesh, tuple(name for name in mesh.mesh_dim_names if name != "pp"), "stage")
     return mesh
 
 
@@ -187,8 +193,8 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     names = mesh.mesh_dim_names or ()
     cp = "cp" in names
     if "dp_shard" in names:
-        return mesh["dp_replicate", "dp_shard_cp" if cp else "dp_shard"]
-    return mesh["dp_cp" if cp else "dp"]
+        return submesh(mesh, "dp_replicate", "dp_shard_cp" if cp else "dp_shard")
+    return submesh(mesh, "dp_cp" if cp else "dp")
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
@@ -198,7 +204,7 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
         return None
     names = mesh.mesh_dim_names or ()
     if "dp_shard" in names:
-        group = mesh["dp_shard_cp" if "cp" in names else "dp_shard"]
+        group = submesh(mesh, "dp_shard_cp" if "cp" in names else "dp_shard")
     else:
         group = loss_mesh(mesh)
     return unflatten_mesh(group, (group.size() // ep, ep), ("edp", "ep"))
@@ -213,7 +219,7 @@ def expert_data_mesh(mesh: DeviceMesh, experts: DeviceMesh) -> DeviceMesh:
 
 def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks (of one pp stage and tp rank) whose losses together cover the global batch: dp x cp."""
-    return mesh["dp_cp" if "cp" in (mesh.mesh_dim_names or ()) else "dp"]
+    return submesh(mesh, "dp_cp" if "cp" in (mesh.mesh_dim_names or ()) else "dp")
 
 
 def destroy_distributed() -> None:

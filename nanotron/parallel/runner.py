@@ -35,7 +35,7 @@ from nanotron.models.attention import document_ids
 from nanotron.parallel.context import shard_sequence
 from nanotron.parallel.expert import expert_layers
 from nanotron.parallel.fsdp import GradientSync
-from nanotron.parallel.mesh import ParallelContext
+from nanotron.parallel.mesh import ParallelContext, submesh
 from nanotron.parallel.pipeline import build_schedule, forward_only
 
 IGNORE_INDEX = -100  # targets that carry no loss (the token after an EOS under document masking, evaluation padding)
@@ -108,7 +108,7 @@ class MicrobatchRunner:
         self.cp = p.cp
         self.cp_rank = ctx.cp_rank
         self.dp = p.dp
-        self.dp_group = ctx.mesh["dp"].get_group() if p.dp > 1 else None
+        self.dp_group = submesh(ctx.mesh, "dp").get_group() if p.dp > 1 else None
         self.document = cfg.model.attention == "document"
         # Multi-token prediction: its tokens travel with every microbatch; its loss is added in training only.
         self.mtp_depth, self.mtp_weight = cfg.model.mtp_depth, cfg.training.mtp_loss_weight

@@ -32,17 +32,18 @@ __all__ = [
     "concatenate_meshes",
     "enable_inductor_async_tp",
     "fake_process_group",
-    "flight_recorder_dump",
     "flatten_mesh",
+    "flight_recorder_dump",
     "grouped_mm",
     "in_backward_pass",
     "local_block",
-    "shard_block_at",
     "pytree_logger",
     "reduce_accumulated_gradients",
     "replicate",
     "set_group_timeout",
+    "shard_block_at",
     "stage_backward",
+    "submesh",
     "unflatten_mesh",
 ]
 
@@ -82,9 +83,25 @@ def _timed(wait: Callable, main: int | None) -> Callable:
     return timed_wait
 
 
-def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """`mesh` (a sub-mesh of several dimensions) as one dimension `name` of its root mesh (HSDP's "dp")."""
-    return mesh._flatten(name)
+_FLATTENED = "_nanotron_flattened"  # on a root mesh: the meshes flatten_mesh made of its dims, by name
+
+
+def flatten_mesh(root: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """The dims `dims` of `root` as one dimension `name` (HSDP's "dp", dp x cp), kept on `root` for `submesh`:
+    torch deprecates slicing a flattened dim from the root mesh (a warning on every rank since 2.11)."""
+    flat = root[dims]._flatten(name)
+    root.__dict__.setdefault(_FLATTENED, {})[name] = flat
+    return flat
+
+
+def submesh(root: DeviceMesh, *names: str) -> DeviceMesh:
+    """`root[names]`, where a name may be a dimension `flatten_mesh` made: that mesh itself, or beside the others
+    (HSDP's ("dp_replicate", "dp_shard_cp"))."""
+    flattened = root.__dict__.get(_FLATTENED, {})
+    if not any(name in flattened for name in names):
+        return root[names[0] if len(names) == 1 else names]
+    parts = [flattened[name] if name in flattened else root[name] for name in names]
+    return parts[0] if len(parts) == 1 else concatenate_meshes(parts)
 
 
 def local_block(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
