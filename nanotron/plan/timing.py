@@ -103,28 +103,27 @@ def peak_tflops(cfg: Config, gpu: Gpu) -> tuple[str, float]:
     """(math mode, dense peak) the run's matmuls can reach: MFU's rule (bf16; fp32 on TF32 tensor cores when
     training.tf32, else full fp32)."""
     mode = math_mode(cfg.training.dtype, cfg.training.tf32)
-    peak = gpu.device.peak(mode)
-    if peak is None:
-        raise ConfigError(
-            f"--gpu {gpu.name}: no {mode} peak is known for it (training.dtype='{cfg.training.dtype}', "
-            f"training.tf32={str(cfg.training.tf32).lower()}); plan with training.tf32=true or bfloat16, or a GPU "
-            f"of the table ({', '.join(PLANNED)})"
-        )
-    return mode, peak
+    settings = f"training.dtype='{cfg.training.dtype}', training.tf32={str(cfg.training.tf32).lower()}"
+    return mode, known_peak(gpu, mode, settings, "training.tf32=true or bfloat16")
 
 
 def newton_schulz_peak_tflops(cfg: Config, gpu: Gpu) -> float:
     """The dense peak of Muon's Newton-Schulz matmuls: bf16 for optimizer.muon_ns_dtype 'bfloat16' and 'auto'
     (bf16 on CUDA), whatever the model's dtype; fp32 on TF32 tensor cores for 'float32' with training.tf32, else
     full fp32."""
-    dtype = "float32" if cfg.optimizer.muon_ns_dtype == "float32" else "bfloat16"
-    mode = math_mode(dtype, cfg.training.tf32)
+    setting = cfg.optimizer.muon_ns_dtype
+    mode = math_mode("float32" if setting == "float32" else "bfloat16", cfg.training.tf32)
+    settings = f"optimizer.muon_ns_dtype='{setting}', training.tf32={str(cfg.training.tf32).lower()}"
+    return known_peak(gpu, mode, settings, "optimizer.muon_ns_dtype='bfloat16' or training.tf32=true")
+
+
+def known_peak(gpu: Gpu, mode: str, settings: str, hint: str) -> float:
+    """The GPU's dense peak in math `mode`; one line naming the settings that chose it where it is unknown."""
     peak = gpu.device.peak(mode)
     if peak is None:
         raise ConfigError(
-            f"--gpu {gpu.name}: no {mode} peak is known for it (optimizer.muon_ns_dtype="
-            f"'{cfg.optimizer.muon_ns_dtype}', training.tf32={str(cfg.training.tf32).lower()}); plan with "
-            f"optimizer.muon_ns_dtype='bfloat16' or training.tf32=true, or a GPU of the table ({', '.join(PLANNED)})"
+            f"--gpu {gpu.name}: no {mode} peak is known for it ({settings}); plan with {hint}, or a GPU of the table "
+            f"({', '.join(PLANNED)})"
         )
     return peak
 
