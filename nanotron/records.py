@@ -109,6 +109,7 @@ TRAINER_STATE = {
             },
             "skipped_samples": [Window()],
             "rollbacks": COUNTER,
+            "skips_in_a_row": Optional(COUNTER),  # absent from checkpoints saved before stability.max_skips
         }
     ),
     # recorded for people and tools, never loaded: still checked, so that a value read by a tool is sound

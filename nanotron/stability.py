@@ -65,6 +65,11 @@ class RunningStats:
         """`value` over the running geometric mean."""
         return math.exp(min(_log(value) - self.mean, MAX_LOG_RATIO))
 
+    def rebase(self, value: float) -> None:
+        """`value` becomes the level and the mean, with no trend; the forecast errors' variance (the noise scale)
+        stays."""
+        self.level, self.trend, self.mean = _log(value), 0.0, _log(value)
+
     def update(self, value: float, decay: float, first: bool) -> None:
         if first:
             self.level, self.trend, self.var, self.mean = _log(value), 0.0, 0.0, _log(value)
@@ -117,6 +122,13 @@ class SpikeDetector:
             self.worst = {rule: max(self.worst[rule], scores[rule]) for rule in RULES}
         for name, value in zip(SIGNALS, (loss, grad_norm)):
             self.stats[name].update(value, self.cfg.ema_decay, first=self.observed == 0)
+        self.observed += 1
+
+    def rebase(self, loss: float, grad_norm: float) -> None:
+        """The signals moved to a new level and stayed (`Stability.max_skips`): these values are the statistics'
+        level from now on."""
+        for name, value in zip(SIGNALS, (loss, grad_norm)):
+            self.stats[name].rebase(value)
         self.observed += 1
 
     def state_dict(self) -> dict:
@@ -193,6 +205,7 @@ class Stability:
         for skips in self.added.values():
             self.skips.update(skips)
         self.rollbacks = 0
+        self.skips_in_a_row = 0  # updates skipped since the last applied one
         self.last_scores: dict[str, float] = {rule: 0.0 for rule in RULES}
 
     def state_dict(self) -> dict:
@@ -200,6 +213,7 @@ class Stability:
             "detector": self.detector.state_dict(),
             "skipped_samples": self.skips.to_list(),
             "rollbacks": self.rollbacks,
+            "skips_in_a_row": self.skips_in_a_row,
         }
 
     def load_state_dict(self, state: dict | None, where: str, consumed_samples: int) -> None:
@@ -212,6 +226,7 @@ class Stability:
             return
         self.detector.load_state_dict(state["detector"])
         self.rollbacks = max(self.rollbacks, state["rollbacks"])
+        self.skips_in_a_row = state.get("skips_in_a_row") or 0  # absent from checkpoints saved before max_skips
 
     def _check_added_windows(self, saved: SampleSkips, where: str, consumed_samples: int) -> None:
         """A window that the checkpoint did not skip may only lie ahead of the data position it trained to: one
@@ -244,6 +259,7 @@ class Stability:
         rules = self.detector.fired(scores)
         if not rules:
             self.detector.observe(seen.loss, seen.grad_norm)
+            self.skips_in_a_row = 0
             return Decision("apply")
         event = {"step": seen.step, "stability/loss": seen.loss, "stability/grad_norm": seen.grad_norm}
         event |= {f"stability/{rule}": score for rule, score in scores.items()} | {"stability/rules": rules}
@@ -281,6 +297,7 @@ class Stability:
             error = NodeFaultError(message, sorted({replay.nodes[r] for r in ranks}))
             return Decision("stop", event | {"stability/action": "exclude"}, line, error)
         self.detector.observe(replay.loss, replay.grad_norm)
+        self.skips_in_a_row = 0
         return Decision("apply", event, f"{line}; going on with the replayed step (stability.on_transient)")
 
     def _act(self, seen: Observation, event: dict, what: str) -> Decision:
@@ -288,6 +305,7 @@ class Stability:
         action = self.cfg.action
         if action == "warn":
             self.detector.observe(seen.loss, seen.grad_norm)
+            self.skips_in_a_row = 0
             return Decision(
                 "apply", event | {"stability/action": "warn"}, f"warning: {what}; applied (stability.action=warn)"
             )
@@ -312,6 +330,16 @@ class Stability:
                 return Decision("stop", event | {"stability/action": "stop"}, error=error)
             else:
                 return Decision("rollback", event, what, target=older[-1])
+        if self.skips_in_a_row >= self.cfg.max_skips:
+            line = (
+                f"warning: {what}; {self.skips_in_a_row} updates skipped in a row: the signals moved to a new level "
+                f"and stayed, not a spike (stability.max_skips={self.cfg.max_skips}); that level is the statistics' "
+                f"from step {seen.step} on and its update is applied"
+            )
+            self.detector.rebase(seen.loss, seen.grad_norm)
+            self.skips_in_a_row = 0
+            return Decision("apply", event | {"stability/action": "rebase"}, line)
+        self.skips_in_a_row += 1
         return Decision("skip", event | {"stability/action": "skip_step"}, f"warning: {what}; update skipped")
 
     def rolled_back(self, decision: Decision, first_sample: int, step: int, floor_sample: int) -> tuple[dict, str]:

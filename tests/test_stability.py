@@ -227,6 +227,33 @@ def test_a_rollback_past_stability_max_rollbacks_stops_the_run(tmp_path):
     assert "stopped: stability.max_rollbacks=2 rollbacks already" in str(decision.error)
 
 
+@pytest.mark.parametrize("action", ["skip_step", "rollback"])
+def test_a_level_that_stays_is_taken_as_the_new_level_after_max_skips_skipped_updates(action, tmp_path):
+    """A spike lasts a step or a few; a signal that stays at its new level is not one. Skipping every update while
+    it stays would stop the training for good (found: a 600-step AdamW run of configs/tiny.toml whose gradient norm
+    rose 9x its warm-up mean at step 107 skipped the next 400+ updates): after stability.max_skips skipped updates in
+    a row the step's values become the statistics' level and its update is applied. The noise scale is kept, so the
+    guard goes on guarding around that level."""
+    overrides = [("stability.action", action), ("stability.replay", "false"), ("stability.max_skips", "3")]
+    stability = warm_stability(overrides)
+    stability.detector.stats["grad_norm"].var = 0.04  # the noise of the warm-up's gradient norms (std 0.2 in log)
+    risen = [Observation(step, 4.0, 9.0, checkpoints=[]) for step in range(9, 14)]
+    actions = [stability.decide(seen).action for seen in risen[:3]]
+    assert actions == ["skip"] * 3
+    decision = stability.decide(risen[3])
+    assert decision.action == "apply" and decision.event["stability/action"] == "rebase"
+    assert "3 updates skipped in a row" in decision.line and "stability.max_skips" in decision.line
+    grad_norm = stability.detector.stats["grad_norm"]
+    assert grad_norm.mean == pytest.approx(math.log(9.0)) and grad_norm.var == 0.04  # the noise scale kept
+    assert stability.decide(risen[4]).action == "apply"  # the new level is no spike
+    assert stability.decide(Observation(14, 4.0, 90.0, checkpoints=[])).action == "skip"  # a spike over it is one
+    state = json.loads(json.dumps(stability.state_dict()))
+    assert state["skips_in_a_row"] == 1
+    resumed = Stability(load_config(None, [("stability.warmup_steps", "3"), *overrides]))
+    resumed.load_state_dict(state, "step-14", 0)
+    assert resumed.skips_in_a_row == 1
+
+
 def test_differing_ranks_are_named_by_the_earliest_value_that_changed():
     first = [[1.0, 4.0], [50.0, 4.0], [0.0, 2.0]]  # rank 1's loss was 50x in the first pass
     assert differing_ranks(first, [[1.0, 4.0], [1.0, 4.0], [0.0, 2.0]], 1e-3) == ([1], "loss")

@@ -93,3 +93,9 @@ class StabilityConfig:
     )
     window_steps: int = opt(1, "rollback: steps of samples skipped, ending with the spiking step's", min=1)
     max_rollbacks: int = opt(3, "rollbacks in one run before it stops (exit code 4): spikes that keep coming", min=1)
+    max_skips: int = opt(
+        5,
+        "skipped updates in a row (action skip_step, or rollback with no earlier checkpoint) after which the signals' "
+        "level is taken to have moved, not spiked: the statistics move to that step's values and its update is applied",
+        min=1,
+    )
