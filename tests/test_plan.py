@@ -955,18 +955,21 @@ def test_float8_runs_are_planned_in_float8_as_a_check_kept_out_of_the_fit():
         assert planned_per_gpu(checked[name]) / planned_per_gpu(twin) == pytest.approx(1.49, abs=0.005)
 
 
-# Qwen3 (QK-norm, heads decoupled from the width) and Qwen3-MoE (softmax top-k, no shared expert) on a 512-rank
-# fake world: tp splits the heads and their norms stay whole, ep splits the experts.
-QWEN3_CHECKS = {
+# Each family's small config on a 512-rank fake world: Qwen3 (QK-norm, heads decoupled from the width) and
+# Qwen3-MoE (softmax top-k, no shared expert): tp splits the heads and their norms stay whole, ep splits the experts;
+# the DeepSeek-V3-style model (MLA, grouped sigmoid-routed experts with a shared one, a dense first layer) with its
+# MTP module on the last stage.
+FAMILY_CHECKS = {
     "qwen3": ("configs/qwen3.toml", []),
     "qwen3_moe": ("configs/qwen3_moe.toml", ["--parallelism.ep=8"]),
+    "deepseek_v3_style": ("configs/mla.toml", ["--parallelism.ep=8", "--model.mtp_depth=1"]),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", QWEN3_CHECKS)
-def test_check_builds_qwen3_ranks_exactly_on_a_512_rank_world_with_every_tp_plan_entry_resolved(family):
-    config, extra = QWEN3_CHECKS[family]
+@pytest.mark.parametrize("family", FAMILY_CHECKS)
+def test_check_builds_each_family_exactly_on_a_512_rank_world_with_every_tp_plan_entry_resolved(family):
+    config, extra = FAMILY_CHECKS[family]
     layout = ["--parallelism.dp=64", "--parallelism.tp=2", "--parallelism.pp=4", "--parallelism.zero_stage=3"]
     layout += ["--training.global_batch_size=1024", *extra]
     proc = plan("--config", config, "--nodes", "64", "--gpus_per_node", "8", "--check", *layout)
