@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import hashlib
 import json
 import os
 import random
@@ -246,6 +248,16 @@ def markdown_table(rows: list[dict], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@functools.cache
+def source_digest() -> str:
+    """A hash of the code a run's result depends on (nanotron's sources and the in-process runner), taken once:
+    at the sweep's start, when its processes import that code (an edit during the sweep does not relabel it)."""
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "nanotron").rglob("*.py")) + [REPO / "benchmarks" / "inprocess.py"]:
+        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 class RunCache:

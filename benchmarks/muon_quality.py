@@ -45,6 +45,7 @@ from benchmarks.common import (
     RunCache,
     bench_parser,
     markdown_table,
+    source_digest,
     write_csv,
 )
 from benchmarks.inprocess import late_train_loss, train_run
@@ -96,6 +97,17 @@ def run(optimizer: str, log2_lr: int, seed: int, args: argparse.Namespace, steps
     )
     args.cache.put(point, row)
     return row
+
+
+def run_cache(args: argparse.Namespace) -> RunCache:
+    """--resume: finished runs' rows in `<work dir>/muon_quality_runs.jsonl`, each under its overrides and the code's
+    hash: a row trained by other code (a trainer fix since) is run again, not read back."""
+    code = source_digest() if args.resume else ""
+
+    def key(point: tuple) -> str:
+        return json.dumps([code, run_overrides(*point[:3], args, *point[3:])])
+
+    return RunCache(args.work_dir / "muon_quality_runs.jsonl", args.resume, key)
 
 
 def rolling(values: list[float], window: int = WINDOW) -> list[float]:
@@ -346,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         args.shape, args.data = model_overrides("nano"), ensure_data(args.work_dir)
     else:
         args.shape, args.data = [], corpus_overrides(args.work_dir, False, vocab_size=8192)
-    key = lambda point: json.dumps(run_overrides(*point[:3], args, *point[3:]))  # noqa: E731
-    args.cache = RunCache(args.work_dir / "muon_quality_runs.jsonl", args.resume, key)  # --resume: finished runs
+    args.cache = run_cache(args)
     started = time.perf_counter()
     rows, sweep, final = [], [], {}
     for optimizer in OPTIMIZERS:  # both sweeps first, then the seeds in turns: a run cut short is still fair

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import hashlib
 import json
 import math
@@ -55,11 +54,11 @@ import torch
 
 from benchmarks.common import (
     DEFAULT_WORK_DIR,
-    REPO,
     RESULTS_DIR,
     RunCache,
     bench_parser,
     markdown_table,
+    source_digest,
     write_csv,
 )
 from benchmarks.inprocess import corpus_overrides, family_overrides, late_train_loss, train_run
@@ -104,16 +103,6 @@ def run_point(point: tuple[str, int, int, int, int, int], common: list[str], arg
     loss = late_train_loss(records, finished)
     return dict(parametrization=parametrization, width=width, depth=depth, log2_lr=log2_lr, lr=2.0**log2_lr,
                 seed=seed, steps=steps, loss=loss, seconds=time.perf_counter() - started)  # fmt: skip
-
-
-@functools.cache
-def source_digest() -> str:
-    """A hash of the code a run's result depends on (nanotron's sources and the in-process runner), taken once:
-    at the sweep's start, when its processes import that code (an edit during the sweep does not relabel it)."""
-    digest = hashlib.sha256()
-    for path in sorted((REPO / "nanotron").rglob("*.py")) + [REPO / "benchmarks" / "inprocess.py"]:
-        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
 
 
 def run_cache(common: list[str], args: argparse.Namespace) -> RunCache:

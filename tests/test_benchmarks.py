@@ -460,6 +460,21 @@ def test_a_resumed_sweep_reads_back_only_runs_of_the_same_settings_and_code(tmp_
     assert mup_transfer.run_cache(["--a=1"], argparse.Namespace(**vars(args) | {"resume": False})).get(point) is None
 
 
+def test_muon_quality_reads_back_only_runs_of_the_same_settings_and_code(tmp_path, monkeypatch):
+    """Its cache is keyed by the run's overrides and nanotron's code, like mup_transfer's: a trainer fix since (the
+    stability guard's, found by this benchmark) reruns the rows it could change instead of reading them back."""
+    import argparse
+
+    from benchmarks import muon_quality
+
+    args = argparse.Namespace(steps=300, shape=[], data=["--data.path=x"], work_dir=tmp_path, resume=True)
+    muon_quality.run_cache(args).put(("adamw", -8, 0), {"late_loss": 4.9})
+    assert muon_quality.run_cache(args).get(("adamw", -8, 0)) == {"late_loss": 4.9}
+    assert muon_quality.run_cache(args).get(("adamw", -8, 0, 600)) is None  # another horizon
+    monkeypatch.setattr(muon_quality, "source_digest", lambda: "other code")
+    assert muon_quality.run_cache(args).get(("adamw", -8, 0)) is None
+
+
 def test_standard_tuned_at_the_long_horizon_brackets_its_best_lr(monkeypatch):
     """--wider-only --tune-standard: each width's LR search walks past whichever end of its LRs is lowest until
     the minimum is inside them (a tuned baseline, not the grid's edge), then runs the other seeds there."""
