@@ -58,7 +58,7 @@ def count(overrides: list[str], rank: int) -> dict:
     from nanotron.optim.muon import Plan, is_muon_matrix, newton_schulz_flops, numel
     from nanotron.parallel.mesh import build_mesh
     from nanotron.parallel.parallelize import parallelize
-    from nanotron.parallel.torch_private import fake_process_group
+    from nanotron.parallel.torch_private import fake_process_group, submesh
     from nanotron.plan.check import _Coordinates
     from nanotron.plan.timing import muon_step, parse_gpu
 
@@ -71,8 +71,8 @@ def count(overrides: list[str], rank: int) -> dict:
         [(_, module)] = parallelize(cfg, _Coordinates(mesh, 0, 0, None))
         o = cfg.optimizer
         named = [(n, p) for n, p in module.named_parameters() if is_muon_matrix(n, p.ndim, o.muon_adamw_names)]
-        group = mesh["stage"].get_group()
-        stage = mesh["stage"].mesh.flatten().tolist()
+        stage_mesh = submesh(mesh, "stage")
+        group, stage = stage_mesh.get_group(), stage_mesh.mesh.flatten().tolist()
         coordinates: dict = {}
         blocks = [[block_of(p, global_rank, coordinates) for _, p in named] for global_rank in stage]
         plan = Plan([n for n, _ in named], [p for _, p in named], group, blocks)
