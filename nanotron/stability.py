@@ -252,6 +252,13 @@ class Stability:
         return self.skips.position(start), self.skips.position(first_sample + global_batch_size - 1) + 1
 
     def decide(self, seen: Observation) -> Decision:
+        """`_decide`, counting the updates skipped in a row (stability.max_skips)."""
+        decision = self._decide(seen)
+        if decision.action in ("apply", "skip"):
+            self.skips_in_a_row = self.skips_in_a_row + 1 if decision.action == "skip" else 0
+        return decision
+
+    def _decide(self, seen: Observation) -> Decision:
         """The step scored against the running forecast (every rank holds the same values: one decision for the
         job). A spike asks for a replay (stability.replay), then, under rollback, for the committed checkpoints; the
         detector moves only with a final decision, so asking again with the answers scores the same step."""
@@ -259,7 +266,6 @@ class Stability:
         rules = self.detector.fired(scores)
         if not rules:
             self.detector.observe(seen.loss, seen.grad_norm)
-            self.skips_in_a_row = 0
             return Decision("apply")
         event = {"step": seen.step, "stability/loss": seen.loss, "stability/grad_norm": seen.grad_norm}
         event |= {f"stability/{rule}": score for rule, score in scores.items()} | {"stability/rules": rules}
@@ -297,7 +303,6 @@ class Stability:
             error = NodeFaultError(message, sorted({replay.nodes[r] for r in ranks}))
             return Decision("stop", event | {"stability/action": "exclude"}, line, error)
         self.detector.observe(replay.loss, replay.grad_norm)
-        self.skips_in_a_row = 0
         return Decision("apply", event, f"{line}; going on with the replayed step (stability.on_transient)")
 
     def _act(self, seen: Observation, event: dict, what: str) -> Decision:
@@ -305,7 +310,6 @@ class Stability:
         action = self.cfg.action
         if action == "warn":
             self.detector.observe(seen.loss, seen.grad_norm)
-            self.skips_in_a_row = 0
             return Decision(
                 "apply", event | {"stability/action": "warn"}, f"warning: {what}; applied (stability.action=warn)"
             )
@@ -337,9 +341,7 @@ class Stability:
                 f"from step {seen.step} on and its update is applied"
             )
             self.detector.rebase(seen.loss, seen.grad_norm)
-            self.skips_in_a_row = 0
             return Decision("apply", event | {"stability/action": "rebase"}, line)
-        self.skips_in_a_row += 1
         return Decision("skip", event | {"stability/action": "skip_step"}, f"warning: {what}; update skipped")
 
     def rolled_back(self, decision: Decision, first_sample: int, step: int, floor_sample: int) -> tuple[dict, str]:
