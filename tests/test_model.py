@@ -7,7 +7,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from nanotron.config import ModelConfig
-from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.llama import LlamaForCausalLM, apply_rope, rope_cache
 from nanotron.models.shapes import flops_per_token, layer_shapes, num_params, root_shapes
 from nanotron.parallel.init import init_weights
 
@@ -212,3 +212,25 @@ def test_flops_per_token_equals_the_matmul_flops_torch_counts(kind):
         logits = model(tokens, **extra)
         F.cross_entropy(logits.flatten(0, 1), tokens.repeat(1, 1 + cfg.mtp_depth).flatten()).backward()
     assert counter.get_total_flops() == flops_per_token(cfg, seq_len=48) * tokens.numel()
+
+
+@pytest.mark.parametrize("seq_dim", [2, 1])
+def test_rope_rotation_is_rotate_half_and_its_gradient_the_inverse_rotation(seq_dim, monkeypatch):
+    """The eager rotation (each half written into the output) against HF's x cos + rotate_half(x) sin in float64,
+    in both layouts ([b, h, s, d] and [b, s, h, d]), with gradcheck on the hand-written backward; and the formula
+    the compiler traces (the plain ops) equals it."""
+    rope = rope_cache(8, 12, 1e4).double()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 12, 8, dtype=torch.float64, generator=gen)  # [b, h, s, d]
+    cos, sin = rope[0], rope[1]
+    expected = x * cos + torch.cat([-x[..., 4:], x[..., :4]], dim=-1) * sin
+
+    def rotated(t):
+        t = t if seq_dim == 2 else t.transpose(1, 2)
+        out = apply_rope(t, rope, seq_dim=seq_dim)
+        return out if seq_dim == 2 else out.transpose(1, 2)
+
+    torch.testing.assert_close(rotated(x), expected, rtol=0, atol=1e-15)
+    assert torch.autograd.gradcheck(rotated, (x.clone().requires_grad_(),))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(rotated(x), expected, rtol=0, atol=1e-15)

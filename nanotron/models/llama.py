@@ -43,11 +43,47 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float, device: torch.devi
     return torch.stack([angles.cos(), angles.sin()])
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotates split halves (HF's rotate_half), x: [batch, heads, seq, head_dim]."""
-    cos, sin = rope[0, : x.shape[2]].to(x.dtype), rope[1, : x.shape[2]].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def apply_rope(x: torch.Tensor, rope: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
+    """Rotates split halves (HF's rotate_half) by the angles of `rope`'s rows: x is [batch, heads, seq, head_dim]
+    (`seq_dim` 2) or [batch, seq, heads, head_dim] (`seq_dim` 1: before the heads are transposed, where the rows
+    are contiguous and the rotation streams through memory)."""
+    half = x.shape[-1] // 2
+    cos, sin = rope[0, : x.shape[seq_dim], :half].to(x.dtype), rope[1, : x.shape[seq_dim], :half].to(x.dtype)
+    if seq_dim == 1:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if torch.compiler.is_compiling():  # traced: the plain formula, which the compiler fuses into one kernel
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return _Rotation.apply(x, cos, sin)
+
+
+class _Rotation(torch.autograd.Function):
+    """RoPE's rotation in eager mode: each half written straight into the output (no rotated copy of x, no
+    negation, no concatenation: 2 passes over x instead of 5, and fewer fresh buffers); its gradient is the
+    rotation by the opposite angles. Nothing of x is saved: only the (small) cos and sin rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1.0), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """[x1 cos - sign x2 sin, x2 cos + sign x1 sin] for x's halves x1, x2, in a new tensor laid out like x."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=first)
+    first.addcmul_(x2, sin, value=-sign)
+    torch.mul(x2, cos, out=second)
+    second.addcmul_(x1, sin, value=sign)
+    return out
 
 
 class Attention(nn.Module):
@@ -70,9 +106,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k = apply_rope(q, rope, seq_dim=1).transpose(1, 2), apply_rope(k, rope, seq_dim=1).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.core(q, k, v, doc)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
