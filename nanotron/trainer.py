@@ -26,7 +26,7 @@ from nanotron.data import build_train_loader, loader_batches, open_corpus
 from nanotron.data.skips import write_run_skips
 from nanotron.errors import DivergenceError, NodeFaultError, UserError
 from nanotron.evaluation.evaluator import Evaluator
-from nanotron.gpu import set_matmul_precision
+from nanotron.gpu import keep_freed_host_memory, set_matmul_precision
 from nanotron.io import write_atomic
 from nanotron.metrics.activations import ActivationStats
 from nanotron.metrics.logger import MetricsLogger
@@ -107,6 +107,9 @@ class Trainer:
         self.ctx: ParallelContext = init_distributed(cfg)
         self.cfg = cfg = agree_on_regather(cfg, self.ctx.device)  # 'auto' was resolved by each rank on its own
         set_matmul_precision(cfg, self.ctx.device)
+        host_memory = keep_freed_host_memory(self.ctx.device)
+        if host_memory and self.ctx.rank == 0:
+            say(host_memory)
         if cfg.training.preflight:  # bad nodes stop the job before anything is built
             preflight(cfg, self.ctx)
         self.corpus = open_corpus(cfg)
