@@ -36,6 +36,14 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def wraps(dp_mesh: DeviceMesh, dtype: str, expert_dp_mesh: DeviceMesh | None = None) -> bool:
+    """Whether `apply_fsdp` wraps the model: not for one data-parallel rank in fp32, where there is nothing to
+    shard, reduce or cast, and FSDP's per-layer hooks and parameter copies cost ~6 % of a small CPU step
+    (configs/tiny.toml's 0.43 s against 0.405 s, the same losses). bf16 keeps it: its mixed precision is FSDP's."""
+    alone = dp_mesh.size() == 1 and (expert_dp_mesh is None or expert_dp_mesh.size() == 1)
+    return not (alone and dtype == "float32")
+
+
 def apply_fsdp(
     model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str, expert_dp_mesh: DeviceMesh | None = None
 ) -> None:
@@ -46,6 +54,8 @@ def apply_fsdp(
     params between forward and backward; 3 frees them after forward (re-gathers in backward).
     """
     policy = mixed_precision(dtype)
+    if not wraps(dp_mesh, dtype, expert_dp_mesh):
+        return
     if expert_dp_mesh is not None:
         _shard_experts(model, expert_dp_mesh, zero_stage, policy)
     if zero_stage == 0:
@@ -107,7 +117,7 @@ class GradientSync:
 
     def _fsdp_in(self, module: FSDPModule) -> list[FSDPModule]:
         found = self._fsdp_modules.get(id(module))
-        if found is None or found[0] is not module:
+        if found is None or (found and found[0] is not module):
             found = self._fsdp_modules[id(module)] = [m for m in module.modules() if isinstance(m, FSDPModule)]
         return found
 
