@@ -136,11 +136,13 @@ if sys.argv[1] == "keep":
     assert keep_freed_host_memory(torch.device("cpu"), environ={})
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):  # a step's activations: 48 MiB (above glibc's own 32 MiB ceiling), freed, made again
+counts = []
+for _ in range(5):  # a step's activations: 48 MiB (above glibc's own 32 MiB ceiling), freed, made again
     # (the 2nd allocation misses the 1st's exact-size free chunk by posix_memalign's slack; the 3rd fits)
     before = faults()
     torch.ones(12 << 20)
-print(faults() - before)
+    counts.append(faults() - before)
+print(min(counts[2:]))  # the steady state's best: a page fault of the machine's own (reclaim) is not the setting's
 """
 
 
@@ -157,5 +159,5 @@ def test_freed_activations_come_back_without_page_faults():
         assert run.returncode == 0, run.stderr
         return int(run.stdout)
 
-    assert refaults("default") > 10_000
-    assert refaults("keep") < 1_000
+    default, keep = refaults("default"), refaults("keep")
+    assert default > 10_000 and keep < 1_000, f"page faults per 48 MiB re-allocation: {default} by default, {keep} kept"
