@@ -135,7 +135,8 @@ def keep_freed_host_memory(device: torch.device, environ: Mapping[str, str] = os
     up to 1 GiB of free heap is kept; peak memory is unchanged (freed memory is reused, not added). The same
     idea as the jemalloc settings of PyTorch's CPU launcher (`torch.backends.xeon.run_cpu`). Nothing is changed
     on CUDA devices, where the host allocates little per step, or where the user set glibc's malloc variables
-    (MALLOC_*_ or GLIBC_TUNABLES), or without glibc. The line to print, or None when nothing was changed."""
+    (MALLOC_*_ or GLIBC_TUNABLES), or without glibc. What to say on the run's opening line, or None when nothing
+    was changed."""
     if device.type != "cpu" or any(name in environ for name in _USER_MALLOC_SETTINGS):
         return None
     try:
@@ -145,8 +146,8 @@ def keep_freed_host_memory(device: torch.device, environ: Mapping[str, str] = os
     if mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) != 1 or mallopt(M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD) != 1:
         return None
     return (
-        f"host memory: glibc malloc keeps freed buffers for reuse (mmap threshold {HOST_MMAP_THRESHOLD >> 20} MiB, "
-        f"trim threshold {HOST_TRIM_THRESHOLD >> 30} GiB; set MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES to choose)"
+        f"host memory kept for reuse (glibc malloc: mmap threshold {HOST_MMAP_THRESHOLD >> 20} MiB, trim "
+        f"{HOST_TRIM_THRESHOLD >> 30} GiB; MALLOC_*_ or GLIBC_TUNABLES to choose)"
     )
 
 

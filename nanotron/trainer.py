@@ -107,9 +107,7 @@ class Trainer:
         self.ctx: ParallelContext = init_distributed(cfg)
         self.cfg = cfg = agree_on_regather(cfg, self.ctx.device)  # 'auto' was resolved by each rank on its own
         set_matmul_precision(cfg, self.ctx.device)
-        host_memory = keep_freed_host_memory(self.ctx.device)
-        if host_memory and self.ctx.rank == 0:
-            say(host_memory)
+        self.host_memory = keep_freed_host_memory(self.ctx.device)  # said on the run's opening line
         if cfg.training.preflight:  # bad nodes stop the job before anything is built
             preflight(cfg, self.ctx)
         self.corpus = open_corpus(cfg)
@@ -327,7 +325,8 @@ class Trainer:
         if self.ctx.rank == 0:
             write_atomic(cfg.run_dir / "config.toml", to_toml(cfg), durable=False)
         self.loader_iter = self.data_iterator()
-        self.metrics.info(run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step))
+        opening = run_line(cfg, self.corpus, self.ctx.world_size, self.ctx.device, self.state.step)
+        self.metrics.info(opening + (f" | {self.host_memory}" if self.host_memory else ""))
         if self.state.step == 0 and cfg.checkpoint.save_initial_state:
             self.checkpoints.save(0)
         self.carry_out(self.evaluator.start(self.state.step))

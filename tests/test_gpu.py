@@ -116,7 +116,8 @@ def test_cpu_runs_keep_freed_host_memory_unless_the_user_chose():
     libc = FakeLibc()
     line = keep_freed_host_memory(torch.device("cpu"), environ={}, libc=libc)
     assert libc.calls == [(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD)]
-    assert line.startswith("host memory: glibc malloc keeps freed buffers") and "GLIBC_TUNABLES" in line
+    assert line.startswith("host memory kept for reuse (glibc malloc: mmap threshold 256 MiB")
+    assert "GLIBC_TUNABLES" in line
     for device, environ in (
         (torch.device("cuda", 0), {}),  # the host allocates little per step on a GPU
         (torch.device("cpu"), {"MALLOC_TRIM_THRESHOLD_": "0"}),
