@@ -99,7 +99,7 @@ class GradientSync:
     zero_stage: int
     # Each model's FSDP modules, found once: walking the module tree (and FSDP's setters walk it again with
     # `recurse=True`) twice per microbatch cost ~0.5 ms at 8 layers, growing with depth.
-    _fsdp_modules: dict[int, list[FSDPModule]] = field(default_factory=dict, compare=False, repr=False)
+    _fsdp_modules: dict[int, tuple[object, list[FSDPModule]]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def every_microbatch(self) -> bool:
@@ -116,9 +116,10 @@ class GradientSync:
             each.set_reshard_after_backward(reshard, recurse=False)
 
     def _fsdp_in(self, module: FSDPModule) -> list[FSDPModule]:
-        found = self._fsdp_modules.get(id(module))
-        if found is None or (found and found[0] is not module):
-            found = self._fsdp_modules[id(module)] = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        owner, found = self._fsdp_modules.get(id(module), (None, []))
+        if owner is not module:  # first seen, or another module now has that id; [] for a model FSDP left alone
+            found = [m for m in module.modules() if isinstance(m, FSDPModule)]
+            self._fsdp_modules[id(module)] = (module, found)
         return found
 
 
