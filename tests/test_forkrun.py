@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import TINY_MODEL, read_metrics, run_train
@@ -26,11 +27,17 @@ def test_a_rank_killed_mid_run_ends_the_launch_with_1_and_no_rank_left(tiny_data
 def test_a_process_a_test_leaves_running_is_killed_and_named_when_the_test_ends():
     """tests/conftest.py: a test that fails or times out mid-run leaves no ranks running beside the next tests,
     including a rank in a session of its own (as forkrun's and torchrun's are)."""
-    from conftest import _ends_its_processes
+    from conftest import TEST_VARIABLE, _ends_its_processes
 
     with pytest.warns(UserWarning, match=r"the test left 1 process\(es\) running; killed"):
         with _ends_its_processes("the test"):
             proc = subprocess.Popen(["sleep", "600"], env=os.environ.copy(), start_new_session=True)  # exec'd
+            # Popen returns as exec closes its pipe, before the kernel has written the new program's environment
+            # (/proc/PID/environ reads empty for that moment: ~5 % of starts here): wait for a running program
+            marker, environ = f"{TEST_VARIABLE}={os.environ[TEST_VARIABLE]}".encode(), Path(f"/proc/{proc.pid}/environ")
+            deadline = time.monotonic() + 10
+            while marker not in environ.read_bytes().split(b"\0") and time.monotonic() < deadline:
+                time.sleep(0.001)
     assert proc.wait(timeout=10) == -signal.SIGKILL
 
 
