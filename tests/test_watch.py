@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -227,7 +228,41 @@ def test_a_rank_that_skips_the_step_collective_is_named_in_one_line(tiny_data, t
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr[-3000:]
     node = os.uname().nodename
-    assert f"rank 2 (node {node}) died: killed by signal 6 (SIGABRT) at step 3 (optimizer)" in stderr, stderr[-3000:]
+    died = (
+        f"rank 2 (node {node}) died: killed by signal 6 (SIGABRT) at step 3 (optimizer) while the main thread was in "
+    )
+    assert died in stderr, stderr[-3000:]  # gloo's own thread aborts: the main thread's line, from its stacks
+    (incident,) = (tmp_path / "skip_collective" / "incidents").iterdir()
+    stacks = (incident / "rank-2.fatal.txt").read_text()
+    assert stacks.startswith("Fatal Python error: Aborted") and "in mean_loss" in stacks, stacks
+
+
+def test_the_line_a_rank_died_in_is_read_from_its_fatal_signal_stacks(tmp_path):
+    """A segfault in a Python thread: `faulthandler` (as each rank enables it) names it the current thread, and
+    the launcher's line names its innermost frame (the segfaulting call), not another thread's; without a current
+    thread (a C++ thread's abort, as in the test above) the main thread's, not an idle helper's."""
+    from nanotron.launch.torchrun import crash_site
+
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import ctypes, faulthandler, sys, threading, time\n"
+        "faulthandler.enable(file=open(sys.argv[1], 'w'), all_threads=True)\n"
+        "def crash():\n"
+        "    ctypes.memset(0, 0, 8)\n"
+        "def idle():\n"
+        "    time.sleep(60)\n"
+        "threading.Thread(target=idle, daemon=True).start()\n"
+        "thread = threading.Thread(target=crash)\n"
+        "thread.start()\n"
+        "thread.join()\n"
+    )
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "fatal.txt")], capture_output=True)
+    assert proc.returncode == -signal.SIGSEGV
+    stacks = (tmp_path / "fatal.txt").read_text()
+    assert crash_site(stacks) == f" in {script}:4 (crash)", stacks
+    main_only = "\n\n".join(b for b in stacks.split("\n\n") if not b.startswith("Current thread"))
+    assert re.fullmatch(r" while the main thread was in threading\.py:\d+ \(\w+\)", crash_site(main_only)), main_only
+    assert crash_site("") == ""
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -31,7 +32,7 @@ from nanotron.console import say
 from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, SpikeError, UserError, incident_dir
 from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
 from nanotron.watch.faults import ATTEMPT_VARIABLE
-from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE, info_path, read_slot, slot_path
+from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE, fatal_path, info_path, read_slot, slot_path
 from nanotron.watch.nodes import node_name
 from nanotron.watch.suspects import record_fault
 from nanotron.watch.watcher import VERDICT
@@ -112,10 +113,11 @@ def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
 
 def _report_death(error, watch_dir: Path) -> int | None:
     """When a worker was killed by a signal (SIGKILL by the OOM killer or by hand, a segfault; not the SIGTERM with
-    which torchrun ends the others): one line naming its rank, node, signal and the step its heartbeat last showed;
-    torchrun's table and the other ranks' tracebacks (they only lost their peer) go to
-    `<run dir>/incidents/launch-<pid>-<attempt>/`. Exit code 1. (torchrun's own "first failure" compares whole
-    seconds and picks the lowest rank on a tie, which is usually a survivor.)"""
+    which torchrun ends the others): one line naming its rank, node, signal, the step its heartbeat last showed and,
+    for a fatal signal, the Python line it died in; torchrun's table, that rank's stacks and the other ranks'
+    tracebacks (they only lost their peer) go to `<run dir>/incidents/launch-<pid>-<attempt>/`. Exit code 1.
+    (torchrun's own "first failure" compares whole seconds and picks the lowest rank on a tie, which is usually a
+    survivor.)"""
     killed = sorted(
         (f.timestamp, rank, f)
         for rank, f in error.failures.items()
@@ -129,14 +131,43 @@ def _report_death(error, watch_dir: Path) -> int | None:
     node = where.get("node") or node_name()
     line = f"rank {rank} (node {node}) died: killed by signal {-failure.exitcode} ({name})"
     line += f" at step {where['step']} ({where['phase']})" if "step" in where else ""
+    stacks = ""
+    with contextlib.suppress(OSError):
+        stacks = fatal_path(watch_dir, rank).read_text(errors="replace")  # the watch dir goes with the launcher
+    line += crash_site(stacks)
     folder = incident_dir(where.get("run_dir")) if where.get("run_dir") else None
     if folder is not None:
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "summary.txt").write_text(line + "\n\n" + error.format_msg() + "\n")
+            if stacks:
+                (folder / f"rank-{rank}.fatal.txt").write_text(stacks)
             line += f"; details in {folder}"
     print(line, file=sys.stderr, flush=True)
     return 1
+
+
+def crash_site(stacks: str) -> str:
+    """Where `faulthandler`'s dump (threads most recent first, each `  File "PATH", line N in FUNCTION`, innermost
+    frame first) says the rank died, as " in PATH:N (FUNCTION)" for the thread that took the signal, or, when that
+    was a C++ thread (gloo's or NCCL's own: no Python frame to show), " while the main thread was in ..." (the main
+    thread is listed last); "" without a Python frame. PATH is shortened to what follows site-packages/ (the
+    standard library's lib/python3.X/) or the working directory."""
+    blocks = re.split(r"\n(?=Current thread |Thread )", stacks)
+    current = [b for b in blocks if b.startswith("Current thread ")]
+    threads = [b for b in blocks if b.startswith("Thread ")]
+    if current:
+        block, words = current[0], " in"
+    else:
+        block, words = (threads[-1] if threads else ""), " while the main thread was in"
+    match = re.search(r'^\s*File "(.*)", line (\d+) in (.*)$', block, re.MULTILINE)
+    if match is None:
+        return ""
+    path, number, function = match.groups()
+    path = re.sub(r"^.*/(site-packages|lib/python3\.\d+)/", "", path)  # torch/..., threading.py
+    with contextlib.suppress(ValueError):
+        path = str(Path(path).relative_to(Path.cwd()))
+    return f"{words} {path}:{number} ({function})"
 
 
 def _last_heartbeat(watch_dir: Path, rank: int) -> dict:

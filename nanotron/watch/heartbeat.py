@@ -48,6 +48,11 @@ def stacks_path(folder: Path, rank: int) -> Path:
     return Path(folder) / f"rank-{rank}.stacks.txt"
 
 
+def fatal_path(folder: Path, rank: int) -> Path:
+    """Written by `faulthandler` when the rank dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL (else empty)."""
+    return Path(folder) / f"rank-{rank}.fatal.txt"
+
+
 def flight_path(folder: Path, rank: int) -> Path:
     return Path(folder) / f"rank-{rank}.flight.json"
 
@@ -71,6 +76,8 @@ class Heartbeat:
         write_atomic(info_path(folder, rank), json.dumps({**info, "pid": os.getpid(), "node": node_name()}))
         self._stacks = open(stacks_path(folder, rank), "w")  # noqa: SIM115 - faulthandler writes it until exit
         faulthandler.register(STACK_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+        # Until the process ends (a teardown can crash too); the signal then kills it as before (exit code -N).
+        faulthandler.enable(file=open(fatal_path(folder, rank), "w"), all_threads=True)  # noqa: SIM115
         threading.Thread(target=self._serve_dumps, name="nanotron-heartbeat", daemon=True).start()
 
     @classmethod
