@@ -14,6 +14,7 @@ matrix and the other multi-process tests use this one (tests/conftest.py `run_tr
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -60,6 +61,7 @@ def main(nproc: int, args: list[str]) -> int:
                 NANOTRON_LAUNCHER_PID=str(os.getppid()),
             )
             sys.argv = ["nanotron.train", *args]
+            faulthandler.enable(all_threads=True)  # a rank's segfault or abort shows its stacks in the test's output
             run_as_main(train)  # exits the process
         os.close(read)
         ports.append(write)
