@@ -23,7 +23,14 @@ from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.parallel.torch_private import fake_process_group
-from nanotron.plan.memory import stage_memory
+from nanotron.plan.memory import (
+    communication_buffer_bytes,
+    element_bytes,
+    micro_tokens,
+    rank_stages,
+    rank_weights,
+    stage_memory,
+)
 
 # Global batch 16 of one sample: 16 microbatches in one process, 8 per rank at dp=2 (the issue's case).
 EIGHT_MICROBATCHES = ["--training.micro_batch_size=1", "--training.global_batch_size=16", "--training.steps=2"]
@@ -264,14 +271,19 @@ def test_ranks_that_resolved_sp_regather_differently_all_build_it_on(monkeypatch
         (["--training.dtype=bfloat16"], True),  # FSDP's mixed precision is bf16's mechanism, dp = 1 too
         (["--parallelism.dp=2"], True),
         (["--parallelism.dp=2", "--parallelism.zero_stage=0"], True),  # replicate: the gradient all-reduce
+        (["--parallelism.cp=2"], True),  # cp ranks shard the parameters with dp
     ],
 )
 def test_fsdp_wraps_the_model_only_where_it_has_work(overrides, wrapped):
     """FSDP's per-layer hooks and parameter copies cost ~6 % of a small CPU step at dp = 1 in fp32, where they
-    do nothing: every rank of such a layout holds plain modules; bf16 or dp > 1 keeps them."""
+    do nothing: every rank of such a layout holds plain modules; bf16 or dp > 1 keeps them. The plan charges one
+    layer's gradient-reduction buffers (its unsharded gradient and reduce-scatter input) exactly where they exist."""
     from torch.distributed.fsdp import FSDPModule
 
     cfg = load_config(*parse_overrides(["--config", "configs/tiny.toml", *TINY_MODEL, *overrides]))
+    largest, tokens = rank_weights(cfg, rank_stages(cfg, 0)).largest_layer, micro_tokens(cfg)
+    reduction = communication_buffer_bytes(cfg, tokens, largest, 0) - communication_buffer_bytes(cfg, tokens, 0, 0)
+    assert reduction == (largest * (4 + element_bytes(cfg.training.dtype)) if wrapped else 0)
     fake_process_group(rank=0, world_size=cfg.world_size)
     try:
         ctx = ParallelContext(build_mesh(cfg, "cpu"), torch.device("cpu"), 0, cfg.world_size, 0, 0, 0)

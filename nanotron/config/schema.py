@@ -12,7 +12,7 @@ from nanotron.config.data import DataConfig
 from nanotron.config.engines import PP_ENGINES
 from nanotron.config.evaluation import EvaluationConfig
 from nanotron.config.model import ModelConfig
-from nanotron.config.parallelism import DistributedConfig, ParallelismConfig
+from nanotron.config.parallelism import DistributedConfig, ParallelismConfig, fsdp_wraps
 from nanotron.config.resilience import StabilityConfig, WatchConfig
 from nanotron.config.run import CheckpointConfig, JobConfig, LoggingConfig, ProfilerConfig
 from nanotron.config.training import OptimizerConfig, TrainingConfig
@@ -52,6 +52,12 @@ class Config:
         """Ranks in one FSDP group: parallelism.dp_shard, or all of dp when it is 0 (1 under zero_stage 0)."""
         p = self.parallelism
         return 1 if p.zero_stage == 0 else p.dp_shard or p.dp
+
+    @property
+    def wraps_fsdp(self) -> bool:
+        """Whether FSDP2 (replicate under zero_stage 0) wraps the model (`nanotron.parallel.fsdp.wraps`): not for
+        one data-parallel rank (dp x cp) in fp32, where it has nothing to shard, reduce or cast."""
+        return fsdp_wraps(self.parallelism.dp * self.parallelism.cp, self.training.dtype)
 
     @property
     def fsdp_shard_size(self) -> int:

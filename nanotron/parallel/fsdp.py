@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
+from nanotron.config.parallelism import fsdp_wraps
 from nanotron.models.llama import LlamaForCausalLM, decoder_layers
 from nanotron.parallel.expert import expert_shard_dim
 from nanotron.parallel.torch_private import reduce_accumulated_gradients, replicate, stage_backward
@@ -36,12 +37,9 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def wraps(dp_mesh: DeviceMesh, dtype: str, expert_dp_mesh: DeviceMesh | None = None) -> bool:
-    """Whether `apply_fsdp` wraps the model: not for one data-parallel rank in fp32, where there is nothing to
-    shard, reduce or cast, and FSDP's per-layer hooks and parameter copies cost ~6 % of a small CPU step
-    (configs/tiny.toml's 0.43 s against 0.405 s, the same losses). bf16 keeps it: its mixed precision is FSDP's."""
-    alone = dp_mesh.size() == 1 and (expert_dp_mesh is None or expert_dp_mesh.size() == 1)
-    return not (alone and dtype == "float32")
+def wraps(dp_mesh: DeviceMesh, dtype: str) -> bool:
+    """Whether `apply_fsdp` wraps the model on `dp_mesh` (`nanotron.config.parallelism.fsdp_wraps`)."""
+    return fsdp_wraps(dp_mesh.size(), dtype)
 
 
 def apply_fsdp(
@@ -54,7 +52,7 @@ def apply_fsdp(
     params between forward and backward; 3 frees them after forward (re-gathers in backward).
     """
     policy = mixed_precision(dtype)
-    if not wraps(dp_mesh, dtype, expert_dp_mesh):
+    if not wraps(dp_mesh, dtype):
         return
     if expert_dp_mesh is not None:
         _shard_experts(model, expert_dp_mesh, zero_stage, policy)

@@ -428,11 +428,12 @@ def logits_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights: fl
 
 
 def communication_buffer_bytes(cfg: Config, tokens: int, largest_layer: int, embedding_extra: float) -> float:
-    """Collectives' buffers and transients besides the pipeline's: one layer's gradient reduction, the sequence
-    all-gather / reduce-scatter, attention's transients, the expert all-to-all."""
+    """Collectives' buffers and transients besides the pipeline's: one layer's gradient reduction (under FSDP),
+    the sequence all-gather / reduce-scatter, attention's transients, the expert all-to-all."""
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
-    buffers = largest_layer * (FP32 + e)  # one layer's unsharded gradient and its fp32 reduce-scatter input
+    # one layer's unsharded gradient and its fp32 reduce-scatter input (none where FSDP does not wrap the model)
+    buffers = largest_layer * (FP32 + e) if cfg.wraps_fsdp else 0.0
     buffers += embedding_extra
     buffers += 2 * tokens * m.hidden_size * e if p.tp > 1 else 0  # sequence all-gather / reduce-scatter
     buffers += attention_transient_bytes(cfg, tokens)
