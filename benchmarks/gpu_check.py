@@ -22,10 +22,10 @@ Priority order, each row's estimate on one H100 (a guess until the first GPU run
   part 3 (two GPUs; one line "two-GPU part: skipped" with one): dp2 fsdp2 ~68s, dp2 resumed ~63s, cp2 ring ~48s,
     moe ep2 ~48s, moe ep2 overlap ~45s, dp2 float8 all-gather ~97s, tp2 sp float8 gather ~97s,
     tp2 compile async ~97s, qwen3 tp2 sp ~48s, mla tp2 sp ~48s, hang watch ~90s
-  part 4 (one GPU, the rows parts 1 and 2 have no room for): mtp bf16 ~44s
+  part 4 (one GPU, the rows parts 1 and 2 have no room for): mtp bf16 ~44s, qwen3 moe bf16 ~42s
 Part 1 is ~533 s, part 2 ~483 s + the eager row it is checked against (~40 s): each under 9 minutes as estimated.
 Part 3 is ~750 s + its one-GPU references (~270 s): more than one slot; the budget names what is left for a rerun.
-Part 4 is ~44 s (no reference row). The numerics that gate everything come first (eager, compile, the host syncs,
+Part 4 is ~86 s (no reference row). The numerics that gate everything come first (eager, compile, the host syncs,
 the kernels' numerics), then speed rows (float8, selective recompute), then the rest. --quick keeps the order but
 drops the compile, float8, Qwen3, MLA, MTP, checkpoint-mode and host-sync rows.
 
@@ -139,6 +139,15 @@ MOE = [  # each expert a quarter of the dense MLP (1b: 1408 = 5632 / 4; nano: 32
 ]
 
 QWEN3 = ["--model.qk_norm=true", "--model.head_dim=128"]
+
+QWEN3_MOE = [  # Qwen3-MoE's routing: softmax over the experts, top k renormalised, no shared expert, no bias
+    *QWEN3,
+    "--model.moe.num_experts=8",
+    "--model.moe.top_k=2",
+    "--model.moe.router=softmax_topk",
+    "--model.moe.renormalize=true",
+    "--model.moe.moe_intermediate_size=1408",
+]
 
 MLA = [
     "--model.q_lora_rank=512",
@@ -258,8 +267,13 @@ def checks(
             part=4,
             logged=("mtp_loss",),
         ),
+        # Qwen3-MoE (Qwen3's attention with its softmax top-k routing, no shared expert) at the 1B width: learns on
+        # one device through the grouped GEMM path. Part 4 beside mtp: parts 1 and 2 are full.
+        Check("qwen3 moe bf16", 1, QWEN3_MOE, cost=Cost(step_factor=1.1), part=4),
     ]
-    cuda_only = {"host syncs", "qwen3 bf16", "mla bf16", "mtp bf16"} | {c.name for c in rows if c.cost.compile}
+    cuda_only = {"host syncs", "qwen3 bf16", "mla bf16", "mtp bf16", "qwen3 moe bf16"} | {
+        c.name for c in rows if c.cost.compile
+    }
     return [c for c in rows if not (quick and (c.name in cuda_only or c.name.startswith("checkpoint ")))]
 
 

@@ -209,6 +209,23 @@ def test_gpu_check_mtp_row_learns_with_its_mtp_loss_logged_finite_at_every_step(
     assert verdicts == {"ok": [], "missing": ["mtp_loss not logged at steps [2]"], "nan": ["non-finite mtp_loss"]}
 
 
+def test_gpu_check_qwen3_moe_row_is_qwen3_moe_at_the_1b_width():
+    """The qwen3 moe bf16 row (CUDA only, part 4): a valid config of the 1B model with Qwen3-MoE's block, QK-norm
+    at head_dim 128 and softmax top-k routing renormalised over the chosen experts, without DeepSeek's shared
+    expert, sigmoid router or routing bias (what the moe bf16 row already covers)."""
+    from benchmarks.common import model_overrides
+    from nanotron.config import load_config, parse_overrides
+
+    (row,) = [c for c in _gpu_rows() if c.name == "qwen3 moe bf16"]
+    assert row.nproc == 1 and row.part == 4 and row.reference is None
+    cfg = load_config(*parse_overrides([*model_overrides("1b"), "--training.dtype=bfloat16", *row.overrides]))
+    m, moe = cfg.model, cfg.model.moe
+    assert m.qk_norm and m.head_dim == 128 and moe.enabled and moe.num_experts == 8 and moe.top_k == 2
+    assert moe.router == "softmax_topk" and moe.renormalize and moe.num_shared_experts == 0
+    assert moe.bias_update_rate == 0 and moe.moe_intermediate_size == m.intermediate_size // 4
+    assert "qwen3 moe bf16" not in [c.name for c in _gpu_rows(quick=True)]
+
+
 def test_gpu_check_with_one_gpu_skips_the_two_gpu_part_in_one_line(tmp_path, capsys):
     """Rows that need two GPUs are dropped in one line with one GPU; the rest run and the summary says so."""
     from benchmarks.gpu_budget import Cost
