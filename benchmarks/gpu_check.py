@@ -35,9 +35,10 @@ compare step by step. One device: compile off and on, compile with selective rec
 and every other one), and a checkpoint saved mid-run in each `checkpoint.async_mode` (sync, async, async_pinned: the
 step's stall, `save_stall_sec`). With two or more: dp2 (NCCL, FSDP2 ZeRO-3, async_pinned checkpoints every `steps/2`
 steps), a resume from the middle checkpoint, and tp2 with compile and async TP, and cp2 (ring attention over NCCL).
-The kernel rows run in this process: context parallelism's attention (`benchmarks/cp_check.py`: the matmul path in
-float64, then the fused CUDA block kernels, flash and memory-efficient, against float64 at cp 2/4; then speed and
-peak memory against SDPA at 8k, 32k and 128k tokens) and the experts' grouped GEMM (`benchmarks/moe.py`'s kernel
+The kernel rows and the host-sync row run in a child process each (stopped at their time limit, as training rows
+are): context parallelism's attention (`benchmarks/cp_check.py`: the matmul path in float64, then the fused CUDA
+block kernels, flash and memory-efficient, against float64 at cp 2/4; then speed and peak memory against SDPA at
+8k, 32k and 128k tokens) and the experts' grouped GEMM (`benchmarks/moe.py`'s kernel
 check: padded and unpadded groups against the loop at 8 and 64 experts, then speed); with two or more, one MoE layer
 at ep2 (`benchmarks/moe_overlap.py`: DeepSeek-V3's width, top 8, a shared expert) with `parallelism.ep_overlap` on
 against off, its output and gradients within 2e-2 (bf16), then its time each way.
@@ -62,7 +63,7 @@ Each row is checked, and the command exits 1 if any check fails:
   MoE): learns on one device, and its mtp_loss is logged at every step and finite;
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran;
-- host syncs: one device, in this process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
+- host syncs: one device, in a child process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
   except inside the step agreement, the step's one intended host sync (issue 47; on CPU tests/test_train.py counts).
 `--quick` runs a nano model on CPU (gloo for the 2-rank rows, no compile): the script's own smoke test.
 `--only rows` runs the training rows and the kernel checks, `--only watch` the doctor and hang rows (rerun one
@@ -173,7 +174,10 @@ class Check:
     tolerance: tuple[float, float] = (1e-3, 2e-2)
     cost: Cost = Cost()
     part: int = 1  # --part: 1, 2 and 4 the one-GPU rows, 3 the two-GPU ones
-    action: Callable[[], bool] | None = None  # a kernel or doctor row: runs in this process, True when it passed
+    action: Callable[[], bool] | None = None  # a doctor/hang/host-sync row: its own commands, True when it passed
+    # A kernel row: (module, function, arguments), the function run in a child process (so that the row can be stopped
+    # at its time limit or by SIGTERM, as a training row is), True when it passed.
+    kernel: tuple[str, str, tuple] | None = None
     logged: tuple[str, ...] = ()  # metrics the row must log at every step, finite (beside the loss)
     watch: bool = False  # `--only watch`'s rows
     problems: list[str] = field(default_factory=list)
@@ -197,20 +201,26 @@ def checks(
     rows = [
         Check("bf16 eager", 1, []),
         Check("bf16 compile", 1, ["--training.compile=true"], "bf16 eager", cost=compile_),
-        Check("host syncs", 1, [], cost=Cost(False, fixed_sec=30), action=lambda: host_sync_check(common, settings)),
+        Check(
+            "host syncs",
+            1,
+            [],
+            cost=Cost(False, fixed_sec=30),
+            kernel=("benchmarks.gpu_check", "host_sync_check", (list(common), str(settings.work_dir))),
+        ),
         Check(
             "cp attention",  # the ring's CUDA block kernels against float64, then speed and memory (one device)
             1,
             [],
             cost=Cost(False, fixed_sec=cpu(60, 15)),
-            action=lambda: cp_attention_check(device, seq_lens),
+            kernel=("benchmarks.cp_check", "check", (device, seq_lens)),
         ),
         Check(
             "moe grouped GEMM",  # padded groups against the per-expert loop at 8 and 64 experts, then speed
             1,
             [],
             cost=Cost(False, fixed_sec=cpu(20, 5)),
-            action=lambda: moe_kernel_check(device),
+            kernel=("benchmarks.moe", "kernel_check", (device,)),
         ),
         *float8_checks(settings),
         # Selective activation checkpointing under compile (torchtitan's default pairing): its speed and memory
@@ -297,7 +307,7 @@ def two_gpu_checks(settings: argparse.Namespace, device: str, common: list[str],
             2,
             [],
             cost=Cost(False, fixed_sec=45 if not quick else 20),
-            action=lambda: overlap_check(device, 2),
+            kernel=("benchmarks.moe_overlap", "overlap_check", (device, 2)),
             part=3,
         ),
     ]
@@ -716,7 +726,7 @@ ROW_GRACE_SEC = 45.0  # a row started within the budget may overrun it by this m
 def run_one(check: Check, settings: argparse.Namespace, common: list[str], done: dict, limit: float | None) -> dict:
     """One row: a training run checked against its reference, or an in-process kernel/doctor check."""
     timeout = settings.timeout if limit is None else min(settings.timeout, limit)
-    if check.action is None:
+    if check.action is None and check.kernel is None:
         row = run_check(check, settings, common, done, timeout)
         verify(check, row, done)
         print(
@@ -729,34 +739,40 @@ def run_one(check: Check, settings: argparse.Namespace, common: list[str], done:
         )
         return row
     begin = time.perf_counter()
-    try:
-        passed = check.action()
-    except Exception:  # a crash in one check is that row's failure; the rows after it still run
-        traceback.print_exc()
-        passed = False
-    if not passed:
+    if check.kernel is not None:
+        passed, stopped = run_kernel(check.kernel, timeout)
+        if stopped:
+            check.problems.append(stopped)
+    else:
+        try:
+            passed = check.action()
+        except Exception:  # a crash in one check is that row's failure; the rows after it still run
+            traceback.print_exc()
+            passed = False
+    if not passed and not check.problems:
         check.problems.append("failed (its lines above say which)")
     seconds = time.perf_counter() - begin
     print(f"{check.name:20s} ({seconds:.0f} s)  {'; '.join(check.problems) or 'ok'}", flush=True)
     return {"check": check.name, "world": check.nproc, "seconds": seconds, "losses": {}}
 
 
-def cp_attention_check(device: str, seq_lens: tuple[int, ...]) -> bool:
-    from benchmarks.cp_check import check
-
-    return check(device, seq_lens)
-
-
-def moe_kernel_check(device: str) -> bool:
-    from benchmarks.moe import kernel_check
-
-    return kernel_check(device)
-
-
-def overlap_check(device: str, n_devices: int) -> bool:
-    from benchmarks.moe_overlap import overlap_check
-
-    return overlap_check(device, n_devices)
+def run_kernel(kernel: tuple[str, str, tuple], timeout: float) -> tuple[bool, str | None]:
+    """`module.function(*arguments)` in a child process of this interpreter, its lines printed as they come:
+    (whether it returned True, why it was stopped or None). Stopped after `timeout` seconds, or with this process
+    (`Stopped`): a kernel stuck on the device must not hold the GPU slot past its budget."""
+    module, function, arguments = kernel
+    code = f"import sys, {module}\nsys.exit(0 if {module}.{function}(*{arguments!r}) else 1)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    try:
+        return proc.wait(timeout=timeout) == 0, None
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False, f"stopped after {timeout:.0f}s (its time limit, or the budget's end)"
+    except BaseException:
+        proc.kill()  # Stopped (SIGTERM/SIGINT): the kernel does not outlive the check
+        proc.wait()
+        raise
 
 
 def optimizer_line(done: dict[str, dict]) -> str:
@@ -802,17 +818,17 @@ def optimizer_step_line(settings: argparse.Namespace, device: str) -> str:
     )
 
 
-def host_sync_check(common: list[str], settings: argparse.Namespace) -> bool:
+def host_sync_check(common: list[str], work_dir: str) -> bool:
     """A step makes the host wait for the GPU once, in the step agreement (`ParallelContext.agree`): a 5-step run on
-    one device in this process, logging only steps 1 and 5, with every other sync of steps 2-4 (their ends
-    included) an error."""
+    one device in the row's child process, logging only steps 1 and 5, with every other sync of steps 2-4 (their
+    ends included) an error."""
     import torch
 
     from nanotron.config import load_config, parse_overrides
     from nanotron.parallel.mesh import destroy_distributed
     from nanotron.trainer import Trainer
 
-    run = [f"--job.out_dir={settings.work_dir / 'runs'}", "--job.name=gpu_check-host_syncs"]
+    run = [f"--job.out_dir={Path(work_dir) / 'runs'}", "--job.name=gpu_check-host_syncs"]
     cfg = load_config(*parse_overrides([*common, *run, "--training.steps=5", "--logging.log_interval=1000"]))
     trainer = Trainer(cfg)
     checked = {"mode": "default", "agreements": 0}
@@ -842,12 +858,12 @@ def host_sync_check(common: list[str], settings: argparse.Namespace) -> bool:
         problem = f"a host sync outside the step agreement: {str(error).splitlines()[0]}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        stopped = trainer.stop.requested  # the trainer traps SIGTERM/SIGINT while it lives: pass the stop on
+        stopped = trainer.stop.requested  # the trainer traps SIGTERM/SIGINT (Ctrl-C reaches this child too)
         trainer.close()
         destroy_distributed()
-        torch.cuda.empty_cache()
     if stopped:
-        raise Stopped(signal.SIGTERM)
+        print("host syncs: stopped by a signal", flush=True)
+        return False
     print(f"host syncs per step: {'1 (the step agreement)' if problem is None else problem}", flush=True)
     return problem is None
 

@@ -114,7 +114,20 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
 def _gpu_rows(quick: bool = False, n_devices: int = 2) -> list:
     from benchmarks.gpu_check import checks
 
-    return checks(argparse.Namespace(quick=quick, steps=20), "cuda", [], n_devices)
+    return checks(argparse.Namespace(quick=quick, steps=20, work_dir=Path("work")), "cuda", [], n_devices)
+
+
+def test_gpu_check_kernel_rows_name_functions_that_take_their_arguments():
+    """A kernel row's child process imports its module and calls the function on its arguments written as Python
+    literals: checked here for every row, the CUDA-only ones (host syncs) included, which no CPU run starts."""
+    import importlib
+    import inspect
+
+    kernels = [row.kernel for row in _gpu_rows() if row.kernel is not None]
+    assert len(kernels) == 4  # host syncs, cp attention, the grouped GEMM, the ep2 overlap
+    for module, function, arguments in kernels:
+        inspect.signature(getattr(importlib.import_module(module), function)).bind(*arguments)
+        assert eval(repr(arguments)) == arguments  # what the child is given
 
 
 def test_gpu_check_rows_run_in_the_priority_order_and_estimates_its_docstring_states():
@@ -241,6 +254,30 @@ def test_gpu_check_with_one_gpu_skips_the_two_gpu_part_in_one_line(tmp_path, cap
     assert [r["check"] for r in read_csv(tmp_path / "gpu_check.csv")] == ["kernels"]
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert markdown.startswith("gpu_check complete: 1 of 1 rows ran (0 failed)") and "two-GPU part: skipped" in markdown
+
+
+def test_gpu_check_kernel_row_is_stopped_at_its_time_limit_and_the_rows_after_it_run(tmp_path):
+    """Kernel rows (cp attention, the grouped GEMM, the ep2 overlap) run in a child process: one stuck on the device
+    is stopped at its limit (the budget's end) as a training row is, instead of holding the GPU slot; a kernel that
+    returns False is that row's failure."""
+    from benchmarks.gpu_budget import Cost
+    from benchmarks.gpu_check import Check, run_rows
+
+    fixed = Cost(False, fixed_sec=1.0)
+    rows = [
+        Check("stuck kernel", 1, [], cost=fixed, kernel=("time", "sleep", (600,))),
+        Check("failing kernel", 1, [], cost=fixed, kernel=("operator", "truth", (0,))),
+        Check("passing kernel", 1, [], cost=fixed, kernel=("operator", "truth", (1,))),
+    ]
+    settings = argparse.Namespace(budget_minutes=None, quick=True, steps=12, global_batch=8, out=tmp_path, timeout=3)
+    started = time.perf_counter()
+    assert run_rows(rows, settings, [], "one test GPU", None, n_devices=1) == 1
+    assert time.perf_counter() - started < 30
+    assert {r["check"]: r["verdict"] for r in read_csv(tmp_path / "gpu_check.csv")} == {
+        "stuck kernel": "stopped after 3s (its time limit, or the budget's end)",
+        "failing kernel": "failed (its lines above say which)",
+        "passing kernel": "ok",
+    }
 
 
 @pytest.mark.slow
