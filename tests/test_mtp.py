@@ -57,6 +57,63 @@ def test_the_mtp_modules_live_on_the_last_stage_and_the_embeddings_travel_beside
     assert sent.shape[-1] == 2 * cfg.model.hidden_size  # hidden states, then the MTP tokens' embeddings
 
 
+@pytest.mark.parametrize(
+    "recompute, compiled", [("full", False), ("selective", False), ("none", False), ("full", True)]
+)
+def test_the_mtp_block_is_checkpointed_regathered_and_compiled_as_the_model_layers_are(recompute, compiled):
+    """The MTP module's decoder layer (global index num_layers) gets what each model layer gets in `parallelize`:
+    activation checkpointing as parallelism.recompute says for its index (every other layer here), the
+    sequence-parallel re-gather where it is not recomputed (eager only), and torch.compile."""
+    import torch.distributed as dist
+    from torch.distributed._composable import checkpoint
+
+    from nanotron.models.llama import decoder_layers
+    from nanotron.parallel.mesh import ParallelContext, build_mesh
+    from nanotron.parallel.parallelize import parallelize
+    from nanotron.parallel.recompute import recompute_mode
+    from nanotron.parallel.regather import _Regather
+    from nanotron.parallel.torch_private import fake_process_group
+
+    layout = ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter", "--parallelism.sp_regather=on"]
+    layout += [f"--parallelism.recompute={recompute}", "--parallelism.recompute_every=2"]
+    cfg = config("--model.mtp_depth=1", f"--training.compile={str(compiled).lower()}", *layout)
+    fake_process_group(rank=0, world_size=cfg.world_size)
+    try:
+        ctx = ParallelContext(build_mesh(cfg, "cpu"), torch.device("cpu"), 0, cfg.world_size, 0, 0, 0)
+        ((_, model),) = parallelize(cfg, ctx)
+    finally:
+        dist.destroy_process_group()
+    layers = decoder_layers(model)
+    assert [index for index, _ in layers] == [0, 1, 2]  # MLA_MODEL's 2 layers, then the MTP block
+    for index, layer in layers:
+        checkpointed = checkpoint.state(layer) is not None
+        regathered = any(isinstance(getattr(hook, "__self__", None), _Regather) for hook in
+                         layer.self_attn._forward_pre_hooks.values())  # fmt: skip
+        assert checkpointed == (recompute_mode(cfg, index) != "none") == (recompute != "none" and index % 2 == 0)
+        assert regathered == (not checkpointed and not compiled), index
+        assert (layer._compiled_call_impl is not None) == compiled, index
+
+
+def test_a_recomputed_mtp_moe_block_counts_each_routed_token_once():
+    """The MTP module's MoE block under full recompute: its rerun in backward does not add the step's tokens to the
+    expert loads again (which the routing bias learns from), as for the model's MoE layers."""
+    from matrix import MOE
+
+    from nanotron.models.llama import decoder_layers
+    from nanotron.parallel.recompute import apply_recompute
+
+    cfg = config("--model.mtp_depth=1", *MOE)
+    model = LlamaForCausalLM(cfg.model)
+    init_weights(model, seed=0)
+    apply_recompute(model, lambda index: "full")
+    batch = torch.randint(0, cfg.model.vocab_size, (2, cfg.training.seq_len + 1))
+    tokens, _ = mtp_tokens_and_targets(batch, 1)
+    model(batch[:, :-1], mtp_tokens=tokens).float().mean().backward()
+    routed = batch[:, :-1].numel() * cfg.model.moe.top_k
+    loads = {index: layer.mlp.tokens_per_expert.sum().item() for index, layer in decoder_layers(model) if index}
+    assert loads == {1: routed, 2: routed}  # layer 0 is dense (first_dense_layers), 2 is the MTP block
+
+
 @pytest.mark.parametrize("weight", [0.0, 0.3])
 def test_the_training_loss_is_main_plus_the_weight_times_the_mean_of_the_depths_losses(weight):
     """loss = main + lambda / D x sum_k L_k, each L_k over the positions that have a target (at lambda = 0 the main

@@ -88,8 +88,8 @@ def test_layout_matches_one_process(layout, references, tiny_data, tmp_path):
 # Multi-token prediction (depth 1, on MLA + MoE): its module on the last pipeline stage with the MTP tokens'
 # embeddings carried beside the hidden states (the embedding's gradient flowing back through the pipeline), its
 # norms and projection per sequence shard under sequence parallelism, its MoE block's experts split over ep with
-# FSDP ZeRO-3, and under cp the shifted tokens taken from the whole sequence before it is split (a token's t+1 may
-# be in another rank's chunk).
+# FSDP ZeRO-3 and recomputed in full as the model's layers are, and under cp the shifted tokens taken from the
+# whole sequence before it is split (a token's t+1 may be in another rank's chunk).
 # Float8 (emulated): FSDP's float8 all-gather (ZeRO-3: re-gathered in backward with the precomputed scale),
 # sequence-parallel TP with selective recompute, the pipeline; rowwise scales under TP (per-row amaxes of
 # tp-sharded rows and columns).
@@ -102,7 +102,7 @@ FAMILY_LAYOUTS = [
     (MLA, Layout(cp=2)),
     (MTP, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter",))),
     (MTP, Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",))),
-    (MTP, Layout(dp=2, ep=2, flags=("--parallelism.zero_stage=3",))),
+    (MTP, Layout(dp=2, ep=2, flags=("--parallelism.zero_stage=3", "--parallelism.recompute=full"))),
     (MTP, Layout(cp=2)),
     (FLOAT8, Layout(dp=2, flags=("--parallelism.zero_stage=3",))),
     (FLOAT8, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective"))),

@@ -13,7 +13,7 @@ from torch import nn
 
 from nanotron.config import Config
 from nanotron.console import say
-from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.llama import LlamaForCausalLM, decoder_layers
 from nanotron.parallel.context import apply_context_parallel
 from nanotron.parallel.expert import apply_expert_parallel, use_grouped_gemm
 from nanotron.parallel.float8 import check_float8, convert_to_float8, float8_tp_collectives
@@ -56,7 +56,7 @@ def parallelize(cfg: Config, ctx: ParallelContext) -> list[tuple[int, nn.Module]
         if regathers(cfg):
             apply_regather(module, lambda layer: mode_of(layer) != "none")
         if cfg.training.compile:
-            for layer in module.model.layers.values():
+            for _, layer in decoder_layers(module):  # the MTP modules' blocks too
                 layer.compile()
         experts = expert_data_mesh(ctx.mesh, ctx.expert_mesh) if ctx.expert_mesh is not None else None
         apply_fsdp(module, data_parallel_mesh(ctx.mesh), p.zero_stage, cfg.training.dtype, experts)

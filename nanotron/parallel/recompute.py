@@ -21,7 +21,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from nanotron.config import Config
-from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.llama import LlamaForCausalLM, decoder_layers
 from nanotron.models.moe import MoE
 from nanotron.parallel.torch_private import checkpoint_in_place, in_backward_pass, reduced_output_ops
 
@@ -86,10 +86,11 @@ def _every_other_matmul_contexts():
 def apply_recompute(
     model: LlamaForCausalLM, mode_of: Callable[[int], str] = lambda layer: "full", matmuls: str = "all"
 ) -> None:
-    """Hooks the layers in place (parameter names don't change), each as `mode_of(global index)` says
-    (`recompute_mode`): 'none', 'full' or 'selective' (keeping `matmuls`: 'all' or 'every_other')."""
-    for name, layer in model.model.layers.items():
-        mode = mode_of(int(name))
+    """Hooks the layers in place (parameter names don't change), the MTP modules' blocks too, each as
+    `mode_of(global index)` says (`recompute_mode`): 'none', 'full' or 'selective' (keeping `matmuls`: 'all' or
+    'every_other')."""
+    for index, layer in decoder_layers(model):
+        mode = mode_of(index)
         if mode == "none":
             continue
         if mode == "selective" and matmuls == "every_other":

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from nanotron.config import Config
 from nanotron.console import say
+from nanotron.models.llama import decoder_layers
 from nanotron.models.moe import MoE
 
 # Called with each tensor the hooks keep for backward (the shard in place of a gathered input, or any other saved
@@ -68,9 +69,9 @@ def agree_on_regather(cfg: Config, device: torch.device) -> Config:
 
 def apply_regather(model: nn.Module, recomputed: Callable[[int], bool]) -> None:
     """Hooks the attention and dense MLP blocks of every layer of `model` (a whole model or a pipeline stage, after
-    the TP plan) that `recomputed(global index)` says is not checkpointed."""
-    for name, layer in model.model.layers.items():
-        if recomputed(int(name)):
+    the TP plan; the MTP modules' blocks too) that `recomputed(global index)` says is not checkpointed."""
+    for index, layer in decoder_layers(model):
+        if recomputed(index):
             continue
         blocks = [layer.self_attn] + ([] if isinstance(layer.mlp, MoE) else [layer.mlp])
         for block in blocks:

@@ -381,6 +381,8 @@ def activation_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights
     e = element_bytes(cfg.training.dtype)
     sp = sequence_shards(cfg)
     saved = {i: layer_activation_bytes(cfg, tokens, i) for s in stages for i in s.layer_indices}
+    if any(s.last for s in stages):  # the MTP modules' blocks, on the last stage, recomputed as the model's layers
+        saved |= {i: layer_activation_bytes(cfg, tokens, i) for i in range(m.num_layers, m.num_layers + m.mtp_depth)}
     # Backward of a recomputed layer rebuilds what it did not keep: one layer's worth at a time.
     rebuilt = [
         v["none"] - (v["selective"] if recompute_mode(cfg, i) == "selective" else 0.0)
@@ -407,12 +409,16 @@ def activation_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights
 
 def mtp_activation_bytes(cfg: Config, tokens: int) -> float:
     """What the multi-token prediction modules keep for backward per microbatch on the last stage: per depth its
-    decoder layer's activations (not recomputed), the two norms' and the concatenation's inputs and outputs and
-    its final norm's, as for the model's final norm (its logits are in `logits_bytes`)."""
+    decoder layer's activations (recomputed as `recompute_mode` says for index num_layers + k), the two norms' and
+    the concatenation's inputs and outputs and its final norm's, as for the model's final norm (its logits are in
+    `logits_bytes`)."""
     m = cfg.model
     e, sp = element_bytes(cfg.training.dtype), sequence_shards(cfg)
     per_depth = tokens * ((FP32 + e) * 3 * m.hidden_size / sp + 2 * e * m.hidden_size * 2)  # 3 norms, cat, eh_proj
-    return sum(layer_activation_bytes(cfg, tokens, m.num_layers + k)["none"] + per_depth for k in range(m.mtp_depth))
+    return sum(
+        layer_activation_bytes(cfg, tokens, index)[recompute_mode(cfg, index)] + per_depth
+        for index in range(m.num_layers, m.num_layers + m.mtp_depth)
+    )
 
 
 def logits_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights: float) -> tuple[float, float]:

@@ -203,7 +203,10 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
     modes = [recompute_mode(cfg, i) for i in range(m.num_layers)]
-    compute_s, parts = compute_time(cfg, gpu, modes, model_flops, peak, efficiency)
+    # The MTP modules' blocks (index num_layers + k) are recomputed as the model's layers; their own collectives are
+    # not in `traffic`, so their modes join the compute only.
+    mtp_modes = [recompute_mode(cfg, i) for i in range(m.num_layers, m.num_layers + m.mtp_depth)]
+    compute_s, parts = compute_time(cfg, gpu, modes + mtp_modes, model_flops, peak, efficiency)
     # DP moves the worst pipeline rank's tp-local parameters (gathered) and gradients (reduced).
     tp_local = max(_tp_local(cfg, r) for r in range(p.pp))
     comm = traffic(cfg, gpu, gpus_per_node, modes, tp_local)
