@@ -981,6 +981,30 @@ def test_check_builds_each_family_exactly_on_a_512_rank_world_with_every_tp_plan
     assert "could not be resolved" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_the_plan_moves_and_recomputes_an_mtp_block_as_one_more_decoder_layer(recompute):
+    """The step time's collectives (TP, CP, EP) and recompute count each MTP module's block as a decoder layer of
+    the model's kind: configs/mla.toml (MoE layers past the first) at tp 2 x cp 2 x ep 2 with one MTP module moves
+    exactly what the model with one more layer moves, and recomputes as much."""
+    from nanotron.parallel.recompute import recompute_mode
+    from nanotron.plan.timing import cp_gb, ep_gb, tp_gb
+
+    layout = [("parallelism.tp", "2"), ("parallelism.cp", "2"), ("parallelism.dp", "2"), ("parallelism.ep", "2")]
+    layout += [("parallelism.tp_mode", "reduce_scatter"), ("parallelism.recompute", recompute)]
+    deeper = load_config("configs/mla.toml", layout)
+    layers = deeper.model.num_layers
+    deeper.model.num_layers += 1
+    with_mtp = load_config("configs/mla.toml", [*layout, ("model.mtp_depth", "1")])
+    modes = [recompute_mode(deeper, i) for i in range(layers + 1)]
+    assert deeper.model.is_moe_layer(layers) and with_mtp.model.is_moe_layer(layers)
+    for gb in (tp_gb, cp_gb, ep_gb):
+        assert gb(with_mtp, modes) == gb(deeper, modes) > gb(with_mtp, modes[:-1]), gb.__name__
+    gpu = parse_gpu("h100")
+    step, step_deeper = (estimate_step(c, gpu, 8, 0.4) for c in (with_mtp, deeper))
+    assert step.comm["tp"].gb == step_deeper.comm["tp"].gb and step.comm["ep"].gb == step_deeper.comm["ep"].gb
+    assert (step.parts["recompute"] > 0) == (recompute != "none")
+
+
 @pytest.mark.slow
 def test_check_builds_mtp_ranks_exactly_and_the_plan_counts_the_modules_on_the_last_stage():
     """Multi-token prediction in the facts table: configs/mla.toml with one MTP module (a MoE block) on a fake

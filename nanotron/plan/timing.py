@@ -202,11 +202,10 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     peak = peak_tflops(cfg, gpu)[1] * 1e12
     tokens_step = t.global_batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens_step
-    modes = [recompute_mode(cfg, i) for i in range(m.num_layers)]
-    # The MTP modules' blocks (index num_layers + k) are recomputed as the model's layers; their own collectives are
-    # not in `traffic`, so their modes join the compute only.
-    mtp_modes = [recompute_mode(cfg, i) for i in range(m.num_layers, m.num_layers + m.mtp_depth)]
-    compute_s, parts = compute_time(cfg, gpu, modes + mtp_modes, model_flops, peak, efficiency)
+    # Every decoder layer's recompute mode: the model's, then the MTP modules' blocks (index num_layers + k), which
+    # recompute and communicate as the model's layers do.
+    modes = [recompute_mode(cfg, i) for i in range(m.num_layers + m.mtp_depth)]
+    compute_s, parts = compute_time(cfg, gpu, modes, model_flops, peak, efficiency)
     # DP moves the worst pipeline rank's tp-local parameters (gathered) and gradients (reduced).
     tp_local = max(_tp_local(cfg, r) for r in range(p.pp))
     comm = traffic(cfg, gpu, gpus_per_node, modes, tp_local)
@@ -215,7 +214,7 @@ def estimate_step(cfg: Config, gpu: Gpu, gpus_per_node: int, efficiency: float) 
     data_parallel_s = max(compute_s + floor_s, overlapped)
     # CP's K/V ring hides under the attention blocks' own compute (4·seq·hidden forward FLOPs per token, 3x with
     # backward).
-    attention_s = 3 * 4 * t.seq_len * m.hidden_size * tokens_step * m.num_layers / world / (peak * efficiency)
+    attention_s = 3 * 4 * t.seq_len * m.hidden_size * tokens_step * len(modes) / world / (peak * efficiency)
     exposed_cp = max(0.0, comm["cp"].seconds - attention_s)
     # The float8 scales' all-reduce is exposed: it runs between the optimizer step and the first gather.
     scales_s = comm["float8_scales"].seconds if "float8_scales" in comm else 0.0
@@ -351,7 +350,7 @@ def tp_gb(cfg: Config, modes: list[str]) -> float:
     e = element_bytes(t.dtype)
     tokens_micro = micro_tokens(cfg)
     sp = sequence_shards(cfg)
-    units = 8 * m.num_layers + 4 * modes.count("full") + (2 * modes.count("selective") if sp > 1 else 0)
+    units = 8 * len(modes) + 4 * modes.count("full") + (2 * modes.count("selective") if sp > 1 else 0)
     if regathers(cfg):
         units += sum(1 + (not is_moe_layer(m, i)) for i, mode in enumerate(modes) if mode == "none")
     tp_bytes = t.grad_accum_steps * (units / p.pp + 2) * tokens_micro * m.hidden_size * e
@@ -379,7 +378,7 @@ def cp_gb(cfg: Config, modes: list[str]) -> float:
     kv_block = tokens_micro * kv_bytes_per_token(m, 1)["expanded"] / p.tp  # elements; MLA: the expanded K/V
     forward = (p.cp - 1) * kv_block * e
     cp_layer = 2 * forward + p.cp * kv_block * FP32
-    layers_per_rank = m.num_layers / p.pp
+    layers_per_rank = len(modes) / p.pp
     cp_bytes = t.grad_accum_steps * (layers_per_rank * cp_layer + recomputed / p.pp * forward) if p.cp > 1 else 0
     return cp_bytes / 1e9
 
@@ -392,7 +391,7 @@ def ep_gb(cfg: Config, modes: list[str]) -> float:
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     e = element_bytes(t.dtype)
     tokens_micro = micro_tokens(cfg)
-    moe = [is_moe_layer(m, i) for i in range(m.num_layers)]
+    moe = [is_moe_layer(m, i) for i in range(len(modes))]
     moe_units = sum(4 * is_moe + 2 * (is_moe and mode != "none") for is_moe, mode in zip(moe, modes)) / p.pp
     routed = m.moe.top_k * tokens_micro * m.hidden_size * e * (p.ep - 1) / p.ep
     ep_bytes = t.grad_accum_steps * moe_units * routed if p.ep > 1 else 0
