@@ -139,7 +139,7 @@ def test_a_float8_checkpoint_is_ordinary_and_resumes_with_or_without_float8_at_a
 def test_fsdp_float8_scales_are_precomputed_from_the_current_weights():
     """One process, FSDP (zero 1) with float8 all-gather: after `precompute_float8_scales` each converted weight
     carries torchao's tensorwise scale of its current values (e4m3's max / amax), which the next all-gather uses.
-    In bf16: one fp32 process is not wrapped in FSDP at all (`nanotron.parallel.fsdp.wraps`)."""
+    In bf16: one fp32 process is not wrapped in FSDP at all (`nanotron.config.parallelism.fsdp_wraps`)."""
     cfg = config("--training.float8=tensorwise", "--parallelism.zero_stage=1", "--training.dtype=bfloat16")
     ctx = init_distributed(cfg)
     try:

@@ -55,7 +55,7 @@ class Config:
 
     @property
     def wraps_fsdp(self) -> bool:
-        """Whether FSDP2 (replicate under zero_stage 0) wraps the model (`nanotron.parallel.fsdp.wraps`): not for
+        """Whether FSDP2 (replicate under zero_stage 0) wraps the model (`nanotron.parallel.fsdp.apply_fsdp`): not for
         one data-parallel rank (dp x cp) in fp32, where it has nothing to shard, reduce or cast."""
         return fsdp_wraps(self.parallelism.dp * self.parallelism.cp, self.training.dtype)
 

@@ -17,6 +17,7 @@ deferring every reduction to the step's end.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -37,11 +38,6 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def wraps(dp_mesh: DeviceMesh, dtype: str) -> bool:
-    """Whether `apply_fsdp` wraps the model on `dp_mesh` (`nanotron.config.parallelism.fsdp_wraps`)."""
-    return fsdp_wraps(dp_mesh.size(), dtype)
-
-
 def apply_fsdp(
     model: LlamaForCausalLM, dp_mesh: DeviceMesh, zero_stage: int, dtype: str, expert_dp_mesh: DeviceMesh | None = None
 ) -> None:
@@ -52,7 +48,7 @@ def apply_fsdp(
     params between forward and backward; 3 frees them after forward (re-gathers in backward).
     """
     policy = mixed_precision(dtype)
-    if not wraps(dp_mesh, dtype):
+    if not fsdp_wraps(dp_mesh.size(), dtype):  # one fp32 data-parallel rank: nothing to shard, reduce or cast
         return
     if expert_dp_mesh is not None:
         _shard_experts(model, expert_dp_mesh, zero_stage, policy)
@@ -97,7 +93,10 @@ class GradientSync:
     zero_stage: int
     # Each model's FSDP modules, found once: walking the module tree (and FSDP's setters walk it again with
     # `recurse=True`) twice per microbatch cost ~0.5 ms at 8 layers, growing with depth.
-    _fsdp_modules: dict[int, tuple[object, list[FSDPModule]]] = field(default_factory=dict, compare=False, repr=False)
+    # Keyed weakly by the model: a model built later never finds a dead one's list.
+    _fsdp_modules: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, compare=False, repr=False
+    )
 
     @property
     def every_microbatch(self) -> bool:
@@ -114,11 +113,9 @@ class GradientSync:
             each.set_reshard_after_backward(reshard, recurse=False)
 
     def _fsdp_in(self, module: FSDPModule) -> list[FSDPModule]:
-        owner, found = self._fsdp_modules.get(id(module), (None, []))
-        if owner is not module:  # first seen, or another module now has that id; [] for a model FSDP left alone
-            found = [m for m in module.modules() if isinstance(m, FSDPModule)]
-            self._fsdp_modules[id(module)] = (module, found)
-        return found
+        if module not in self._fsdp_modules:  # [] for a model FSDP left alone
+            self._fsdp_modules[module] = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        return self._fsdp_modules[module]
 
 
 class ZeroPipelineStage(PipelineStage):
