@@ -224,6 +224,9 @@ def train_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         **(os.environ if base is None else base),
         "OMP_NUM_THREADS": "1",
+        # A rank killed by a fatal signal (SIGSEGV, SIGABRT) prints every thread's Python stack into the output
+        # the failing test shows: without it, a crash under load leaves only torchrun's exit code.
+        "PYTHONFAULTHANDLER": "1",
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": str(REPO),

@@ -236,10 +236,11 @@ def relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 def assert_matches(run: Run, ref: Run, family: Family) -> str:
     """Every quantity the reference logged, within RTOL; returns a line of the measured differences."""
     assert len(run.losses) == len(ref.losses) == family.steps
-    assert run.losses == pytest.approx(ref.losses, rel=RTOL, abs=0)
+    assert run.losses == pytest.approx(ref.losses, rel=RTOL, abs=0), ("losses", run.losses, ref.losses)
     for key in ("eval_loss", "grad_norm", "mtp_loss"):  # grad_norm: the global norm over every shard, before clipping
         assert len(run.series(key)) == len(ref.series(key)), key
-        assert run.series(key) == pytest.approx(ref.series(key), rel=RTOL, abs=0), key
+        got, want = run.series(key), ref.series(key)
+        assert got == pytest.approx(want, rel=RTOL, abs=0), (key, got, want)
     # Downstream evaluation on the layout: every (item, choice) log-likelihood, items split over dp unevenly.
     assert run.items == pytest.approx(ref.items, rel=RTOL, abs=0)
     # The activation statistics, reduced from each rank's shards.
