@@ -7,7 +7,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from nanotron.config import ModelConfig
-from nanotron.models.llama import LlamaForCausalLM, apply_rope, rope_cache
+from nanotron.models.llama import LlamaForCausalLM, RMSNorm, apply_rope, rms_norm, rope_cache
 from nanotron.models.shapes import flops_per_token, layer_shapes, num_params, root_shapes
 from nanotron.parallel.init import init_weights
 
@@ -234,3 +234,73 @@ def test_rope_rotation_is_rotate_half_and_its_gradient_the_inverse_rotation(seq_
     assert torch.autograd.gradcheck(rotated, (x.clone().requires_grad_(),))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(rotated(x), expected, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    "dtype, weight_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
+def test_rms_norm_is_the_plain_formula_bit_for_bit_and_keeps_only_its_input_and_1_over_rms(dtype, weight_dtype):
+    """The eager RMSNorm (an autograd function) against the plain formula (HF's, which the compiler traces): the
+    same output bits and the same gradient bits for input and weight as autograd gives the plain formula (so no
+    layout, float8 row or HF comparison sees the change), in fp32, bf16, and bf16 under an fp32 weight; and for
+    backward it keeps only its input and one fp32 1/rms per row (the plain formula also keeps the fp32 input and
+    the normalised value)."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(3, 5, 64), (2, 33, 256)]:
+        norm = RMSNorm(shape[-1], 1e-5).to(weight_dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(shape[-1], generator=gen) + 0.5)
+        x = (torch.randn(shape, generator=gen) * 3).to(dtype).requires_grad_()
+
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(saved_into(saved), lambda t: t):
+            out = norm(x)
+        grad = torch.randn(out.shape, generator=gen).to(out.dtype)
+        out.backward(grad)
+        kept = sum(t.numel() * t.element_size() for t in saved if not isinstance(t, torch.nn.Parameter))
+        assert kept == x.numel() * x.element_size() + x[..., 0].numel() * 4, [(t.shape, t.dtype) for t in saved]
+
+        plain_x, plain_w = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+        expected = rms_norm(plain_x, plain_w, 1e-5)
+        expected.backward(grad)
+        assert torch.equal(out, expected)
+        assert torch.equal(x.grad, plain_x.grad)
+        assert torch.equal(norm.weight.grad, plain_w.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mla"])
+def test_a_model_with_the_eager_rms_norm_has_the_plain_formulas_loss_and_gradients_bit_for_bit(
+    dtype, family, monkeypatch
+):
+    """In a whole model (norms beside the residual stream, the final norm, Qwen3's QK-norm, MLA's latent norms) the
+    eager RMSNorm's loss and every parameter's gradient equal the plain formula's (the compiler's path) bit for
+    bit: the order in which the norm's gradient pieces reach the residual stream is autograd's for the plain
+    formula too."""
+    cfg = {"llama": small_config, "qwen3": qwen3_config, "mla": mla_config}[family]()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager_loss, eager = loss_and_grads()
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: rms_norm(x, self.weight, self.eps))
+    plain_loss, plain = loss_and_grads()
+    assert torch.equal(eager_loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(eager, plain, strict=True))
+
+
+def saved_into(saved: list[torch.Tensor]):
+    """A pack hook for saved_tensors_hooks that records each tensor autograd saves."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    return pack

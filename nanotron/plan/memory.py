@@ -215,14 +215,13 @@ def in_flight(cfg: Config, pp_rank: int) -> float:
 def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str, float]:
     """What one decoder layer keeps for backward for `tokens` tokens, by `parallelism.recompute` mode.
 
-    none: each RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its normalised value in the
-    compute dtype; the q/k/v and gate/up projections save the norm output (with parallelism.sp_regather on, its
-    sequence shard, gathered again in backward); attention saves roped q, k, v, its output and the fp32
-    log-sum-exp (multi-head latent attention: keys and values expanded per head, values v_head_dim wide, plus its
-    latents' norms on every tp rank); the MLP saves gate, up, silu(gate) and their product. A mixture of experts
-    (layer `index`) runs on every tp rank's whole sequence: it saves the gathered input (sequence parallel), the
-    fp32 router scores, and per routed copy (top_k per token) the permuted input, the expert's gate/up, silu and
-    product, and its output; plus its shared experts' MLP.
+    none: each RMSNorm saves its input and each row's 1/rms (fp32); the q/k/v and gate/up projections save the norm
+    output (with parallelism.sp_regather on, its sequence shard, gathered again in backward); attention saves roped
+    q, k, v, its output and the fp32 log-sum-exp (multi-head latent attention: keys and values expanded per head,
+    values v_head_dim wide, plus its latents' norms on every tp rank); the MLP saves gate, up, silu(gate) and their
+    product. A mixture of experts (layer `index`) runs on every tp rank's whole sequence: it saves the gathered
+    input (sequence parallel), the fp32 router scores, and per routed copy (top_k per token) the permuted input, the
+    expert's gate/up, silu and product, and its output; plus its shared experts' MLP.
     full: only the layer's input (this rank's sequence shard).
     selective: the input, plus what the policy keeps (`nanotron.parallel.recompute.KEPT`): the q/k/v, o, gate,
     up and down matmul outputs (o and down before their reduction: the full sequence), attention's output and
@@ -238,19 +237,20 @@ def layer_activation_bytes(cfg: Config, tokens: int, index: int = 0) -> dict[str
     q = m.num_heads * m.head_dim
     kv = m.num_kv_heads * m.head_dim
     heads = q + kv + m.num_kv_heads * m.value_dim + m.num_heads * m.value_dim  # roped q, k, v and the output
-    # MLA: the latents' norms (fp32 input and output), replicated on every tp rank
-    latents = (FP32 + e) * (m.q_lora_rank + m.kv_lora_rank)
+    # MLA: the latents' norms (input and 1/rms) and outputs (kept by the up-projections), replicated on every tp rank
+    latents = 2 * e * (m.q_lora_rank + m.kv_lora_rank) + FP32 * ((m.q_lora_rank > 0) + (m.kv_lora_rank > 0))
     i = m.intermediate_size
     # With parallelism.sp_regather on, a layer that is not recomputed keeps the shard of each gathered norm output
     # and gathers it again in backward (`nanotron.parallel.regather`); a mixture of experts keeps its own gather.
     regather = regathers(cfg)
     gathered = e * h / sp if regather else e * h
-    norms = 2 * ((FP32 + e) * h / sp + gathered)
+    norms = 2 * ((e * h + FP32) / sp + gathered)
     if regather and m.mla:  # MLA's replicated down-projections take the gathered input as a plain tensor: kept whole
         norms += e * h - gathered
     if regather and is_moe_layer(m, index):
         norms += e * h - gathered
-    qk_norm = (FP32 + e) * (q + kv) / tp if m.qk_norm else 0.0  # each norm keeps its fp32 input and its output
+    # each head's norm keeps its input and 1/rms (fp32); RoPE keeps nothing of its output
+    qk_norm = (e * (q + kv) + FP32 * (m.num_heads + m.num_kv_heads)) / tp if m.qk_norm else 0.0
     attention = e * heads / tp + FP32 * m.num_heads / tp + qk_norm + latents
     mlp = 4 * e * i / tp
     reduced = (e * h / tp if sp > 1 else e * h) if tp > 1 else 0.0  # a row-parallel linear's reduced output
@@ -399,7 +399,7 @@ def activation_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights
         held += 0 if stage.last else crossing  # output, kept for backward
         held += tokens * 8 * (1 + m.mtp_depth) if stage.first else 0  # token ids
         if stage.last:
-            held += tokens * ((FP32 + e) * m.hidden_size / sp + e * m.hidden_size)  # final norm
+            held += tokens * ((e * m.hidden_size + FP32) / sp + e * m.hidden_size)  # final norm, its output
             held += mtp_activation_bytes(cfg, tokens)
         # Measured with torch 2.13: after a pipelined step the first stage still holds most of one microbatch's
         # saved activations (not freed by gc) until the next step replaces them; count one more microbatch.
@@ -414,7 +414,7 @@ def mtp_activation_bytes(cfg: Config, tokens: int) -> float:
     `logits_bytes`)."""
     m = cfg.model
     e, sp = element_bytes(cfg.training.dtype), sequence_shards(cfg)
-    per_depth = tokens * ((FP32 + e) * 3 * m.hidden_size / sp + 2 * e * m.hidden_size * 2)  # 3 norms, cat, eh_proj
+    per_depth = tokens * (3 * (e * m.hidden_size + FP32) / sp + 2 * e * m.hidden_size * 2)  # 3 norms, cat, eh_proj
     return sum(
         layer_activation_bytes(cfg, tokens, index)[recompute_mode(cfg, index)] + per_depth
         for index in range(m.num_layers, m.num_layers + m.mtp_depth)
