@@ -22,10 +22,10 @@ Priority order, each row's estimate on one H100 (a guess until the first GPU run
   part 3 (two GPUs; one line "two-GPU part: skipped" with one): dp2 fsdp2 ~68s, dp2 resumed ~63s, cp2 ring ~48s,
     moe ep2 ~48s, moe ep2 overlap ~45s, dp2 float8 all-gather ~97s, tp2 sp float8 gather ~97s,
     tp2 compile async ~97s, qwen3 tp2 sp ~48s, mla tp2 sp ~48s, hang watch ~90s
-  part 4 (one GPU, the rows parts 1 and 2 have no room for): mtp bf16 ~44s, qwen3 moe bf16 ~42s
+  part 4 (one GPU, the rows parts 1 and 2 have no room for): mtp bf16 ~44s, qwen3 moe bf16 ~42s, rms norm ~10s
 Part 1 is ~533 s, part 2 ~483 s + the eager row it is checked against (~40 s): each under 9 minutes as estimated.
 Part 3 is ~750 s + its one-GPU references (~270 s): more than one slot; the budget names what is left for a rerun.
-Part 4 is ~86 s (no reference row). The numerics that gate everything come first (eager, compile, the host syncs,
+Part 4 is ~96 s (no reference row). The numerics that gate everything come first (eager, compile, the host syncs,
 the kernels' numerics), then speed rows (float8, selective recompute), then the rest. --quick keeps the order but
 drops the compile, float8, Qwen3, MLA, MTP, checkpoint-mode and host-sync rows.
 
@@ -280,6 +280,14 @@ def checks(
         # Qwen3-MoE (Qwen3's attention with its softmax top-k routing, no shared expert) at the 1B width: learns on
         # one device through the grouped GEMM path. Part 4 beside mtp: parts 1 and 2 are full.
         Check("qwen3 moe bf16", 1, QWEN3_MOE, cost=Cost(step_factor=1.1), part=4),
+        Check(
+            "rms norm",  # the eager RMSNorm against the plain formula: bit for bit, then time and bytes kept
+            1,
+            [],
+            cost=Cost(False, fixed_sec=cpu(10, 5)),
+            part=4,
+            kernel=("benchmarks.gpu_check", "norm_check", (device,)),
+        ),
     ]
     cuda_only = {"host syncs", "qwen3 bf16", "mla bf16", "mtp bf16", "qwen3 moe bf16"} | {
         c.name for c in rows if c.cost.compile
@@ -816,6 +824,64 @@ def optimizer_step_line(settings: argparse.Namespace, device: str) -> str:
         f"micro-batch of {micro}: {shares} (forward + backward {adamw['forward_backward_s']:.3f}s)"
         + ("" if device == "cuda" else "; Newton-Schulz in fp32 only on CPU (its bf16 matmuls are slow)")
     )
+
+
+def norm_check(device: str) -> bool:
+    """RMSNorm's eager autograd function on `device` against the plain formula (what the compiler traces), at the ~1B
+    model's width and a microbatch of 8k tokens: output and both gradients bit for bit in bf16 and fp32 (the CPU
+    tests check this on CPU; a device's kernels round each op alike, which this checks), then forward + backward
+    time and the bytes each keeps for backward."""
+    import time
+
+    import torch
+
+    from nanotron.models.llama import RMSNorm, rms_norm
+
+    hidden, tokens = (2048, 8192) if device == "cuda" else (256, 512)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    passed = True
+    for dtype in (torch.bfloat16, torch.float32):
+        norm = RMSNorm(hidden, 1e-5).to(device=device, dtype=dtype)
+        gen = torch.Generator(device=device).manual_seed(0)
+        x0 = torch.randn(1, tokens, hidden, device=device, generator=gen).to(dtype)
+        grad = torch.randn(1, tokens, hidden, device=device, generator=gen).to(dtype)
+        variants = {"eager": norm, "plain": lambda x, norm=norm: rms_norm(x, norm.weight, norm.eps)}
+        results, kept, seconds = {}, {}, {}
+        for name, fn in variants.items():
+            saved: list[torch.Tensor] = []
+
+            def pack(t, saved=saved):
+                saved.append(t)
+                return t
+
+            x = x0.clone().requires_grad_()
+            norm.weight.grad = None
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = fn(x)
+            out.backward(grad)
+            results[name] = (out.detach(), x.grad, norm.weight.grad)
+            unique = {(t.data_ptr(), t.numel(), t.dtype): t for t in saved if not isinstance(t, torch.nn.Parameter)}
+            kept[name] = sum(t.numel() * t.element_size() for t in unique.values())  # a tensor saved twice: once
+            times = []
+            for _ in range(20):
+                x = x0.clone().requires_grad_()
+                sync()
+                start = time.perf_counter()
+                fn(x).backward(grad)
+                sync()
+                times.append(time.perf_counter() - start)
+            seconds[name] = sorted(times)[len(times) // 2]
+        same = all(torch.equal(a, b) for a, b in zip(results["eager"], results["plain"], strict=True))
+        passed &= same
+        print(
+            f"rms norm {str(dtype).removeprefix('torch.')} [{tokens}, {hidden}]: "
+            f"bit for bit {'yes' if same else 'NO'}; "
+            f"forward + backward {seconds['eager'] * 1e3:.3f} ms against {seconds['plain'] * 1e3:.3f} "
+            f"({seconds['eager'] / seconds['plain']:.2f}x); kept {kept['eager'] / 2**20:.1f} MiB against "
+            f"{kept['plain'] / 2**20:.1f}",
+            flush=True,
+        )
+    return passed
 
 
 def host_sync_check(common: list[str], work_dir: str) -> bool:

@@ -92,7 +92,7 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     uninterrupted run)."""
     stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=360, extra=("--only", "rows"))
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
-    one = ["bf16 eager", "cp attention", "moe grouped GEMM", "moe bf16", "muon bf16"]
+    one = ["bf16 eager", "cp attention", "moe grouped GEMM", "moe bf16", "muon bf16", "rms norm"]
     assert list(rows) == [*one, "dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2", "moe ep2 overlap"]
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
@@ -103,6 +103,7 @@ def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
     assert "document masks flex ring blocks cp4 (cpu)" in stdout  # FlexAttention: forward on CPU
     assert "moe grouped GEMM (cpu, 64 experts, 512 rows): relative error vs the loop" in stdout  # CUDA: the GPU row
     assert "moe ep2 overlap (cpu): largest difference on vs off" in stdout  # two GPUs: NCCL, the DeepSeek-V3 width
+    assert re.search(r"rms norm float32 \[512, 256\]: bit for bit yes; forward \+ backward", stdout)
     assert re.search(r"optimizer: muon step [\d.]+s vs adamw [\d.]+s", stdout), stdout[-2000:]
     assert re.search(
         r"optimizer step alone: muon fp32 [\d.]+s vs adamw [\d.]+s; share .* muon fp32 [\d.]+%.*fp32 only on CPU",
@@ -124,7 +125,7 @@ def test_gpu_check_kernel_rows_name_functions_that_take_their_arguments():
     import inspect
 
     kernels = [row.kernel for row in _gpu_rows() if row.kernel is not None]
-    assert len(kernels) == 4  # host syncs, cp attention, the grouped GEMM, the ep2 overlap
+    assert len(kernels) == 5  # host syncs, cp attention, the grouped GEMM, the RMSNorm, the ep2 overlap
     for module, function, arguments in kernels:
         inspect.signature(getattr(importlib.import_module(module), function)).bind(*arguments)
         assert eval(repr(arguments)) == arguments  # what the child is given
