@@ -28,13 +28,15 @@ warm-up steps; peak RSS as the largest `ru_maxrss` of any process of the run (`o
 kernel folds each rank's peak into it), i.e. the fattest rank (the harness's own RSS, inherited at the
 fork, is ~50 MiB: it never imports torch). Rounds interleave the tools, the one going
 first alternating per round, so load drifting on shared cores hits both alike; each layout's row gives
-the ratio this/torchtitan per round as median [min-max].
+the ratio this/torchtitan per round as median [min-max], with the verdict against --target (1.05): met or missed
+only when the sign test's 90 % interval of the median ratio (5 rounds: [min, max] at 94 %) lies wholly on one side.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -61,6 +63,7 @@ from benchmarks.common import (
 )
 
 TOOLS = ("nanotron", "torchtitan")
+CONFIDENCE = 0.9  # of the median ratio's interval behind each layout's verdict
 SEQ_LEN = 512
 # torchtitan's llama3 "debugmodel" in nanotron's keys (its FFN: 4*256*2/3 rounded up to a multiple of 256).
 NANOTRON_MODEL = [
@@ -155,6 +158,10 @@ COLUMNS = (
     "peak_rss_ratio",
     "peak_rss_ratio_min",
     "peak_rss_ratio_max",
+    "tokens_per_sec_ratio_low",
+    "tokens_per_sec_ratio_high",
+    "interval_coverage",
+    "verdict",
 )
 TITAN_STEP = re.compile(r"(?<!validate )step:\s*(\d+)\s.*?tps:\s*([\d,]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -182,9 +189,35 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def summarize(runs: list[dict]) -> list[dict]:
+def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float, float] | None:
+    """(low, high, coverage): the narrowest order-statistic interval that holds the median of the distribution
+    the values were drawn from with probability >= `confidence`, whatever that distribution (the sign test's
+    interval: the k-th smallest and k-th largest value cover it unless k or more values fall on one side,
+    probability P(Binomial(n, 1/2) < k) each way). None when the values are too few: 5 rounds give [min, max]
+    at 94 %, 3 rounds only 75 %."""
+    n, ordered = len(values), sorted(values)
+    best = None
+    for k in range(1, n // 2 + 1):
+        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+        if coverage < confidence:
+            break
+        best = (ordered[k - 1], ordered[n - k], coverage)
+    return best
+
+
+def verdict(interval: tuple[float, float, float] | None, target: float) -> str:
+    """The verdict against `target`: "met" when the median ratio's interval lies at or above it, "missed" when
+    below, otherwise "unsettled" (the interval straddles it, or too few rounds for one)."""
+    if interval is None:
+        return "unsettled"
+    low, high, _ = interval
+    return "met" if low >= target else "missed" if high < target else "unsettled"
+
+
+def summarize(runs: list[dict], target: float = 1.05, confidence: float = 0.9) -> list[dict]:
     """A row per layout from the runs ({layout, world, round, tool, tokens_per_sec, peak_rss_mib}): each tool's
-    median over rounds and the ratio this/torchtitan of the same round, as median, min and max."""
+    median over rounds and the ratio this/torchtitan of the same round, as median, min and max; the median
+    ratio's distribution-free interval and the verdict against the tokens/s `target` it supports."""
     rows = []
     for layout in dict.fromkeys(r["layout"] for r in runs):
         by_round: dict[int, dict[str, dict]] = {}
@@ -198,18 +231,34 @@ def summarize(runs: list[dict]) -> list[dict]:
                 row[f"{tool}_{key}"] = statistics.median(p[tool][key] for p in pairs)
             ratios = [p["nanotron"][key] / p["torchtitan"][key] for p in pairs]
             row[f"{name}_ratio"], row[f"{name}_ratio_min"], row[f"{name}_ratio_max"] = spread(ratios)
+            if key == "tokens_per_sec":
+                interval = median_interval(ratios, confidence)
+                low, high, coverage = interval or (None, None, None)
+                row.update(
+                    tokens_per_sec_ratio_low=low,
+                    tokens_per_sec_ratio_high=high,
+                    interval_coverage=coverage,
+                    verdict=verdict(interval, target),
+                )
         rows.append(row)
     return rows
 
 
-def ratio_lines(rows: list[dict]) -> list[str]:
+def ratio_lines(rows: list[dict], target: float) -> list[str]:
     return [
         f"{r['layout']:>16}: tokens/s this/torchtitan {r['tokens_per_sec_ratio']:.2f} "
         f"[{r['tokens_per_sec_ratio_min']:.2f}-{r['tokens_per_sec_ratio_max']:.2f}], peak RSS "
         f"{r['peak_rss_ratio']:.2f} [{r['peak_rss_ratio_min']:.2f}-{r['peak_rss_ratio_max']:.2f}] "
-        f"over {r['rounds']} rounds"
+        f"over {r['rounds']} rounds; target {target:.2f} {r['verdict']}{interval_text(r)}"
         for r in rows
     ]
+
+
+def interval_text(row: dict) -> str:
+    if row["interval_coverage"] is None:
+        return f" (too few rounds for an interval of the median at {CONFIDENCE:.0%}: 5 give one)"
+    low, high = row["tokens_per_sec_ratio_low"], row["tokens_per_sec_ratio_high"]
+    return f" (median ratio within {low:.2f}-{high:.2f} at {row['interval_coverage']:.0%})"
 
 
 def batch_sizes(layout: Layout, global_batch: int) -> tuple[int, int]:
@@ -382,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of each run's median")
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--target", type=float, default=1.05, help="tokens/s ratio the verdict is against")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--quick", action="store_true", help=f"1 round of 8 steps on {', '.join(QUICK_LAYOUTS)}")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
@@ -402,10 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     corpus, tokenizer = synthetic_data(settings.work_dir)
     settings.nanotron_data = data_overrides(corpus.parent, tokenizer, tokenizer.parent / "tokens")
     runs = measure(layouts, settings)
-    rows = summarize(runs)
+    rows = summarize(runs, settings.target, CONFIDENCE)
     loads = [r["load"] for r in runs]
     lines = [
-        *ratio_lines(rows),
+        *ratio_lines(rows, settings.target),
         f"load average (1 min) as each run started: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores",
     ]
     markdown = write_table(rows, COLUMNS, settings.out / "vs_torchtitan")

@@ -685,6 +685,35 @@ def test_vs_torchtitan_pairs_tools_by_round_and_reports_the_ratios_spread():
         pytest.approx(0.9),
     )
     assert (row["nanotron_tokens_per_sec"], row["torchtitan_tokens_per_sec"]) == (900, 1000)
+    assert row["verdict"] == "unsettled" and row["interval_coverage"] is None  # 3 rounds: no 90 % interval
+
+
+def test_vs_torchtitan_judges_the_target_by_the_median_ratios_sign_test_interval():
+    """The verdict is the interval of the median ratio the rounds support: met only when even its low end reaches
+    the target, missed only when its high end falls short, unsettled otherwise. The interval's coverage is the
+    sign test's, exact: with 5 rounds [min, max] at 1 - 2/32; with 12, the 3rd smallest to the 3rd largest at
+    1 - 2 (1 + 12 + 66)/4096 (the 4th from each end would cover only 85 %)."""
+    from benchmarks.vs_torchtitan import median_interval, summarize, verdict
+
+    assert median_interval([1.0, 2.0, 3.0]) is None
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) == (1.0, 5.0, pytest.approx(1 - 2 / 32))
+    low, high, coverage = median_interval([float(v) for v in range(12, 0, -1)])
+    assert (low, high, coverage) == (3.0, 10.0, pytest.approx(1 - 2 * 79 / 4096))
+
+    def rounds(ratios: list[float]) -> list[dict]:
+        base = dict(layout="pp2 1f1b", world=2, peak_rss_mib=1.0)
+        return [
+            {**base, "round": i, "tool": tool, "tokens_per_sec": 1000 * ratio if tool == "nanotron" else 1000}
+            for i, ratio in enumerate(ratios)
+            for tool in ("nanotron", "torchtitan")
+        ]
+
+    assert summarize(rounds([1.06, 1.2, 1.1, 1.07, 1.3]))[0]["verdict"] == "met"
+    assert summarize(rounds([1.04, 1.2, 1.1, 1.07, 1.3]))[0]["verdict"] == "unsettled"  # one round below
+    assert summarize(rounds([0.9, 1.0, 1.04, 0.95, 0.99]))[0]["verdict"] == "missed"
+    assert summarize(rounds([1.06, 1.2, 1.1, 1.07, 1.3]), target=1.1)[0]["verdict"] == "unsettled"
+    assert summarize(rounds([1.2, 1.3, 1.25]))[0]["verdict"] == "unsettled"  # every round above, but only 3
+    assert verdict((1.0, 1.2, 0.94), 1.0) == "met"  # at the target counts
 
 
 def test_vs_torchtitan_layouts_split_the_same_global_batch():
