@@ -1,6 +1,7 @@
 """nanotron beside torchtitan 0.2.2 on this CPU: tokens/s and peak RSS per layout, as ratios this/torchtitan.
 
     python -m benchmarks.vs_torchtitan [--layouts "1 process,tp2 sp"] [--rounds 5] [--steps 20] [--quick]
+    python -m benchmarks.vs_torchtitan --from-runs benchmarks/results/vs_torchtitan_runs.csv [--target 1.05]
 
 Not in CI (minutes per run; it needs torchtitan, an opt-in extra). Install it into the venv `make setup` made,
 beside the project's torch, and check that torch is still the one you had (torchtitan 0.2.2 names no torch;
@@ -35,6 +36,7 @@ only when the sign test's 90 % interval of the median ratio (5 rounds: [min, max
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -59,6 +61,7 @@ from benchmarks.common import (
     median_after_warmup,
     synthetic_data,
     torchrun_command,
+    write_csv,
     write_table,
 )
 
@@ -344,6 +347,17 @@ def cpu_device_module() -> object:
     )
 
 
+RUN_COLUMNS = ("layout", "world", "round", "tool", "tokens_per_sec", "peak_rss_mib", "load")
+
+
+def read_runs(path: Path) -> list[dict]:
+    """The runs `write_csv` saved, with their numbers as numbers."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    kinds = {"world": int, "round": int, "tokens_per_sec": float, "peak_rss_mib": float, "load": float}
+    return [{key: kinds.get(key, str)(value) if value else None for key, value in row.items()} for row in rows]
+
+
 def run_and_measure(cmd: list[str], run_dir: Path, env: dict, timeout: float) -> tuple[int, float]:
     """(exit code, peak RSS in MiB of the run's largest process): torchrun waits for its ranks, so the
     kernel folds their peaks into torchrun's, which `os.wait4` returns."""
@@ -436,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"1 round of 8 steps on {', '.join(QUICK_LAYOUTS)}")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for vs_torchtitan.csv/.md")
+    parser.add_argument(
+        "--from-runs",
+        type=Path,
+        metavar="CSV",
+        help="summarise the runs a measurement saved (its vs_torchtitan_runs.csv) again, e.g. at another --target",
+    )
     settings = parser.parse_args(argv)
     if settings.quick:
         settings.layouts, settings.rounds, settings.steps, settings.warmup = ",".join(QUICK_LAYOUTS), 1, 8, 3
@@ -449,15 +469,21 @@ def main(argv: list[str] | None = None) -> int:
     for layout in layouts:
         if settings.global_batch % (layout.dp * layout.microbatches):
             parser.error(f"--global-batch must divide over {layout.name}'s dp x microbatches")
-    corpus, tokenizer = synthetic_data(settings.work_dir)
-    settings.nanotron_data = data_overrides(corpus.parent, tokenizer, tokenizer.parent / "tokens")
-    runs = measure(layouts, settings)
+    if settings.from_runs:
+        header = settings.from_runs.read_text().partition("\n")[0] if settings.from_runs.is_file() else ""
+        if not set(RUN_COLUMNS) - {"load"} <= set(header.strip().split(",")):
+            parser.error(f"--from-runs: {settings.from_runs} is not a runs CSV with columns {', '.join(RUN_COLUMNS)}")
+        runs = read_runs(settings.from_runs)
+    else:
+        corpus, tokenizer = synthetic_data(settings.work_dir)
+        settings.nanotron_data = data_overrides(corpus.parent, tokenizer, tokenizer.parent / "tokens")
+        runs = measure(layouts, settings)
+        write_csv(runs, settings.out / "vs_torchtitan_runs.csv", RUN_COLUMNS)
     rows = summarize(runs, settings.target, CONFIDENCE)
-    loads = [r["load"] for r in runs]
-    lines = [
-        *ratio_lines(rows, settings.target),
-        f"load average (1 min) as each run started: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores",
-    ]
+    loads = [r["load"] for r in runs if r.get("load") is not None]
+    lines = ratio_lines(rows, settings.target)
+    if loads:
+        lines.append(f"load average (1 min) as each run started: {min(loads):.1f}-{max(loads):.1f}")
     markdown = write_table(rows, COLUMNS, settings.out / "vs_torchtitan")
     (settings.out / "vs_torchtitan.md").write_text(markdown + "\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
     print(markdown + "\n" + "\n".join(lines))

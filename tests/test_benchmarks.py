@@ -716,6 +716,30 @@ def test_vs_torchtitan_judges_the_target_by_the_median_ratios_sign_test_interval
     assert verdict((1.0, 1.2, 0.94), 1.0) == "met"  # at the target counts
 
 
+def test_vs_torchtitan_saves_every_run_and_summarises_them_again_from_the_file(tmp_path, capsys):
+    """A measurement's runs are saved (vs_torchtitan_runs.csv) and `--from-runs` re-summarises them without
+    measuring, at another target too, with numbers read back as numbers; a file that is not such a CSV is one
+    line naming the flag."""
+    from benchmarks.common import write_csv
+    from benchmarks.vs_torchtitan import RUN_COLUMNS, main, read_runs, summarize
+
+    runs = [
+        dict(layout="tp2 sp", world=2, round=i, tool=tool, tokens_per_sec=ratio * 1000, peak_rss_mib=900.0, load=1.5)
+        for i, ratio in enumerate([1.06, 1.1, 1.08, 1.2, 1.07])
+        for tool, ratio in (("nanotron", ratio), ("torchtitan", 1.0))
+    ]
+    write_csv(runs, tmp_path / "runs.csv", RUN_COLUMNS)
+    assert read_runs(tmp_path / "runs.csv") == runs
+    assert summarize(runs)[0]["verdict"] == "met"
+    assert main(["--from-runs", str(tmp_path / "runs.csv"), "--out", str(tmp_path / "out"), "--target", "1.1"]) == 0
+    assert "tp2 sp: tokens/s this/torchtitan 1.08 [1.06-1.20]" in capsys.readouterr().out
+    assert "target 1.10 unsettled" in (tmp_path / "out" / "vs_torchtitan.md").read_text()
+    (tmp_path / "bad.csv").write_text("step,loss\n1,2.0\n")
+    with pytest.raises(SystemExit):
+        main(["--from-runs", str(tmp_path / "bad.csv"), "--out", str(tmp_path / "out")])
+    assert "--from-runs:" in capsys.readouterr().err
+
+
 def test_vs_torchtitan_layouts_split_the_same_global_batch():
     """Every layout trains the same global batch: dp ranks split it, the pipeline into 8 microbatches of 1."""
     from benchmarks.vs_torchtitan import LAYOUTS, nanotron_args, titan_args
