@@ -100,6 +100,12 @@ def test_both_override_spellings_parse():
         ),
         (["--training.steps"], "--training.steps: missing value"),
         (
+            ["configs/small.toml"],
+            "unexpected argument 'configs/small.toml': expected --section.key=value or --config "
+            "FILE; did you mean --config configs/small.toml?",
+        ),
+        (["8"], "unexpected argument '8': expected --section.key=value or --config FILE"),
+        (
             [f"--{k}={v}" for k, v in MLA],
             "model.v_head_dim: expected a value >= 1 with model.kv_lora_rank=32 (multi-head latent attention needs",
         ),

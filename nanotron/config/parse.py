@@ -137,7 +137,8 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: expected --section.key=value or --config FILE")
+            hint = f"; did you mean --config {arg}?" if arg.endswith((".toml", ".yaml", ".yml")) else ""
+            raise ConfigError(f"unexpected argument {arg!r}: expected --section.key=value or --config FILE{hint}")
         name, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and name != "config"):
