@@ -100,6 +100,11 @@ def test_both_override_spellings_parse():
         ),
         (["--training.steps"], "--training.steps: missing value"),
         (
+            ["--optimizer.warmup_steps=10", "--optimizer.decay_start=5"],
+            "optimizer.decay_start=5 falls inside warmup (optimizer.warmup_steps=10): expected 0 (decay when warmup "
+            "ends) or a step >= 10",
+        ),
+        (
             ["configs/small.toml"],
             "unexpected argument 'configs/small.toml': expected --section.key=value or --config "
             "FILE; did you mean --config configs/small.toml?",

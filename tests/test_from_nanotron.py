@@ -13,6 +13,7 @@ from conftest import read_metrics, run_train
 from nanotron.commands.config import main
 from nanotron.config import load_config
 from nanotron.errors import ConfigError
+from nanotron.optim import lr_at
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -368,6 +369,50 @@ data_stages:
   start_training_step: 1
   data: {seed: 7, dataset: {hf_dataset_or_datasets: some/corpus}}
 """
+TINY_SCHEDULE = "{learning_rate: 0.001, lr_warmup_steps: 1, lr_decay_style: cosine}"
+assert TINY_SCHEDULE in TINY
+
+
+def original_lr(step: int, lr: float, min_lr: float, warmup: int, start: int, length: int) -> float:
+    """The original's linear-decay schedule past warmup, by its documented phases: lr until lr_decay_starting_step,
+    linear to min_decay_lr over lr_decay_steps, then min_decay_lr (`step` as its scheduler counts, from 0)."""
+    assert step > warmup
+    if step < start:
+        return lr
+    if step < start + length:
+        return min_lr + (lr - min_lr) * (length - (step - start)) / length
+    return min_lr
+
+
+@pytest.mark.parametrize("decay_steps, length", [("lr_decay_steps: 20", 20), ("lr_decay_steps: null", 100 - 10 - 60)])
+def test_a_warmup_stable_decay_schedule_converts_to_decay_start_and_keeps_the_originals_lrs(
+    tmp_path, capsys, decay_steps, length
+):
+    """lr_decay_starting_step (SmolLM3's stage configs decay from step 4198001 of 4720000) is optimizer.decay_start;
+    with lr_decay_steps null the original decays over train_steps - warmup - start steps, which is carried as
+    decay_steps with a note. Past warmup the converted schedule gives the original's learning rate at every step."""
+    schedule = (
+        "{learning_rate: 0.01, lr_warmup_steps: 10, lr_decay_starting_step: 60, "
+        f"{decay_steps}, lr_decay_style: linear, min_decay_lr: 0.001}}"
+    )
+    code, text, err = convert(tmp_path, capsys, TINY.replace(TINY_SCHEDULE, schedule))
+    assert code == 0
+    optimizer = tomllib.loads(text)["optimizer"]
+    assert (optimizer["decay_start"], optimizer["decay_steps"], optimizer["decay_style"]) == (60, length, "linear")
+    notes = [named(line.removeprefix("note: ")) for line in err.splitlines()]
+    schedule_notes = [note for note in notes if note.startswith("optimizer.learning_rate_scheduler")]
+    assert schedule_notes == ([] if length == 20 else ["optimizer.learning_rate_scheduler.lr_decay_steps"])
+    cfg = load_config(str(tmp_path / "new.toml"))
+    ours = [lr_at(step, cfg.optimizer, cfg.training.steps) for step in range(11, 100)]
+    theirs = [original_lr(step, 0.01, 0.001, 10, 60, length) for step in range(11, 100)]
+    assert ours == pytest.approx(theirs, rel=1e-12)
+
+
+def test_a_decay_start_inside_warmup_is_a_note_not_a_key(tmp_path, capsys):
+    schedule = "{learning_rate: 0.01, lr_warmup_steps: 10, lr_decay_starting_step: 5}"
+    code, text, err = convert(tmp_path, capsys, TINY.replace(TINY_SCHEDULE, schedule))
+    assert code == 0 and "decay_start" not in tomllib.loads(text)["optimizer"]
+    assert "lr_decay_starting_step=5 not carried over: it falls inside warmup" in err
 
 
 @pytest.mark.slow

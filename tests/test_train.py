@@ -169,6 +169,29 @@ def test_lr_warms_up_linearly_then_decays_to_min_lr(style, end):
     assert mid == pytest.approx(expected[style])
 
 
+@pytest.mark.parametrize("style", ["linear", "1-sqrt", "cosine"])
+def test_a_warmup_stable_decay_schedule_holds_lr_until_decay_start_then_decays_over_decay_steps(style):
+    """WSD (optimizer.decay_start): warmup as before, lr until decay_start, then the decay over decay_steps (0: until
+    training.steps) to min_lr, held there. decay_start = 0 is the schedule without a stable phase, exactly."""
+    shape = {
+        "linear": lambda f: 1 - f,
+        "1-sqrt": lambda f: 1 - math.sqrt(f),
+        "cosine": lambda f: (1 + math.cos(math.pi * f)) / 2,
+    }
+    wsd = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_style=style, decay_start=80)
+    assert [lr_at(s, wsd, 100) for s in (0, 9, 10, 50, 79, 80)] == pytest.approx([0.1, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert [lr_at(s, wsd, 100) for s in (85, 90, 100, 120)] == pytest.approx(
+        [0.1 + 0.9 * shape[style](f) for f in (0.25, 0.5, 1.0, 1.0)]
+    )
+    fixed = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_style=style, decay_start=80, decay_steps=10)
+    assert [lr_at(s, fixed, 100) for s in (79, 85, 90, 99)] == pytest.approx(
+        [1.0, 0.1 + 0.9 * shape[style](0.5), 0.1, 0.1]
+    )
+    plain = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_style=style)
+    at_warmup_end = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_style=style, decay_start=10)
+    assert [lr_at(s, plain, 100) for s in range(101)] == [lr_at(s, at_warmup_end, 100) for s in range(101)]
+
+
 @pytest.mark.slow
 def test_console_script_dispatches_to_train():
     exe = Path(sys.executable).parent / "nanotron"  # installed by `pip install -e .` next to this Python

@@ -265,7 +265,8 @@ def _optimizer(c: Conversion) -> None:
 
 
 def _schedule(c: Conversion) -> None:
-    """The original's schedule: linear warmup, then decay over lr_decay_steps (null: to the last step)."""
+    """The original's schedule: linear warmup, lr until lr_decay_starting_step (null: warmup's end), then decay over
+    lr_decay_steps (null: to the last step, less the warmup when the decay starts later)."""
     if c.src.peek(SCHEDULE) is None:
         return
     lr = c.required(f"{SCHEDULE}.learning_rate", float)
@@ -283,11 +284,27 @@ def _schedule(c: Conversion) -> None:
             "until training.steps here",
         )
     start = c.src.get(f"{SCHEDULE}.lr_decay_starting_step", int)
-    if start is not None and start != warmup:
+    if start is None or start == warmup:
+        return
+    if start < warmup:
         c.note(
             f"{SCHEDULE}.lr_decay_starting_step",
-            f"{SCHEDULE}.lr_decay_starting_step={start} not carried over: decay here starts when warmup ends "
-            f"(step {warmup})",
+            f"{SCHEDULE}.lr_decay_starting_step={start} not carried over: it falls inside warmup; decay here starts "
+            f"when warmup ends (step {warmup}) or later",
+        )
+        return
+    c.set("optimizer.decay_start", start, f"{SCHEDULE}.lr_decay_starting_step")  # warmup-stable-decay
+    total = c.src.get("tokens.train_steps", int)
+    if steps is None and total is not None:
+        # The original's decay with no lr_decay_steps lasts train_steps - lr_warmup_steps - lr_decay_starting_step
+        # steps (then min_decay_lr): carried as that length, not this project's "until training.steps".
+        length = max(total - warmup - start, 1)
+        c.set("optimizer.decay_steps", length, f"{SCHEDULE}.lr_decay_steps", f"{SCHEDULE}.lr_decay_starting_step")
+        c.note(
+            f"{SCHEDULE}.lr_decay_steps",
+            f"{SCHEDULE}.lr_decay_steps=null with lr_decay_starting_step={start}: the original decays over "
+            f"train_steps - lr_warmup_steps - lr_decay_starting_step = {total - warmup - start} steps, then holds "
+            f"min_decay_lr; carried as optimizer.decay_steps={length}",
         )
 
 

@@ -68,7 +68,14 @@ class OptimizerConfig:
     min_lr: float = opt(3e-4, "learning rate at the end of decay", min=0.0)
     warmup_steps: int = opt(20, "linear warmup steps", min=0)
     decay_style: str = opt("cosine", "decay after warmup", ("cosine", "linear", "1-sqrt", "constant"))
-    decay_steps: int = opt(0, "steps of decay after warmup; 0 = until training.steps", min=0)
+    decay_steps: int = opt(0, "steps of decay; 0 = until training.steps", min=0)
+    decay_start: int = opt(
+        0,
+        "step the decay starts at; 0 = when warmup ends. Later, the LR holds at lr from warmup's end until then: "
+        'warmup-stable-decay (WSD), e.g. decay_start = 0.9 x training.steps with decay_style = "linear" or '
+        '"1-sqrt"',
+        min=0,
+    )
     weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norms and embeddings)", min=0.0)
     weight_decay_mode: str = opt(
         "coupled",

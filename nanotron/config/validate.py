@@ -170,6 +170,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {o.betas}")
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
+    if 0 < o.decay_start < o.warmup_steps:
+        raise ConfigError(
+            f"optimizer.decay_start={o.decay_start} falls inside warmup (optimizer.warmup_steps={o.warmup_steps}): "
+            f"expected 0 (decay when warmup ends) or a step >= {o.warmup_steps}"
+        )
     for index, dataset in enumerate(cfg.data.datasets):
         if not dataset.path:
             raise ConfigError(

@@ -91,13 +91,15 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then the chosen decay to min_lr."""
+    """Learning rate for optimizer step `step` (0-based): linear warmup, lr until `decay_start` (when set: WSD),
+    then the chosen decay to min_lr over `decay_steps` (0: until `total_steps`), then min_lr."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.decay_style == "constant":
+    start = cfg.decay_start or cfg.warmup_steps
+    if cfg.decay_style == "constant" or step < start:
         return cfg.lr
-    decay_steps = cfg.decay_steps or max(total_steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    decay_steps = cfg.decay_steps or max(total_steps - start, 1)
+    progress = min((step - start) / decay_steps, 1.0)
     shape = {
         "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
         "linear": 1 - progress,
