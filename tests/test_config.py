@@ -308,6 +308,30 @@ def test_a_config_nanotron_saved_before_keys_were_removed_still_loads(tmp_path):
         load_config(str(saved))
 
 
+def test_a_checkpoint_saved_before_keys_were_added_resumes_with_them_at_their_defaults(tmp_path):
+    """A checkpoint's config.toml lacks the keys added since it was saved (model.mtp_depth, optimizer.decay_start
+    here): each reads as what the saved config loads as, its default, so an upgrade does not refuse the resume of
+    a model key nor list the unchanged ones; a new key set to another value on resume is a change as any other."""
+    from nanotron.checkpoint.resume_policy import check_resume, config_changes
+
+    cfg = load_config(f"{REPO}/configs/tiny.toml")
+    lines, table = [], ""
+    for line in to_toml(cfg).splitlines():
+        table = line if line.startswith("[") else table
+        if table != "[model.moe]" and not line.startswith(("mtp_depth = ", "decay_start = ")):
+            lines.append(line)  # as saved before [model.moe], model.mtp_depth and optimizer.decay_start existed
+    saved = "\n".join(lines)
+    assert "mtp_depth" not in saved and "decay_start" not in saved and "[model.moe]" not in saved
+    (tmp_path / "config.toml").write_text(saved)
+    assert config_changes(saved, cfg) == {}
+    assert check_resume(cfg, tmp_path) is None
+    wsd = load_config(f"{REPO}/configs/tiny.toml", [("optimizer.decay_start", "250")])
+    assert config_changes(saved, wsd) == {"optimizer.decay_start": (0, 250)}
+    mtp = load_config(f"{REPO}/configs/tiny.toml", [("model.mtp_depth", "1")])
+    with pytest.raises(ConfigError, match="cannot honour model.mtp_depth 0 -> 1"):
+        check_resume(mtp, tmp_path)
+
+
 def test_a_refused_resume_names_the_changed_keys_of_a_table_not_the_whole_table(tmp_path):
     """A [model.moe] change is refused naming model.moe.top_k with both values, not both whole dicts (657 chars)."""
     from nanotron.checkpoint.resume_policy import check_resume, config_changes

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nanotron.config import Config, to_toml
-from nanotron.config.parse import RETIRED, tomllib
+from nanotron.config.parse import RETIRED, read_saved_config, tomllib
 from nanotron.errors import CheckpointError, ConfigError
 from nanotron.tokenize.tokenizer import load_tokenizer
 
@@ -36,10 +36,18 @@ def _flat(tables: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def config_changes(saved_toml: str, cfg: Config) -> dict[str, tuple[Any, Any]]:
+def config_changes(
+    saved_toml: str, cfg: Config, where: str = "the checkpoint's config.toml"
+) -> dict[str, tuple[Any, Any]]:
     """{key: (checkpoint's value, current value)} for every key that differs (both read as TOML); keys retired
-    since the save are none of them (see `nanotron.config.parse.RETIRED`)."""
-    old, new = _flat(tomllib.loads(saved_toml)), _flat(tomllib.loads(to_toml(cfg)))
+    since the save are none of them (see `nanotron.config.parse.RETIRED`), and a key added since counts at what the
+    saved config loads as (its default), so upgrading nanotron between a save and its resume changes nothing."""
+    tables = tomllib.loads(saved_toml)
+    old, new = _flat(tables), _flat(tomllib.loads(to_toml(cfg)))
+    added = new.keys() - old.keys()
+    if added:
+        loaded = _flat(tomllib.loads(to_toml(read_saved_config(tables, where))))
+        old |= {key: loaded[key] for key in added if key in loaded}
     keys = sorted((old.keys() - RETIRED.keys()) | new.keys())
     return {key: (old.get(key), new.get(key)) for key in keys if old.get(key) != new.get(key)}
 
@@ -60,7 +68,7 @@ def check_resume(cfg: Config, step_dir: Path) -> str | None:
     if not file.is_file():
         return f"resume: {step_dir} has no config.toml, so changed keys can't be listed"
     try:
-        changes = config_changes(file.read_text(encoding="utf-8"), cfg)
+        changes = config_changes(file.read_text(encoding="utf-8"), cfg, str(file))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise CheckpointError(f"'{file}' is unreadable ({type(error).__name__}: {error})") from None
     allow = cfg.checkpoint.allow_global_batch_size_change

@@ -217,6 +217,15 @@ def read_model_config(path: Path) -> ModelConfig:
     return cfg.model
 
 
+def read_saved_config(tables: dict[str, Any], where: str) -> Config:
+    """The config a saved config.toml's `tables` (already parsed) describe, unvalidated: every key it lacks (added
+    since the save) at its default, which keeps the behaviour of before the key, and the model's shape resolved."""
+    cfg = Config()
+    _set_file(cfg, tables, Path(where), saved=True)
+    resolve_model(cfg.model)
+    return cfg
+
+
 _TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 
 
