@@ -280,8 +280,8 @@ def _schedule(c: Conversion) -> None:
     if steps == 0:
         c.note(
             f"{SCHEDULE}.lr_decay_steps",
-            f"{SCHEDULE}.lr_decay_steps=0 not carried over: 0 is no decay there (min_decay_lr once warmup ends), "
-            "until training.steps here",
+            f"{SCHEDULE}.lr_decay_steps=0 not carried over: 0 is no decay there (min_decay_lr from the decay's "
+            "start, or learning_rate throughout when there is no warmup either), until training.steps here",
         )
     start = c.src.get(f"{SCHEDULE}.lr_decay_starting_step", int)
     if start is None or start == warmup:
