@@ -870,7 +870,7 @@ def norm_check(device: str) -> bool:
                 fn(x).backward(grad)
                 sync()
                 times.append(time.perf_counter() - start)
-            seconds[name] = sorted(times)[len(times) // 2]
+            seconds[name] = statistics.median(times)
         same = all(torch.equal(a, b) for a, b in zip(results["eager"], results["plain"], strict=True))
         passed &= same
         print(

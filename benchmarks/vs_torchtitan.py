@@ -192,7 +192,7 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float, float] | None:
+def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float] | None:
     """(low, high, coverage): the narrowest order-statistic interval that holds the median of the distribution
     the values were drawn from with probability >= `confidence`, whatever that distribution (the sign test's
     interval: the k-th smallest and k-th largest value cover it unless k or more values fall on one side,
@@ -217,7 +217,7 @@ def verdict(interval: tuple[float, float, float] | None, target: float) -> str:
     return "met" if low >= target else "missed" if high < target else "unsettled"
 
 
-def summarize(runs: list[dict], target: float = 1.05, confidence: float = 0.9) -> list[dict]:
+def summarize(runs: list[dict], target: float = 1.05) -> list[dict]:
     """A row per layout from the runs ({layout, world, round, tool, tokens_per_sec, peak_rss_mib}): each tool's
     median over rounds and the ratio this/torchtitan of the same round, as median, min and max; the median
     ratio's distribution-free interval and the verdict against the tokens/s `target` it supports."""
@@ -234,15 +234,14 @@ def summarize(runs: list[dict], target: float = 1.05, confidence: float = 0.9) -
                 row[f"{tool}_{key}"] = statistics.median(p[tool][key] for p in pairs)
             ratios = [p["nanotron"][key] / p["torchtitan"][key] for p in pairs]
             row[f"{name}_ratio"], row[f"{name}_ratio_min"], row[f"{name}_ratio_max"] = spread(ratios)
-            if key == "tokens_per_sec":
-                interval = median_interval(ratios, confidence)
-                low, high, coverage = interval or (None, None, None)
-                row.update(
-                    tokens_per_sec_ratio_low=low,
-                    tokens_per_sec_ratio_high=high,
-                    interval_coverage=coverage,
-                    verdict=verdict(interval, target),
-                )
+        interval = median_interval([p["nanotron"]["tokens_per_sec"] / p["torchtitan"]["tokens_per_sec"] for p in pairs])
+        low, high, coverage = interval or (None, None, None)
+        row.update(
+            tokens_per_sec_ratio_low=low,
+            tokens_per_sec_ratio_high=high,
+            interval_coverage=coverage,
+            verdict=verdict(interval, target),
+        )
         rows.append(row)
     return rows
 
@@ -479,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.nanotron_data = data_overrides(corpus.parent, tokenizer, tokenizer.parent / "tokens")
         runs = measure(layouts, settings)
         write_csv(runs, settings.out / "vs_torchtitan_runs.csv", RUN_COLUMNS)
-    rows = summarize(runs, settings.target, CONFIDENCE)
+    rows = summarize(runs, settings.target)
     loads = [r["load"] for r in runs if r.get("load") is not None]
     lines = ratio_lines(rows, settings.target)
     if loads:
