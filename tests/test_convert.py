@@ -462,7 +462,7 @@ def test_qwen3_imports_exports_and_generates_like_transformers(tmp_path, tied):
         ({"layer_types": ["full_attention", "sliding_attention"]}, 'layer_types holds "sliding_attention"'),
         (
             {"attention_bias": True},
-            "attention_bias is true; only plain Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3",
+            "attention_bias is true; only plain Llama, Mixtral, Qwen3, Qwen3-MoE, SmolLM3 or DeepSeek-V3",
         ),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 'rope_scaling: RoPE scaling "yarn" is set'),
         ({"head_dim": 7}, "head_dim=7: expected an even number"),
@@ -471,6 +471,70 @@ def test_qwen3_imports_exports_and_generates_like_transformers(tmp_path, tied):
 )
 def test_a_qwen3_config_nanotron_cannot_carry_is_refused_in_one_line(tmp_path, capsys, edit, message):
     assert message in refused_import(hf_qwen3(tied=False), tmp_path, capsys, edit)
+
+
+# ---- SmolLM3: Llama with RoPE skipped in some layers (NoPE) ----------------------------------------------------------
+
+
+def hf_smollm3(no_rope_layers: list[int] | None, seed: int = 0, **overrides):
+    """A random HF SmolLM3 shaped like TINY_MODEL (4 layers); `no_rope_layers` a 1 (RoPE) or 0 per layer, or None
+    for transformers' own derivation from no_rope_layer_interval."""
+    torch.manual_seed(seed)
+    config = transformers.SmolLM3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=32,
+        pad_token_id=None,  # its default, 128004, is outside this vocabulary
+        no_rope_layers=no_rope_layers,
+        **overrides,
+    )
+    return transformers.SmolLM3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    "no_rope_layers, interval, nope_layers",
+    [([1, 0, 1, 0], 4, [1, 3]), (None, 2, [1, 3]), (None, 4, [3])],  # listed, or each `interval`-th layer
+)
+def test_smollm3_imports_exports_and_generates_like_transformers(tmp_path, no_rope_layers, interval, nope_layers):
+    """from-hf: no_rope_layers (or, without it, no_rope_layer_interval) read as model.nope_layers, our logits equal
+    transformers'; to-hf: the same files back and a SmolLM3ForCausalLM; greedy decoding is the same tokens."""
+    source = tmp_path / "source"
+    original = hf_smollm3(no_rope_layers, no_rope_layer_interval=interval)
+    original.save_pretrained(source)
+    if no_rope_layers is None:  # transformers writes the derived list: a file may lack it (older saves)
+        config = json.loads((source / "config.json").read_text())
+        del config["no_rope_layers"]
+        (source / "config.json").write_text(json.dumps(config))
+    assert convert_main(["from-hf", str(source), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
+    assert ours.config.nope_layers == nope_layers
+    exported = assert_round_trip(original, ours, source, tmp_path, "SmolLM3ForCausalLM")
+    assert exported.config.no_rope_layers == [int(i not in nope_layers) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"no_rope_layers": [1, 0, 1]}, "no_rope_layers=[1, 0, 1]: expected one 0 (no RoPE) or 1 (RoPE) per layer"),
+        ({"no_rope_layers": [1, 2, 1, 0]}, "no_rope_layers=[1, 2, 1, 0]: expected one 0"),
+        ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window is true"),
+    ],
+)
+def test_a_smollm3_config_nanotron_cannot_carry_is_refused_in_one_line(tmp_path, capsys, edit, message):
+    assert message in refused_import(hf_smollm3([1, 1, 1, 0]), tmp_path, capsys, edit)
+
+
+def test_nope_layers_with_qk_norm_or_experts_are_refused_at_export_in_one_line():
+    """NoPE layers export only as SmolLM3 (plain Llama otherwise)."""
+    from nanotron.hf import smollm3
+
+    cfg = load_config(*parse_overrides([*TINY_MODEL, "--model.nope_layers=3", "--model.qk_norm=true"])).model
+    with pytest.raises(CheckpointError, match=r"model.nope_layers=\[3\] with model.qk_norm=true: layers without RoPE"):
+        smollm3.check_exportable(cfg)
 
 
 # ---- Qwen3-MoE: QK-norm and a mixture of experts after a dense first layer --------------------------------------

@@ -47,8 +47,8 @@ def mla_config(**overrides) -> ModelConfig:
 
 
 def hf_twin(cfg: ModelConfig, family: str = "Llama") -> "transformers.PreTrainedModel":
-    """transformers' `family` (Llama, Qwen3 or DeepseekV3) model of the same shape, eager attention, random
-    weights."""
+    """transformers' `family` (Llama, Qwen3, SmolLM3 or DeepseekV3) model of the same shape, eager attention,
+    random weights."""
     fields = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -64,6 +64,9 @@ def hf_twin(cfg: ModelConfig, family: str = "Llama") -> "transformers.PreTrained
     )
     if family == "Qwen3":
         fields |= dict(head_dim=cfg.head_dim, use_sliding_window=False)
+    elif family == "SmolLM3":  # a 1 (RoPE) or 0 (NoPE) per layer
+        nope = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
+        fields |= dict(no_rope_layers=nope, mlp_bias=False, pad_token_id=None)  # its default pad id is 128004
     elif family == "DeepseekV3":  # dense MLA: every layer below first_k_dense_replace; RoPE on split halves
         mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         fields |= {key: getattr(cfg, key) for key in mla}
@@ -103,6 +106,20 @@ def test_logits_match_transformers_qwen3_with_qk_norm_and_decoupled_head_dim(tie
     init_weights(model, seed=0)
     random_norms(model)
     assert_same_logits(model, hf_twin(cfg, "Qwen3"))
+
+
+@pytest.mark.parametrize("nope_layers", [[2], [0, 1, 2]])
+def test_logits_match_transformers_smollm3_whose_nope_layers_skip_rope(nope_layers):
+    """SmolLM3 = this model with RoPE skipped in `nope_layers` (the last of 3, as SmolLM3's every 4th; or all)."""
+    cfg = small_config(nope_layers=nope_layers)
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, seed=0)
+    assert_same_logits(model, hf_twin(cfg, "SmolLM3"))
+    # the Llama twin (RoPE everywhere) differs: the NoPE layers are not a no-op
+    missing, _ = (llama := hf_twin(small_config())).load_state_dict(model.state_dict(), strict=False)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - llama(tokens).logits).abs().max().item() > 1e-3
 
 
 def random_norms(model: LlamaForCausalLM) -> None:

@@ -1,6 +1,7 @@
 """Hugging Face interop: export a checkpoint to `transformers` Llama (Mixtral for a mixture of experts, see
-`nanotron.hf.mixtral`; Qwen3 or Qwen3-MoE with QK-norm, `nanotron.hf.qwen3`; DeepSeek-V3 with multi-head latent
-attention, `nanotron.hf.deepseek_v3`), import HF Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 weights for training.
+`nanotron.hf.mixtral`; Qwen3 or Qwen3-MoE with QK-norm, `nanotron.hf.qwen3`; SmolLM3 with NoPE layers,
+`nanotron.hf.smollm3`; DeepSeek-V3 with multi-head latent attention, `nanotron.hf.deepseek_v3`), import HF Llama,
+Mixtral, Qwen3, Qwen3-MoE, SmolLM3 or DeepSeek-V3 weights for training.
 
     nanotron convert to-hf   CHECKPOINT OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
     nanotron convert from-hf HF_DIR CKPT_DIR

@@ -98,6 +98,11 @@ class ModelConfig:
         min=2,
     )
     qk_norm: bool = opt(False, "RMSNorm over head_dim on every query and key head before RoPE (Qwen3's QK-norm)")
+    nope_layers: list[int] = opt(
+        [],
+        "decoder layers (0-based) whose attention applies no RoPE (NoPE; SmolLM3 skips it in every 4th layer: "
+        "3,7,11,...); [] = RoPE in every layer",
+    )
     kv_lora_rank: int = opt(
         0,
         "multi-head latent attention (DeepSeek-V2/V3's MLA) when > 0: keys and values are expanded per head from a "

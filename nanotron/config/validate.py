@@ -74,6 +74,24 @@ def resolve_model(model: ModelConfig) -> None:
     check_ranges("model.mup_base", m.mup_base)
     resolve_mup(m)
     _resolve_moe(m)
+    _check_nope_layers(m)
+
+
+def _check_nope_layers(m: ModelConfig) -> None:
+    """NoPE layers: distinct indices of decoder layers, and standard attention (MLA's RoPE is its own part)."""
+    outside = [i for i in m.nope_layers if not 0 <= i < m.num_layers]
+    if outside:
+        raise ConfigError(
+            f"model.nope_layers holds {outside[0]}: expected decoder layer indices 0..{m.num_layers - 1} "
+            f"(model.num_layers={m.num_layers})"
+        )
+    if len(set(m.nope_layers)) < len(m.nope_layers):
+        raise ConfigError(f"model.nope_layers={m.nope_layers} names a layer twice; list each layer once")
+    if m.nope_layers and m.mla:
+        raise ConfigError(
+            "model.nope_layers is set with multi-head latent attention (model.kv_lora_rank > 0), whose RoPE is a "
+            "separate part of each head; leave nope_layers empty"
+        )
 
 
 MLA_KEYS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

@@ -16,7 +16,7 @@ from nanotron.checkpoint.full_model import check_tokenizer_flag, expected_shapes
 from nanotron.checkpoint.safe_io import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
 from nanotron.errors import CheckpointError, UserError
-from nanotron.hf import deepseek_v3, mixtral, qwen3
+from nanotron.hf import deepseek_v3, mixtral, qwen3, smollm3
 from nanotron.hf.llama import hf_config
 from nanotron.models.parametrization import fold_multipliers, is_mup
 from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
@@ -84,6 +84,7 @@ def to_hf(
             "with multi-head latent attention, model.kv_lora_rank > 0); Llama, Qwen3 and Mixtral files have no place "
             "for it"
         )
+    smollm3.check_exportable(model)
     if model.mla:  # DeepSeek-V3, with or without its MoE
         deepseek_v3.check_exportable(model)
         tensors = deepseek_v3.to_hf(model, tensors)
@@ -101,6 +102,8 @@ def to_hf(
         config |= deepseek_v3.hf_config(model)
     elif model.qk_norm:
         config |= qwen3.hf_config(model)
+    elif model.nope_layers:
+        config |= smollm3.hf_config(model)
     elif model.moe.enabled:
         config |= mixtral.hf_config(model)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

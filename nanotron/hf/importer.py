@@ -1,4 +1,4 @@
-"""A Hugging Face Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 folder -> a weights-only nanotron checkpoint
+"""A Hugging Face Llama, Mixtral, Qwen3, Qwen3-MoE, SmolLM3 or DeepSeek-V3 folder -> a weights-only nanotron checkpoint
 (`nanotron convert from-hf`), to start training from with `checkpoint.init_from` at any layout."""
 
 from __future__ import annotations

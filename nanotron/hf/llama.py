@@ -1,5 +1,6 @@
 """Hugging Face Llama's config.json <-> nanotron's [model]: the export's config and the import's reading of one
-(Mixtral's mixture-of-experts fields in `mixtral.py`, Qwen3's QK-norm in `qwen3.py`)."""
+(Mixtral's mixture-of-experts fields in `mixtral.py`, Qwen3's QK-norm in `qwen3.py`, SmolLM3's NoPE layers in
+`smollm3.py`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from nanotron.config import ModelConfig
 from nanotron.config.conversion import Source, show
 from nanotron.config.validate import resolve_model
 from nanotron.errors import CheckpointError, ConfigError
-from nanotron.hf import deepseek_v3, mixtral, qwen3
+from nanotron.hf import deepseek_v3, mixtral, qwen3, smollm3
 
 
 def hf_config(model: ModelConfig, dtype: torch.dtype, eos_id: int | None, tied: bool) -> dict:
@@ -65,7 +66,7 @@ _ROPE_KEYS = {"rope_type", "type", "rope_theta"}  # all a table of default (unsc
 
 
 def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
-    """The nanotron [model] of an HF Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 config.json. The file is
+    """The nanotron [model] of an HF Llama, Mixtral, Qwen3, Qwen3-MoE, SmolLM3 or DeepSeek-V3 config.json. The file is
     untrusted input: every field read is type-checked (a bool is no layer count, NaN no epsilon) and range-checked,
     each refusal one line in the file's own keys; anything our model can't express (biases, scaled RoPE, sliding
     windows, grouped routing) is refused by name."""
@@ -90,17 +91,19 @@ def model_config_from_hf(config: dict, where: Path) -> ModelConfig:
 
 def _unsupported(src: Source, what: str) -> CheckpointError:
     return CheckpointError(
-        f"{src.file}: {what}; only plain Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 (no biases, SiLU, unscaled "
-        "RoPE, full attention) imports"
+        f"{src.file}: {what}; only plain Llama, Mixtral, Qwen3, Qwen3-MoE, SmolLM3 or DeepSeek-V3 (no biases, SiLU, "
+        "unscaled RoPE, full attention) imports"
     )
 
 
 def _read_fields(src: Source) -> dict[str, tuple[Any, str]]:
     """{[model] key: (value, the config.json key behind it)} for every field the import reads, each type-checked."""
     model_type = src.get("model_type", str)
-    if model_type not in ("llama", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3"):
+    if model_type not in ("llama", "mixtral", "qwen3", "qwen3_moe", "smollm3", "deepseek_v3"):
         raise _unsupported(
-            src, f"model_type is {show(model_type)}, not 'llama', 'mixtral', 'qwen3', 'qwen3_moe' or 'deepseek_v3'"
+            src,
+            f"model_type is {show(model_type)}, not 'llama', 'mixtral', 'qwen3', 'qwen3_moe', 'smollm3' or "
+            "'deepseek_v3'",
         )
     for key in ("attention_bias", "mlp_bias"):
         if src.get(key, bool, False):
@@ -111,7 +114,7 @@ def _read_fields(src: Source) -> dict[str, tuple[Any, str]]:
     fields = FIELDS | family.get(model_type, {})
     if model_type == "mixtral":
         mixtral.check_importable(src)
-    if model_type.startswith("qwen3"):
+    if model_type.startswith("qwen3") or model_type == "smollm3":  # both may declare sliding-window layers
         qwen3.check_importable(src)
     if model_type == "deepseek_v3":
         deepseek_v3.check_importable(src)
@@ -129,6 +132,8 @@ def _read_fields(src: Source) -> dict[str, tuple[Any, str]]:
     if model_type == "qwen3_moe":
         read["moe.num_experts"] = qwen3.num_experts(src)
         read["moe.first_dense_layers"] = qwen3.first_dense_layers(src, read["num_layers"][0])
+    if model_type == "smollm3":
+        read["nope_layers"] = smollm3.nope_layers(src, read["num_layers"][0])
     read["rope_theta"] = _rope_theta(src)
     return read
 

@@ -1,10 +1,11 @@
 """Llama decoder in plain PyTorch: RMSNorm, RoPE (split halves), GQA through SDPA, SwiGLU or mixture-of-experts
 MLPs (`nanotron.models.moe`, Mixtral's layout); Qwen3 is this model with options (`qk_norm`, a `head_dim` apart
-from hidden_size / num_heads).
+from hidden_size / num_heads), SmolLM3 with layers that skip RoPE (`nope_layers`).
 
-Parameter names equal Hugging Face `LlamaForCausalLM`'s (and `Qwen3ForCausalLM`'s), so checkpoints export without
-a rename table. Nothing here knows about parallelism: reshapes use -1 for head counts so tensor-parallel shards
-(fewer local heads) run the same code, and pipeline stages are this module with parts set to None.
+Parameter names equal Hugging Face `LlamaForCausalLM`'s (and `Qwen3ForCausalLM`'s, `SmolLM3ForCausalLM`'s), so
+checkpoints export without a rename table. Nothing here knows about parallelism: reshapes use -1 for head counts so
+tensor-parallel shards (fewer local heads) run the same code, and pipeline stages are this module with parts set to
+None.
 `nanotron.models.parametrization` says how each parameter is initialised (`nanotron.parallel.init` draws the
 values) and which multipliers µP applies here: plain scalars from the config, 1 under standard parametrization.
 """
@@ -131,9 +132,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.head_dim = cfg.head_dim
+        # NoPE (SmolLM3, Llama 4): the layers of `model.nope_layers` apply no position encoding at all
+        self.rotary = index not in cfg.nope_layers
         # softmax(q k^T scale) v over the sequence; context parallelism swaps in ring attention (no parameters)
         self.core = DotProductAttention(multipliers(cfg).attention_scale)
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
@@ -150,7 +153,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope, seq_dim=1).transpose(1, 2), apply_rope(k, rope, seq_dim=1).transpose(1, 2)
+        if self.rotary:
+            q, k = apply_rope(q, rope, seq_dim=1), apply_rope(k, rope, seq_dim=1)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         out = self.core(q, k, v, doc)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
@@ -226,7 +231,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LatentAttention(cfg) if cfg.mla else Attention(cfg)
+        self.self_attn = LatentAttention(cfg) if cfg.mla else Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = feed_forward(cfg, index)
         self.residual_multiplier = multipliers(cfg).residual
