@@ -405,14 +405,14 @@ class Trainer:
         t = self.cfg.training
         step_time, eta = self.timer.lap(self.state.step)
         loss_value = self.runner.mean_loss(loss)
-        mtp_value = self.runner.mean_loss(self.runner.mtp_loss) if self.cfg.model.mtp_depth else None
+        # MTP's and the z-loss's means, in the order every rank holds them (a collective each)
+        extra = {name: self.runner.mean_loss(value) for name, value in self.runner.extra_losses.items()}
         memory = memory_record(self.ctx.device)  # a collective: every rank
         if self.is_logging_rank:
             group = self.optimizers[0].param_groups[0]  # the rate the step used, not a recomputation
             lr = group["lr"] / group.get("lr_scale", 1.0)
             record = step_record(self.state, loss_value, lr, grad_norm.item(), step_time, eta)
-            if mtp_value is not None:
-                record["mtp_loss"] = mtp_value
+            record |= extra
             record |= {f"stability/{rule}": score for rule, score in self.stability.last_scores.items()}
             tokens = t.global_batch_size * t.seq_len
             flops = flops_per_token(self.cfg.model, t.seq_len) * tokens

@@ -152,6 +152,14 @@ MTP = Family(
     ),  # fmt: skip
     tasks=True,  # downstream scoring runs the main model only, its pipeline stages still carrying the MTP tokens
 )
+# SmolLM3's attention (RoPE skipped in layers 1 and 3) with the z-loss, its mean log(Z)^2 logged every step: the
+# weight (1e-3 x ~81) moves the loss by 1e-2, three orders above RTOL, so a z-loss summed over the wrong tokens or
+# reduced over a vocab shard shows.
+NOPE_Z_LOSS = Family(
+    "nope_z_loss",
+    "tiny_data",
+    ("--model.nope_layers=1,3", "--training.z_loss=1e-3", *EVALUATE, "--logging.log_interval=1", STATS),
+)
 # TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
 MUP = Family(
     "mup",
@@ -240,7 +248,8 @@ def assert_matches(run: Run, ref: Run, family: Family) -> str:
     """Every quantity the reference logged, within RTOL; returns a line of the measured differences."""
     assert len(run.losses) == len(ref.losses) == family.steps
     assert run.losses == pytest.approx(ref.losses, rel=RTOL, abs=0), ("losses", run.losses, ref.losses)
-    for key in ("eval_loss", "grad_norm", "mtp_loss"):  # grad_norm: the global norm over every shard, before clipping
+    # grad_norm: the global norm over every shard, before clipping
+    for key in ("eval_loss", "grad_norm", "mtp_loss", "z_loss"):
         assert len(run.series(key)) == len(ref.series(key)), key
         got, want = run.series(key), ref.series(key)
         assert got == pytest.approx(want, rel=RTOL, abs=0), (key, got, want)

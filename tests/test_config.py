@@ -99,6 +99,14 @@ def test_both_override_spellings_parse():
             "model.parametrization='mup' does not support",
         ),
         (["--training.steps"], "--training.steps: missing value"),
+        (["--model.nope_layers=1,4"], "model.nope_layers holds 4: expected decoder layer indices 0..3"),
+        (["--model.nope_layers=1,1"], "model.nope_layers=[1, 1] names a layer twice; list each layer once"),
+        (
+            ["--model.nope_layers=1", "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=8"]
+            + ["--model.qk_rope_head_dim=4", "--model.v_head_dim=8"],
+            "model.nope_layers is set with multi-head latent attention",
+        ),
+        (["--training.z_loss=-1e-4"], "training.z_loss"),
         (
             ["--optimizer.warmup_steps=10", "--optimizer.decay_start=5"],
             "optimizer.decay_start=5 falls inside warmup (optimizer.warmup_steps=10): expected 0 (decay when warmup "

@@ -415,6 +415,26 @@ def test_a_decay_start_inside_warmup_is_a_note_not_a_key(tmp_path, capsys):
     assert "lr_decay_starting_step=5 not carried over: it falls inside warmup" in err
 
 
+@pytest.mark.parametrize(
+    "extra, nope_layers, z_loss",
+    [
+        ("no_rope_layer: 4, z_loss_enabled: true, z_loss_coefficient: 0.0002", [3, 7], 2e-4),
+        ("no_rope_layer: 3, z_loss_enabled: true", [2, 5], 1e-4),  # the original's default coefficient
+        ("no_rope_layer: null, z_loss_enabled: false, z_loss_coefficient: 0.5", [], 0.0),
+    ],
+)
+def test_smollm3s_nope_layers_and_the_z_loss_convert(tmp_path, capsys, extra, nope_layers, z_loss):
+    """SmolLM3's no_rope_layer (RoPE skipped where (layer + 1) % no_rope_layer == 0, the original's rule) becomes
+    model.nope_layers; an enabled z-loss its weight, with a note on how the original's differs."""
+    yaml = TINY.replace("num_hidden_layers: 2,", f"num_hidden_layers: 8, {extra},")
+    code, text, err = convert(tmp_path, capsys, yaml)
+    tables = tomllib.loads(text)
+    assert code == 0 and tables["model"].get("nope_layers", []) == nope_layers, err
+    assert tables.get("training", {}).get("z_loss", 0.0) == z_loss
+    assert ("squares log Z after subtracting each token's largest logit" in err) == (z_loss > 0)
+    assert "not carried over" not in err or "no_rope_layer" not in err and "z_loss" not in err
+
+
 @pytest.mark.slow
 def test_a_converted_config_trains(tiny_data, tmp_path, capsys):
     code, _, _ = convert(tmp_path, capsys, TINY)

@@ -211,6 +211,19 @@ def test_the_mtp_block_under_full_recompute_keeps_its_input_only_as_planned(full
 
 
 @pytest.mark.slow
+def test_the_z_loss_keeps_each_microbatchs_float_logits_as_planned(full_recompute, tiny_data, tmp_path):
+    """The z-loss's log-normaliser keeps the float logits for backward: a run with it holds, beyond one without,
+    one [tokens, vocab / tp] fp32 tensor per microbatch in flight, and the plan counts it so (within 10 %)."""
+    (full,), _ = full_recompute
+    z_loss = ["--parallelism.recompute=full", "--training.z_loss=1e-4"]
+    (ranks,), _ = measure(tiny_data, tmp_path, "z_loss", 1, z_loss, activation_tolerance=0.1)
+    planned = planned_activations(z_loss) - planned_activations(["--parallelism.recompute=full"])
+    measured = ranks["activation_bytes"] - full["activation_bytes"]
+    print(f"z-loss: planned {planned / 1e3:.1f} KB, measured {measured / 1e3:.1f} KB beyond the run without it")
+    assert abs(planned / measured - 1) <= 0.1, (planned, measured)
+
+
+@pytest.mark.slow
 def test_sequence_parallel_keeps_its_gathered_inputs_as_shards_as_planned(one_process, tiny_data, tmp_path):
     """The re-gather in a real 2-process run: the plan, which counts the kept shard, is within 6% of the measured
     activations (+4.6% here, byte counts: deterministic; the benchmarks' small model −0.4%; the exact saving is

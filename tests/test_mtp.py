@@ -16,7 +16,7 @@ from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.init import init_weights
 from nanotron.parallel.pipeline import split_model, stage_shapes
-from nanotron.parallel.runner import mtp_depth_loss, mtp_tokens_and_targets, mtp_training_loss
+from nanotron.parallel.runner import mtp_depth_loss, mtp_tokens_and_targets, training_loss
 
 
 def config(*overrides: str):
@@ -124,7 +124,8 @@ def test_the_training_loss_is_main_plus_the_weight_times_the_mean_of_the_depths_
     _, extra = mtp_tokens_and_targets(batch, depth)
     targets = torch.cat([batch[:, 1:], *extra.unbind(-1)], dim=1)
     logits = torch.randn(2, (1 + depth) * seq, vocab, generator=gen)
-    total, main, mtp = mtp_training_loss(logits, targets, depth, weight, seq, None)
+    total, parts = training_loss(logits, targets, None, depth, weight, seq)
+    main, mtp = parts["loss"], parts["mtp_loss"]
     want_main = F.cross_entropy(logits[:, :seq].flatten(0, 1), batch[:, 1:].flatten())
     depths = [
         F.cross_entropy(logits[:, k * seq : (k + 1) * seq - k].flatten(0, 1), batch[:, k + 1 :].flatten())

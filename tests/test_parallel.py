@@ -17,6 +17,7 @@ from matrix import (
     MLA,
     MTP,
     MUON,
+    NOPE_Z_LOSS,
     QWEN3,
     QWEN3_MOE,
     RTOL,
@@ -90,6 +91,9 @@ def test_layout_matches_one_process(layout, references, tiny_data, tmp_path):
 # norms and projection per sequence shard under sequence parallelism, its MoE block's experts split over ep with
 # FSDP ZeRO-3 and recomputed in full as the model's layers are, and under cp the shifted tokens taken from the
 # whole sequence before it is split (a token's t+1 may be in another rank's chunk).
+# NoPE layers and the z-loss: the log-normaliser of vocab-sharded logits (its maximum and sum all-reduced over tp)
+# with sequence parallelism and ring attention (the NoPE layers ignore the cp ranks' positions), and on the last
+# stage of a pipeline over plain TP.
 # Float8 (emulated): FSDP's float8 all-gather (ZeRO-3: re-gathered in backward with the precomputed scale),
 # sequence-parallel TP with selective recompute, the pipeline; rowwise scales under TP (per-row amaxes of
 # tp-sharded rows and columns).
@@ -104,6 +108,8 @@ FAMILY_LAYOUTS = [
     (MTP, Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",))),
     (MTP, Layout(dp=2, ep=2, flags=("--parallelism.zero_stage=3", "--parallelism.recompute=full"))),
     (MTP, Layout(cp=2)),
+    (NOPE_Z_LOSS, Layout(cp=2, tp=2, flags=("--parallelism.tp_mode=reduce_scatter",))),
+    (NOPE_Z_LOSS, Layout(tp=2, pp=2, flags=("--parallelism.pp_engine=1f1b", "--parallelism.tp_mode=all_reduce"))),
     (FLOAT8, Layout(dp=2, flags=("--parallelism.zero_stage=3",))),
     (FLOAT8, Layout(tp=2, flags=("--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective"))),
     (FLOAT8, Layout(pp=2, flags=("--parallelism.pp_engine=1f1b",))),
@@ -116,6 +122,7 @@ OWN_WEIGHT = {
     MLA.name: "self_attn.kv_b_proj.weight",
     MTP.name: "mtp.0.block.mlp.experts.down_proj",
 }
+LOGGED = {MTP.name: "mtp_loss", NOPE_Z_LOSS.name: "z_loss"}  # logged every step beside the loss
 
 
 @pytest.mark.slow
@@ -125,8 +132,8 @@ def test_family_layout_matches_its_one_process_run(family, layout, references, t
     run = family.run(tiny_data, tmp_path, "run", layout)
     if family.name in OWN_WEIGHT:
         assert any(name.endswith(OWN_WEIGHT[family.name]) for name in ref.weights)
-    if family is MTP:  # its loss, logged every step, is held to the reference too
-        assert len(ref.series("mtp_loss")) == MTP.steps
+    if family.name in LOGGED:  # logged every step, held to the reference too
+        assert len(ref.series(LOGGED[family.name])) == family.steps
     print(f"{family.name} {layout}: {assert_matches(run, ref, family)}")
 
 

@@ -26,6 +26,7 @@ from nanotron.checkpoint.layout import committed_steps, latest_checkpoint
 from nanotron.checkpoint.safe_io import read_model_weights
 from nanotron.config import OptimizerConfig
 from nanotron.optim import lr_at
+from nanotron.parallel.runner import IGNORE_INDEX, log_partition_squared, training_loss
 
 
 @pytest.mark.slow
@@ -193,6 +194,31 @@ def test_a_warmup_stable_decay_schedule_holds_lr_until_decay_start_then_decays_o
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_z_loss_is_the_mean_squared_log_normaliser_over_loss_tokens_with_its_exact_gradient(scaled):
+    """log(Z)^2 averaged over the tokens that carry a loss (or summed times the document-masking scale), against
+    float64 logsumexp in value and gradient; training adds weight x it and logs it apart from the loss."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 11, generator=gen, dtype=torch.float64) * 3 + 5  # log Z far from 0
+    targets = torch.randint(0, 11, (2, 6), generator=gen)
+    targets[0, 2] = targets[1, 5] = IGNORE_INDEX
+    scale = torch.tensor(0.3) if scaled else None
+    got_x, want_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = log_partition_squared(got_x, targets, scale)
+    kept = targets.flatten() != IGNORE_INDEX
+    squares = torch.logsumexp(want_x.flatten(0, 1), dim=-1)[kept].square()
+    want = squares.sum() * 0.3 if scaled else squares.mean()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad, rtol=1e-5, atol=1e-9)
+    assert got_x.grad.view(-1, 11)[~kept].abs().max() == 0  # tokens without a loss get no gradient
+    total, parts = training_loss(logits.float(), targets, scale, z_loss=1e-2)
+    assert sorted(parts) == ["loss", "z_loss"]
+    torch.testing.assert_close(total, parts["loss"] + 1e-2 * parts["z_loss"], rtol=1e-7, atol=0)
+    torch.testing.assert_close(parts["z_loss"].double(), want.detach(), rtol=1e-6, atol=0)
+
+
 def test_console_script_dispatches_to_train():
     exe = Path(sys.executable).parent / "nanotron"  # installed by `pip install -e .` next to this Python
     assert exe.is_file(), "the nanotron console script is missing: install the project with `pip install -e .`"

@@ -68,8 +68,6 @@ KNOWN: dict[str, tuple[tuple | None, str]] = {
     f"{MODEL}.rope_scaling": ((), "RoPE here is not scaled"),
     f"{MODEL}.rope_seq_len_interpolation_factor": ((), "RoPE here is not interpolated"),
     f"{MODEL}.sliding_window_size": ((), "attention here sees the whole sequence (or document)"),
-    f"{MODEL}.no_rope_layer": ((), "every layer applies RoPE here"),
-    f"{MODEL}.z_loss_enabled": ((False,), "no z-loss here"),
     f"{MODEL}.log_attn_probs": ((False,), "attention probabilities are not logged here"),
     f"{MODEL}.moe_config.enable_shared_expert": (
         (False,),
@@ -96,7 +94,7 @@ KNOWN: dict[str, tuple[tuple | None, str]] = {
     **_no_effect(
         MODEL,
         "bos_token_id eos_token_id pad_token_id initializer_range use_cache pretraining_tp is_llama_config "
-        "is_qwen2_config _attn_implementation _fused_rotary_emb _fused_rms_norm _use_qkv_packed z_loss_coefficient "
+        "is_qwen2_config _attn_implementation _fused_rotary_emb _fused_rms_norm _use_qkv_packed "
         "ring_attn_heads_k_stride moe_config.router_aux_loss_coef moe_config.shared_expert_intermediate_size "
         "moe_config.token_dispatcher_type",
     ),
@@ -184,7 +182,29 @@ def _model(c: Conversion) -> None:
     c.set("training.dtype", DTYPES[dtype], "model.dtype")
     if dtype == "float16":
         c.note("model.dtype", 'model.dtype="float16" written as bfloat16: float16 training is not supported here')
+    _nope_and_z_loss(c)
     _moe(c)
+
+
+def _nope_and_z_loss(c: Conversion) -> None:
+    """SmolLM3's NoPE layers (the original skips RoPE in layer i when (i + 1) % no_rope_layer == 0) and the z-loss."""
+    every = c.src.get(f"{MODEL}.no_rope_layer", int)
+    if every is not None:
+        if every < 1:
+            raise ConfigError(f"{c.file}: {MODEL}.no_rope_layer: expected an integer >= 1 (or null), got {every}")
+        layers = c.tables["model"]["num_layers"]
+        c.set("model.nope_layers", [i for i in range(layers) if (i + 1) % every == 0], f"{MODEL}.no_rope_layer")
+    if not c.src.get(f"{MODEL}.z_loss_enabled", bool, False):
+        c.src.get(f"{MODEL}.z_loss_coefficient", float)  # read: without z_loss_enabled it changes nothing
+        return
+    weight = c.src.get(f"{MODEL}.z_loss_coefficient", float, 1e-4)
+    c.set("training.z_loss", weight, f"{MODEL}.z_loss_enabled", f"{MODEL}.z_loss_coefficient")
+    c.note(
+        f"{MODEL}.z_loss_enabled",
+        f"{MODEL}.z_loss_coefficient={weight} carried as training.z_loss: the original squares log Z after "
+        "subtracting each token's largest logit (log sum exp(logit - max)) and logs it inside the loss; here the "
+        "z-loss squares log Z itself (PaLM's, OLMo's) and is logged apart as z_loss",
+    )
 
 
 def _positions(c: Conversion) -> None:

@@ -34,6 +34,13 @@ class TrainingConfig:
         "of the eval loss",
         min=0.0,
     )
+    z_loss: float = opt(
+        0.0,
+        "z-loss weight (PaLM, OLMo; 1e-4 is usual): training adds z_loss x the mean over loss tokens of log(Z)^2, "
+        "Z the softmax's normaliser, which keeps the output logits from drifting; logged as z_loss (before the "
+        "weight), not part of the loss or the eval loss; 0 = off",
+        min=0.0,
+    )
     max_skipped_steps: int = opt(
         0, "steps with a non-finite loss or gradient skipped (not applied) before the run stops", min=0
     )

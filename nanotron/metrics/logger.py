@@ -131,7 +131,7 @@ def step_line(r: dict, total_steps: int) -> str:
     time of day in front)."""
     per_device = r["tokens_per_sec_per_device"]
     return (
-        f"step {r['step']}/{total_steps} | loss {r['loss']:.4f}{_mtp_detail(r)} | lr {r['lr']:.3e}"
+        f"step {r['step']}/{total_steps} | loss {r['loss']:.4f}{_loss_detail(r)} | lr {r['lr']:.3e}"
         f" | grad_norm {r['grad_norm']:.3f}"
         f" | {r['step_time_sec']:.3f}s/step | tokens/s {r['tokens_per_sec']:,.0f} ({per_device:,.0f}/device)"
         f" | tflops {r['tflops']:.3f} | mfu {100 * r['mfu']:.2f}% | mem {r['memory_gib']:.2f}GiB{_memory_detail(r)}"
@@ -139,9 +139,11 @@ def step_line(r: dict, total_steps: int) -> str:
     )
 
 
-def _mtp_detail(r: dict) -> str:
-    """Multi-token prediction's loss (mean over its depths) beside the main loss, which it is not part of."""
-    return f" (mtp {r['mtp_loss']:.4f})" if "mtp_loss" in r else ""
+def _loss_detail(r: dict) -> str:
+    """Beside the main loss, what training adds to it and the loss does not include: multi-token prediction's loss
+    (mean over its depths) and the z-loss's mean log(Z)^2 (before training.z_loss's weight)."""
+    parts = [f"{name} {r[key]:.4f}" for name, key in (("mtp", "mtp_loss"), ("z", "z_loss")) if key in r]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _memory_detail(r: dict) -> str:

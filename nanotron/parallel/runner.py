@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from nanotron.config import Config
@@ -52,17 +52,77 @@ def mtp_depth_loss(logits: torch.Tensor, targets: torch.Tensor, seq_len: int, de
     return total * (seq_len / ((seq_len - depth) * targets.numel()))
 
 
-def mtp_training_loss(
-    logits: torch.Tensor, targets: torch.Tensor, depth: int, weight: float, seq_len: int, scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(main + weight x the MTP loss, main, the MTP loss: the mean over the depths) of one microbatch whose logits
-    and targets hold the main positions, then each depth's (llama.py's order)."""
-    width = targets.shape[1] // (1 + depth)
-    parts = [slice(k * width, (k + 1) * width) for k in range(1 + depth)]
-    main = microbatch_loss(logits[:, parts[0]], targets[:, parts[0]], scale)
-    mtp = sum(mtp_depth_loss(logits[:, parts[k]], targets[:, parts[k]], seq_len, k) for k in range(1, depth + 1))
-    mtp = mtp / depth
-    return main + weight * mtp, main, mtp
+def training_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor | None,
+    mtp_depth: int = 0,
+    mtp_weight: float = 0.0,
+    seq_len: int = 0,
+    z_loss: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the loss to differentiate, its logged parts) of one training microbatch: the main cross-entropy ("loss"),
+    plus mtp_weight x the MTP loss ("mtp_loss", the mean over the depths: logits and targets then hold the main
+    positions, then each depth's, llama.py's order), plus z_loss x the main positions' mean log(Z)^2 ("z_loss")."""
+    main_logits, main_targets = logits, targets
+    if mtp_depth:
+        width = targets.shape[1] // (1 + mtp_depth)
+        parts = [slice(k * width, (k + 1) * width) for k in range(1 + mtp_depth)]
+        main_logits, main_targets = logits[:, parts[0]], targets[:, parts[0]]
+    main = microbatch_loss(main_logits, main_targets, scale)
+    total, logged = main, {"loss": main}
+    if mtp_depth:
+        depths = range(1, mtp_depth + 1)
+        mtp = sum(mtp_depth_loss(logits[:, parts[k]], targets[:, parts[k]], seq_len, k) for k in depths) / mtp_depth
+        total, logged["mtp_loss"] = total + mtp_weight * mtp, mtp
+    if z_loss:
+        z = log_partition_squared(main_logits, main_targets, scale)
+        total, logged["z_loss"] = total + z_loss * z, z
+    return total, logged
+
+
+class _LogPartition(torch.autograd.Function):
+    """log Z of each row of [tokens, vocab] logits (logsumexp over the vocabulary); with a tp group, of the rows of
+    this rank's vocabulary shard, the maximum and the sum of exponentials all-reduced over the group (two
+    [tokens] all-reduces). The gradient is the softmax of this shard's columns times the upstream gradient:
+    every tp rank holds the same loss, so nothing is summed in backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        peak = logits.amax(dim=-1)
+        if group is not None:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        total = (logits - peak[:, None]).exp().sum(dim=-1)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        log_z = total.log() + peak
+        ctx.save_for_backward(logits, log_z)
+        return log_z
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, log_z = ctx.saved_tensors
+        return grad[:, None] * (logits - log_z[:, None]).exp(), None
+
+
+def log_partition_squared(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The z-loss of one microbatch (PaLM, arXiv:2204.02311 section 5; OLMo; nanotron's z_loss): log(Z)^2, Z the
+    softmax's normaliser, averaged over the tokens that carry a loss as `microbatch_loss` averages them (with
+    `scale`: the sum times `scale`). Vocab-sharded logits (a DTensor under loss_parallel) are reduced over their
+    tp group and the result is a replicated DTensor, as the cross-entropy's. It keeps the float logits until
+    backward: one [tokens, vocab / tp] fp32 tensor per microbatch in flight."""
+    logits, targets = logits.flatten(0, 1).float(), targets.flatten()
+    mesh = logits.device_mesh if isinstance(logits, DTensor) else None
+    if mesh is not None:
+        if logits.placements != (Shard(1),):  # loss_parallel's contract: logits sharded over the vocabulary only
+            raise AssertionError(f"z-loss expects vocab-sharded logits, got placements {logits.placements}")
+        log_z = _LogPartition.apply(logits.to_local(), mesh.get_group())
+    else:
+        log_z = _LogPartition.apply(logits, None)
+    kept = targets != IGNORE_INDEX
+    squares = (log_z.square() * kept).sum()
+    value = squares * scale if scale is not None else squares / kept.sum()
+    return DTensor.from_local(value, mesh, [Replicate()], run_check=False) if mesh is not None else value
 
 
 def mtp_tokens_and_targets(batch: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,9 +173,14 @@ class MicrobatchRunner:
         # Multi-token prediction: its tokens travel with every microbatch; its loss is added in training only.
         self.mtp_depth, self.mtp_weight = cfg.model.mtp_depth, cfg.training.mtp_loss_weight
         self.seq_len = cfg.training.seq_len
-        self.training_mtp = False  # inside forward_backward: logits and targets carry the MTP depths
-        self.step_losses: list[tuple[torch.Tensor, torch.Tensor]] = []  # (main, MTP) per microbatch, detached
-        self.mtp_loss: torch.Tensor | None = None  # the last step's MTP loss (mean over depths), on the last stage
+        self.z_loss = cfg.training.z_loss
+        # Inside forward_backward with MTP or the z-loss: the loss to differentiate is more than the logged loss, and
+        # each microbatch's parts are kept (detached) for the step's means; with MTP, logits and targets carry the
+        # MTP depths.
+        self.training_parts = False
+        self.step_losses: list[dict[str, torch.Tensor]] = []
+        # The last step's means of the parts beyond the loss ({"mtp_loss": ..., "z_loss": ...}), on the last stage.
+        self.extra_losses: dict[str, torch.Tensor] = {}
         if self.document and eos_id is None:
             raise ValueError("model.attention='document' needs the tokenizer's EOS id")
         self.eos_id = eos_id
@@ -156,7 +221,7 @@ class MicrobatchRunner:
         mtp = self._mtp(batch, targets)
         if mtp is not None:
             targets = mtp.pop("targets")
-        self.training_mtp, self.step_losses = mtp is not None, []
+        self.training_parts, self.step_losses = mtp is not None or self.z_loss > 0, []
         try:
             with self._loss_context():
                 if self.schedule is not None:
@@ -165,12 +230,12 @@ class MicrobatchRunner:
                 else:
                     loss = self._plain_loop(inputs, targets, doc, mtp)
         finally:
-            self.training_mtp = False
-        if mtp is None or not self.has_last:
+            training_parts, self.training_parts = self.training_parts, False
+        if not training_parts or not self.has_last:
             return loss
-        main, extra = (torch.stack(parts).mean() for parts in zip(*self.step_losses))
-        self.mtp_loss = extra
-        return main  # the logged loss is the main model's; the gradients are of main + weight x MTP
+        means = {name: torch.stack([parts[name] for parts in self.step_losses]).mean() for name in self.step_losses[0]}
+        self.extra_losses = {name: value for name, value in means.items() if name != "loss"}
+        return means["loss"]  # the logged loss is the main model's; the gradients are of the whole training_loss
 
     def _plain_loop(self, inputs, targets, doc, mtp: dict | None) -> torch.Tensor:
         model = self.modules[0]
@@ -293,10 +358,13 @@ class MicrobatchRunner:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.scoring:
             return row_log_likelihoods(logits, targets)
-        if not self.training_mtp:
+        if not self.training_parts:
             return microbatch_loss(logits, targets, self.scale)
-        total, main, mtp = mtp_training_loss(logits, targets, self.mtp_depth, self.mtp_weight, self.seq_len, self.scale)
-        self.step_losses.append((_plain(main).detach().float(), _plain(mtp).detach().float()))
+        # in training with MTP the logits and targets always carry its depths (forward_backward's `_mtp`)
+        total, parts = training_loss(
+            logits, targets, self.scale, self.mtp_depth, self.mtp_weight, self.seq_len, self.z_loss
+        )
+        self.step_losses.append({name: _plain(value).detach().float() for name, value in parts.items()})
         return total
 
     def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

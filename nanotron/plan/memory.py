@@ -423,13 +423,15 @@ def mtp_activation_bytes(cfg: Config, tokens: int) -> float:
 
 def logits_bytes(cfg: Config, stages: list[StageShape], tokens: int, flights: float) -> tuple[float, float]:
     """(the log-softmax outputs kept for backward, the logits while the loss runs) on the rank of the last stage;
-    with multi-token prediction each depth's logits too (computed and kept together with the main ones)."""
+    with multi-token prediction each depth's logits too (computed and kept together with the main ones), with the
+    z-loss the main positions' float logits its log-normaliser keeps for backward."""
     m, p = cfg.model, cfg.parallelism
     e = element_bytes(cfg.training.dtype)
     if not any(s.last for s in stages):
         return 0.0, 0.0
     positions = tokens * (1 + m.mtp_depth)
-    saved = positions * FP32 * m.vocab_size / p.tp * flights
+    kept = positions + (tokens if cfg.training.z_loss > 0 else 0)
+    saved = kept * FP32 * m.vocab_size / p.tp * flights
     return saved, positions * (e + (FP32 if e == 2 else 0)) * m.vocab_size / p.tp
 
 
