@@ -21,11 +21,12 @@ Priority order, each row's estimate on one H100 (a guess until the first GPU run
     checkpoint sync ~70s, checkpoint async ~65s, checkpoint async_pinned ~65s, doctor ~30s
   part 3 (two GPUs; one line "two-GPU part: skipped" with one): dp2 fsdp2 ~68s, dp2 resumed ~63s, cp2 ring ~48s,
     moe ep2 ~48s, moe ep2 overlap ~45s, dp2 float8 all-gather ~97s, tp2 sp float8 gather ~97s,
-    tp2 compile async ~97s, qwen3 tp2 sp ~48s, mla tp2 sp ~48s, hang watch ~90s
-  part 4 (one GPU, the rows parts 1 and 2 have no room for): mtp bf16 ~44s, qwen3 moe bf16 ~42s, rms norm ~10s
+    tp2 compile async ~97s, qwen3 tp2 sp ~48s, mla tp2 sp ~48s, nope z-loss tp2 sp ~48s, hang watch ~90s
+  part 4 (one GPU, the rows parts 1 and 2 have no room for): mtp bf16 ~44s, qwen3 moe bf16 ~42s,
+    nope z-loss bf16 ~40s, rms norm ~10s
 Part 1 is ~533 s, part 2 ~483 s + the eager row it is checked against (~40 s): each under 9 minutes as estimated.
-Part 3 is ~750 s + its one-GPU references (~270 s): more than one slot; the budget names what is left for a rerun.
-Part 4 is ~96 s (no reference row). The numerics that gate everything come first (eager, compile, the host syncs,
+Part 3 is ~800 s + its one-GPU references (~310 s): more than one slot; the budget names what is left for a rerun.
+Part 4 is ~136 s (no reference row). The numerics that gate everything come first (eager, compile, the host syncs,
 the kernels' numerics), then speed rows (float8, selective recompute), then the rest. --quick keeps the order but
 drops the compile, float8, Qwen3, MLA, MTP, checkpoint-mode and host-sync rows.
 
@@ -61,6 +62,8 @@ Each row is checked, and the command exits 1 if any check fails:
   tolerances of it;
 - mtp (multi-token prediction, `model.mtp_depth=1`, `training.mtp_loss_weight=0.3`, on the MLA row's model with the
   MoE): learns on one device, and its mtp_loss is logged at every step and finite;
+- nope z-loss (SmolLM3's NoPE layers, `training.z_loss=1e-4`): learns on one device, its z_loss logged at every step
+  and finite; nope z-loss tp2 sp within the bf16 tolerances of it;
 - resume: the resumed steps within 1e-3 of the same steps of the uninterrupted dp2 row;
 - tp2 async: no "unavailable" warning, i.e. async TP really ran;
 - host syncs: one device, in a child process: steps 2-4 of 5 (not logged) under torch.cuda.set_sync_debug_mode("error")
@@ -159,6 +162,8 @@ MLA = [
 ]
 
 MTP = ["--model.mtp_depth=1", "--training.mtp_loss_weight=0.3"]
+# SmolLM3's NoPE layers (every 4th of the 1B model's 22) with the z-loss at its usual weight.
+NOPE_Z_LOSS = ["--model.nope_layers=3,7,11,15,19", "--training.z_loss=1e-4"]
 
 
 @dataclass
@@ -280,6 +285,9 @@ def checks(
         # Qwen3-MoE (Qwen3's attention with its softmax top-k routing, no shared expert) at the 1B width: learns on
         # one device through the grouped GEMM path. Part 4 beside mtp: parts 1 and 2 are full.
         Check("qwen3 moe bf16", 1, QWEN3_MOE, cost=Cost(step_factor=1.1), part=4),
+        # NoPE layers and the z-loss: learns on one device with z_loss logged every step and finite; sequence-
+        # parallel TP held to it on two (the log-normaliser of vocab-sharded logits reduced over tp).
+        Check("nope z-loss bf16", 1, NOPE_Z_LOSS, cost=Cost(step_factor=1.02), part=4, logged=("z_loss",)),
         Check(
             "rms norm",  # the eager RMSNorm against the plain formula: bit for bit, then time and bytes kept
             1,
@@ -289,7 +297,7 @@ def checks(
             kernel=("benchmarks.gpu_check", "norm_check", (device,)),
         ),
     ]
-    cuda_only = {"host syncs", "qwen3 bf16", "mla bf16", "mtp bf16", "qwen3 moe bf16"} | {
+    cuda_only = {"host syncs", "qwen3 bf16", "mla bf16", "mtp bf16", "qwen3 moe bf16", "nope z-loss bf16"} | {
         c.name for c in rows if c.cost.compile
     }
     return [c for c in rows if not (quick and (c.name in cuda_only or c.name.startswith("checkpoint ")))]
@@ -335,6 +343,7 @@ def two_gpu_checks(settings: argparse.Namespace, device: str, common: list[str],
             Check("tp2 compile async", 2, async_tp, "bf16 eager", async_tp=True, cost=compiled, part=3),
             Check("qwen3 tp2 sp", 2, [*QWEN3, "--parallelism.tp=2"], "qwen3 bf16", cost=two, part=3),
             Check("mla tp2 sp", 2, [*MLA, "--parallelism.tp=2"], "mla bf16", cost=two, part=3),
+            Check("nope z-loss tp2 sp", 2, [*NOPE_Z_LOSS, "--parallelism.tp=2"], "nope z-loss bf16", cost=two, part=3),
         ]
     hang = Check("hang watch", 2, [], cost=Cost(False, fixed_sec=90), part=3, watch=True)
     hang.action = lambda: hang_check(common, settings)
