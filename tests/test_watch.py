@@ -27,6 +27,7 @@ from conftest import (
     child_pids,
     console_messages,
     read_metrics,
+    run_train,
     train_env,
     train_losses,
     watcher_pids,
@@ -494,10 +495,7 @@ def test_a_transient_hang_restarts_the_ranks_in_place_and_a_permanent_one_stops_
     assert "restarting the ranks in place (attempt 1) after: hang: rank 1" in done.stdout
     steps = [r["step"] for r in read_metrics(tmp_path / "transient") if "loss" in r]
     assert steps == [1, 2, 3, 4, *range(5, 9)]  # the second attempt resumed from step 4's checkpoint
-    reference = subprocess.run(
-        [*command, "--job.name=reference"], cwd=REPO, env=train_env(), capture_output=True, timeout=300
-    )
-    assert reference.returncode == 0
+    run_train([*args, "--job.name=reference"], nproc=2)  # undisturbed: forked ranks, no launcher needed
     final, undisturbed = (train_losses(tmp_path / name)[-1] for name in ("transient", "reference"))
     assert final == pytest.approx(undisturbed, rel=1e-6)
 
