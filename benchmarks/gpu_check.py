@@ -153,7 +153,8 @@ QWEN3_MOE = [  # Qwen3-MoE's routing: softmax over the experts, top k renormalis
     "--model.moe.moe_intermediate_size=1408",
 ]
 
-MLA = [
+MLA = [  # every head its own keys and values (MLA expands them per head): num_kv_heads = the 1B model's 32 heads
+    "--model.num_kv_heads=32",
     "--model.q_lora_rank=512",
     "--model.kv_lora_rank=256",
     "--model.qk_nope_head_dim=64",
@@ -259,7 +260,7 @@ def checks(
         # DeepSeek-V3's multi-head latent attention at the 1B width (32 heads of 64 + 32 for queries/keys and 64
         # for values from latents of 512 and 256): learns on one device, and sequence-parallel TP held to it on
         # two (heads split, the latents' down-projections replicated, the shared RoPE key's gradient summed).
-        Check("mla bf16", 1, [*MLA, "--model.num_kv_heads=32"], cost=Cost(step_factor=1.1), part=2),
+        Check("mla bf16", 1, MLA, cost=Cost(step_factor=1.1), part=2),
         *checkpoint_checks(settings),
         Check(
             "doctor",
@@ -277,7 +278,7 @@ def checks(
         Check(
             "mtp bf16",
             1,
-            [*MLA, "--model.num_kv_heads=32", *moe, *MTP],
+            [*MLA, *moe, *MTP],
             cost=Cost(step_factor=1.25),
             part=4,
             logged=("mtp_loss",),

@@ -86,14 +86,17 @@ def test_startup_quick_times_fresh_and_resumed_first_steps(tmp_path, work_dir):
 
 
 @pytest.mark.slow
-def test_gpu_check_quick_checks_losses_of_every_row(tmp_path, work_dir):
-    """The GPU check's own smoke test on CPU, its training rows and kernels: one device eager, dp2 with async
-    saves, and a resume, each checked (finite falling losses, dp2 equal to one device, the resume equal to the
-    uninterrupted run)."""
-    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=360, extra=("--only", "rows"))
+def test_gpu_check_quick_checks_losses_of_every_kind_of_row(tmp_path, work_dir):
+    """The GPU check's own smoke test on CPU, a row of each kind and every kernel: one device eager, Muon (and the
+    optimizer-step line it brings), dp2 with async saves held to one device, a resume equal to the uninterrupted
+    run, each kernel's child process. The other training rows are these rows' runner with other flags (each a
+    valid config: test_gpu_check_every_training_row_is_a_valid_config_of_the_1b_model; their models' layouts are
+    the layout matrix's)."""
+    chosen = "bf16 eager,cp attention,moe grouped GEMM,muon bf16,dp2 fsdp2,dp2 resumed,moe ep2 overlap,rms norm"
+    stdout = run_benchmark("benchmarks.gpu_check", tmp_path, work_dir, timeout=360, extra=("--only-rows", chosen))
     rows = {r["check"]: r for r in read_csv(tmp_path / "gpu_check.csv")}
-    one = ["bf16 eager", "cp attention", "moe grouped GEMM", "moe bf16", "muon bf16"]
-    two = ["dp2 fsdp2", "dp2 resumed", "cp2 ring", "moe ep2", "moe ep2 overlap"]
+    one = ["bf16 eager", "cp attention", "moe grouped GEMM", "muon bf16"]
+    two = ["dp2 fsdp2", "dp2 resumed", "moe ep2 overlap"]
     assert list(rows) == [*one, *two, "rms norm"]  # part 4 (one GPU) after part 3
     assert all(r["verdict"] == "ok" for r in rows.values()), rows
     assert float(rows["bf16 eager"]["last_loss"]) < float(rows["bf16 eager"]["first_loss"]) - 1
@@ -222,6 +225,22 @@ def test_gpu_check_mtp_row_learns_with_its_mtp_loss_logged_finite_at_every_step(
         verify(check, {"losses": losses, "first_loss": 10.4, "last_loss": 8.1, "logged": {"mtp_loss": mtp}}, {})
         verdicts[case] = check.problems
     assert verdicts == {"ok": [], "missing": ["mtp_loss not logged at steps [2]"], "nan": ["non-finite mtp_loss"]}
+
+
+def test_gpu_check_every_training_row_is_a_valid_config_of_the_1b_model():
+    """Every training row (the CUDA-only ones too, which no CPU run starts) loads as a config of the 1B model; the
+    CPU smoke test runs one row of each kind, so this is what holds the others' flags to the config's keys."""
+    from benchmarks.common import model_overrides
+    from nanotron.config import load_config, parse_overrides
+
+    rows = [c for c in _gpu_rows() if c.kernel is None and c.action is None]
+    assert len(rows) >= 25 and "nope z-loss tp2 sp" in [c.name for c in rows]
+    for row in rows:
+        cfg = load_config(*parse_overrides([*model_overrides("1b"), "--training.dtype=bfloat16", *row.overrides]))
+        assert cfg.world_size in (1, row.nproc), row.name
+    (nope,) = [c for c in rows if c.name == "nope z-loss bf16"]
+    cfg = load_config(*parse_overrides([*model_overrides("1b"), *nope.overrides]))
+    assert cfg.model.nope_layers == [3, 7, 11, 15, 19] and cfg.training.z_loss > 0 and nope.logged == ("z_loss",)
 
 
 def test_gpu_check_qwen3_moe_row_is_qwen3_moe_at_the_1b_width():
