@@ -36,19 +36,22 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # a trained checkpoint, transformers models, subprocesses
 
 
+# TINY_MODEL's shape in transformers' config keys: vocab 512, 4 layers, GQA 4/2 heads, hidden 32
+TINY_HF = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=32,
+)
+
+
 def hf_model(tied: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A random HF Llama shaped like TINY_MODEL (vocab 512, 4 layers, GQA 4/2 heads, hidden 32)."""
+    """A random HF Llama shaped like TINY_MODEL."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-    )
+    config = transformers.LlamaConfig(**TINY_HF, tie_word_embeddings=tied)
     return transformers.LlamaForCausalLM(config).to(dtype).eval()
 
 
@@ -481,13 +484,7 @@ def hf_smollm3(no_rope_layers: list[int] | None, seed: int = 0, **overrides):
     for transformers' own derivation from no_rope_layer_interval."""
     torch.manual_seed(seed)
     config = transformers.SmolLM3Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=32,
+        **TINY_HF,
         pad_token_id=None,  # its default, 128004, is outside this vocabulary
         no_rope_layers=no_rope_layers,
         **overrides,
