@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nanotron.config.conversion import ANY, Conversion, Source, read_yaml, show
 from nanotron.config.from_nanotron_data import data_stages, tokenizer
+from nanotron.config.model import ModelConfig
 from nanotron.errors import ConfigError
 
 COMMIT = "2411b022a75fb7f7561a1bb4166706da5e1b76de"
@@ -193,7 +194,7 @@ def _nope_and_z_loss(c: Conversion) -> None:
         if every < 1:
             raise ConfigError(f"{c.file}: {MODEL}.no_rope_layer: expected an integer >= 1 (or null), got {every}")
         layers = c.tables["model"]["num_layers"]
-        c.set("model.nope_layers", [i for i in range(layers) if (i + 1) % every == 0], f"{MODEL}.no_rope_layer")
+        c.set("model.nope_layers", ModelConfig.every_nth(layers, every), f"{MODEL}.no_rope_layer")
     if not c.src.get(f"{MODEL}.z_loss_enabled", bool, False):
         c.src.get(f"{MODEL}.z_loss_coefficient", float)  # read: without z_loss_enabled it changes nothing
         return

@@ -171,6 +171,12 @@ class ModelConfig:
         """The width of each value head (and of each head's attention output)."""
         return self.v_head_dim if self.mla else self.head_dim
 
+    @staticmethod
+    def every_nth(num_layers: int, interval: int) -> list[int]:
+        """The layers i with (i + 1) % interval == 0: SmolLM3's NoPE layers from an interval (transformers' and the
+        original nanotron's rule)."""
+        return [i for i in range(num_layers) if (i + 1) % interval == 0]
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` has a mixture of experts in place of its dense MLP."""
         return self.moe.num_experts > 0 and index >= self.moe.first_dense_layers

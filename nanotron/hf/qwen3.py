@@ -29,14 +29,7 @@ MOE_FIELDS = {
 
 def hf_config(model: ModelConfig) -> dict:
     """The Qwen3-specific keys of config.json (on top of the Llama ones); Qwen3-MoE's for a mixture of experts."""
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": model.num_layers,
-        "layer_types": ["full_attention"] * model.num_layers,
-    }
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **full_attention(model.num_layers)}
     moe = model.moe
     if not moe.enabled:
         return config
@@ -51,6 +44,16 @@ def hf_config(model: ModelConfig) -> dict:
         "mlp_only_layers": list(range(moe.first_dense_layers)),
         "router_aux_loss_coef": moe.aux_loss_coef,
         "output_router_logits": False,
+    }
+
+
+def full_attention(num_layers: int) -> dict:
+    """config.json's keys saying every layer attends to the whole sequence (Qwen3's and SmolLM3's: no window)."""
+    return {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": num_layers,
+        "layer_types": ["full_attention"] * num_layers,
     }
 
 

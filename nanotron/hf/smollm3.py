@@ -11,6 +11,7 @@ from __future__ import annotations
 from nanotron.config import ModelConfig
 from nanotron.config.conversion import Source, show
 from nanotron.errors import CheckpointError
+from nanotron.hf.qwen3 import full_attention
 
 
 def hf_config(model: ModelConfig) -> dict:
@@ -19,10 +20,7 @@ def hf_config(model: ModelConfig) -> dict:
         "architectures": ["SmolLM3ForCausalLM"],
         "model_type": "smollm3",
         "no_rope_layers": [int(i not in model.nope_layers) for i in range(model.num_layers)],
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": model.num_layers,
-        "layer_types": ["full_attention"] * model.num_layers,
+        **full_attention(model.num_layers),
         "pad_token_id": None,  # unset, transformers' SmolLM3 takes 128004, outside a smaller vocabulary
     }
 
@@ -35,7 +33,7 @@ def nope_layers(src: Source, num_layers: int) -> tuple[list[int], str]:
         interval = src.get("no_rope_layer_interval", int, 4)
         if interval < 1:
             raise CheckpointError(f"{src.file}: no_rope_layer_interval={show(interval)}: expected an integer >= 1")
-        return [i for i in range(num_layers) if (i + 1) % interval == 0], "no_rope_layer_interval"
+        return ModelConfig.every_nth(num_layers, interval), "no_rope_layer_interval"
     if len(flags) != num_layers or any(flag not in (0, 1) or isinstance(flag, float) for flag in flags):
         raise CheckpointError(
             f"{src.file}: no_rope_layers={show(flags)}: expected one 0 (no RoPE) or 1 (RoPE) per layer, "
