@@ -177,13 +177,76 @@ def torchrun_command(nproc: int, module_args: Sequence[str]) -> list[str]:
     return [*launcher, "-m", *module_args]
 
 
+# Set by the test suite (tests/test_benchmarks.py) to its fork launcher, tests/forkrun.py: a `--quick` benchmark then
+# forks its training runs from its own process, which imported torch and the trainer once, instead of starting a
+# fresh interpreter per rank (~4 s of CPU each on the 2-core test machine, half of a quick benchmark's time).
+FORK_LAUNCHER = "NANOTRON_BENCH_FORK_LAUNCHER"
+
+
 def launch_nanotron(name: str, args: Sequence[str], nproc: int, work_dir: Path) -> tuple[subprocess.Popen, Path]:
     """Starts one fresh training run (its run dir is wiped first: metrics.jsonl appends)."""
     run_dir = work_dir / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = train_command(nproc, [*args, f"--job.out_dir={run_dir.parent}", f"--job.name={name}"])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=bench_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [*args, f"--job.out_dir={run_dir.parent}", f"--job.name={name}"]
+    popen = functools.partial(ForkedRun, nproc, args) if os.environ.get(FORK_LAUNCHER) else subprocess.Popen
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    proc = popen(train_command(nproc, args), cwd=REPO, env=bench_env(), text=True, **pipes)
     return proc, run_dir
+
+
+class ForkedRun(subprocess.Popen):
+    """`subprocess.Popen(train_command(nproc, args), ...)` whose process is forked from this one instead of executed:
+    the run's streams, directory and environment as given, then `nanotron.train`'s main (one process) or the
+    FORK_LAUNCHER module's `main(nproc, args)`, which forks the ranks with torchrun's environment. Waiting,
+    communicate, terminate and kill are Popen's own."""
+
+    def __init__(self, nproc: int, args: Sequence[str], *popen_args, **popen_kwargs):
+        self.run = nproc, list(args)
+        for stream in (sys.stdout, sys.stderr):  # not written again by the child
+            stream.flush()
+        super().__init__(*popen_args, **popen_kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
+                       shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):  # fmt: skip
+        pid = os.fork()
+        if pid == 0:
+            try:
+                for fd, target in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2)):
+                    if fd != -1:
+                        os.dup2(fd, target)
+                # streams over those descriptors, as a fresh interpreter's (this process's may be a capture's)
+                sys.stdin, sys.stdout, sys.stderr = (os.fdopen(fd, m, closefd=False) for fd, m in enumerate("rww"))
+                os.chdir(cwd)
+                os.environ.clear()
+                os.environ.update(env)
+                _run_forked(*self.run)
+            finally:
+                os._exit(1)  # not reached: the run ends the process
+        self.pid = pid
+        self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+
+def _run_forked(nproc: int, args: list[str]) -> None:
+    import importlib.util
+    import signal
+
+    from nanotron.errors import run_as_main
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fresh interpreter's handlers, not the benchmark's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    random.seed()
+    if nproc == 1:
+        from nanotron.commands.train import main
+
+        sys.argv = ["nanotron.train", *args]
+        run_as_main(main)
+    path = os.environ[FORK_LAUNCHER]
+    spec = importlib.util.spec_from_file_location("forkrun", path)
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    sys.argv = [path, str(nproc), *args]
+    run_as_main(lambda: launcher.main(nproc, args))
 
 
 def collect_metrics(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 900) -> list[dict]:

@@ -290,10 +290,10 @@ class Zygote:
             shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
             self.server = None
 
-    def run(self, command, args, nproc, cwd, env, timeout) -> subprocess.CompletedProcess:
-        """subprocess.run(command, cwd, env, capture_output=True, text=True, timeout) for a training command: forked
-        from the server, or that very call where there is none (NANOTRON_TEST_ZYGOTE=0: fresh interpreters, to
-        compare)."""
+    def run(self, command, args, nproc, cwd, env, timeout, module: str | None = None) -> subprocess.CompletedProcess:
+        """subprocess.run(command, cwd, env, capture_output=True, text=True, timeout) for a training command (or
+        `python -m module args`): forked from the server, or that very call where there is none
+        (NANOTRON_TEST_ZYGOTE=0: fresh interpreters, to compare)."""
         if os.environ.get("NANOTRON_TEST_ZYGOTE", "1") == "0" or not self.ready():
             return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         out_read, out_write = os.pipe()
@@ -302,7 +302,7 @@ class Zygote:
         try:
             with open(os.devnull) as stdin, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.connect(self.path)
-                request = {"args": list(args), "nproc": nproc, "env": dict(env), "cwd": str(cwd)}
+                request = {"args": list(args), "nproc": nproc, "env": dict(env), "cwd": str(cwd), "module": module}
                 socket.send_fds(conn, [json.dumps(request).encode()], [stdin.fileno(), out_write, err_write])
                 os.close(out_write)
                 os.close(err_write)

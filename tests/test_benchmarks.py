@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import FORKRUN, TINY_MODEL, ZYGOTE
+
+from benchmarks.common import FORK_LAUNCHER
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,9 +30,13 @@ def work_dir(tmp_path_factory) -> Path:
 
 
 def run_benchmark(module: str, out: Path, work_dir: Path, timeout: float = 180, extra: tuple[str, ...] = ()) -> str:
-    cmd = [sys.executable, "-m", module, "--quick", "--out", str(out), "--work-dir", str(work_dir), *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """`python -m MODULE --quick ...` as documented, forked from this worker's tests/zygote.py (imports done once),
+    and its training runs forked from it in turn (tests/forkrun.py for several ranks: benchmarks/common.py
+    FORK_LAUNCHER); the other processes it starts are fresh interpreters."""
+    args = ["--quick", "--out", str(out), "--work-dir", str(work_dir), *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO), FORK_LAUNCHER: str(FORKRUN)}
+    proc = ZYGOTE.run([sys.executable, "-m", module, *args], args, 1, REPO, env, timeout, module=module)
+    cmd = proc.args
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -37,6 +44,22 @@ def run_benchmark(module: str, out: Path, work_dir: Path, timeout: float = 180, 
 def read_csv(path: Path) -> list[dict]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_a_benchmarks_forked_training_run_is_the_command_it_stands_for(tiny_data, tmp_path, monkeypatch):
+    """Under the suite's fork launcher, `launch_nanotron` forks the run from this process: the same Popen to wait on,
+    its argv the documented torchrun command, its ranks and output those of that command."""
+    from benchmarks.common import ForkedRun, launch_nanotron
+
+    monkeypatch.setenv(FORK_LAUNCHER, str(FORKRUN))
+    args = [*TINY_MODEL, *tiny_data.overrides(), "--training.steps=2", "--parallelism.dp=2"]
+    proc, run_dir = launch_nanotron("forked", args, 2, tmp_path)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert isinstance(proc, ForkedRun) and proc.returncode == 0, stderr[-3000:]
+    assert proc.args[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert "dp=2 tp=1 pp=1" in stdout and "run done: steps 1-2" in stdout, (stdout[-2000:], stderr[-2000:])
+    assert len([line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "step_time_sec" in line]) == 2
 
 
 @pytest.mark.slow

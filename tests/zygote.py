@@ -7,10 +7,14 @@ request: the run gets the request's argv, environment, working directory and sta
 command would have been — `python -m nanotron.train ARGS` for one process, tests/forkrun.py's launcher (ranks
 forked from it in turn) for more.
 
-Protocol, one connection per run: the client sends a JSON request {"args", "nproc", "env", "cwd"} with three file
-descriptors (stdin, stdout, stderr) attached; a handler forked for the connection forks the run, answers
-"pid N\\n", waits for it and answers "rc N\\n" (subprocess's returncode: -N for signal N). The client kills the pid
-at its deadline. Linux only (PR_SET_PDEATHSIG): the server dies with the pytest worker that started it.
+A request may instead name a module (`python -m MODULE ARGS`, e.g. a benchmark's `--quick` run in
+tests/test_benchmarks.py, whose own training runs are then forked from it: benchmarks/common.py FORK_LAUNCHER).
+
+Protocol, one connection per run: the client sends a JSON request {"args", "nproc", "env", "cwd"} (and "module"
+for a module) with three file descriptors (stdin, stdout, stderr) attached; a handler forked for the connection
+forks the run, answers "pid N\\n", waits for it and answers "rc N\\n" (subprocess's returncode: -N for signal N).
+The client kills the pid at its deadline. Linux only (PR_SET_PDEATHSIG): the server dies with the pytest worker
+that started it.
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ def run(request: dict, fds: list[int]) -> None:
     from nanotron.errors import run_as_main
 
     args = request["args"]
+    if request.get("module"):  # `python -m MODULE ARGS` (a benchmark's --quick run)
+        sys.argv = [request["module"], *args]
+        run_as_main(lambda: run_module(request["module"]))
     if request["nproc"] == 1:
         from nanotron.commands.train import main
 
@@ -95,6 +102,21 @@ def run(request: dict, fds: list[int]) -> None:
 
     sys.argv = ["forkrun.py", str(request["nproc"]), *args]
     run_as_main(lambda: forkrun.main(request["nproc"], args))
+
+
+def run_module(name: str) -> int:
+    """`python -m NAME`'s exit code: 0 at its end or for `sys.exit()`, 1 (its message printed) for
+    `sys.exit("message")`."""
+    import runpy
+
+    try:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
