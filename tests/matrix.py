@@ -18,6 +18,8 @@ import torch
 from conftest import TINY_MODEL, TINY_MUP, activation_stats, item_log_likelihoods, read_metrics, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from nanotron.config import load_config, parse_overrides
+
 RTOL = 1e-5
 STATS = "--logging.activation_stats_interval=2"  # act/* every other step (not with compile: a config error)
 COMPILE = "--training.compile=true"
@@ -80,9 +82,14 @@ class Family:
 
 
 EVALUATE = ("--training.eval_interval=5", "--training.eval_steps=1")  # before the first step and after the last
+# Two layers where a family's layouts need no more (a pipeline stage each at pp 2): under TP each layer costs ~20
+# collectives per microbatch, whose latency on 2 shared cores is most of a tiny run's time.
+TWO_LAYERS = ("--model.num_layers=2",)
 DENSE = Family("dense", "tiny_data", (*EVALUATE, STATS), tasks=True, tensor_rtol=10 * RTOL)
+# The same model at two layers, for the layouts of at most two pipeline stages (dense_family).
+SHALLOW = Family("shallow", "tiny_data", (*DENSE.flags, *TWO_LAYERS), tasks=True, tensor_rtol=10 * RTOL)
 # Document masking: several EOS tokens in most samples, documents crossing the cp chunks.
-DOCUMENTS = Family("documents", "short_docs_data", (*EVALUATE, "--model.attention=document", STATS))
+DOCUMENTS = Family("documents", "short_docs_data", (*EVALUATE, "--model.attention=document", STATS, *TWO_LAYERS))
 # Shared experts, a dense first layer, DeepSeek-V3's sigmoid router with bias balancing and the sequence-wise
 # balance loss: every MoE feature at once, on the tiny model.
 MOE = (
@@ -104,7 +111,7 @@ MUON = Family(
 )
 # Qwen3's attention on the tiny model: QK-norm, and 4 heads of 12 (48 != hidden 32).
 QWEN3_ATTENTION = ("--model.qk_norm=true", "--model.head_dim=12")
-QWEN3 = Family("qwen3", "tiny_data", (*EVALUATE, STATS, *QWEN3_ATTENTION))
+QWEN3 = Family("qwen3", "tiny_data", (*EVALUATE, STATS, *QWEN3_ATTENTION, *TWO_LAYERS))
 # Qwen3-MoE: that attention and its routing (a softmax over the experts, the top k renormalised, no shared expert,
 # every layer routed), with the balance loss; checkpoints at step 2 and 4, resumed at another layout.
 QWEN3_MOE = Family(
@@ -177,8 +184,15 @@ MUP = Family(
 # step 3 (a value an ulp from an fp8 rounding boundary moves a whole fp8 step; benchmarks/RESULTS.md), so model
 # code that these runs share changes bit for bit or these rows are re-derived.
 FLOAT8_MODEL = ("--model.hidden_size=64", "--model.intermediate_size=128")
-FLOAT8 = Family("float8", "tiny_data", (*FLOAT8_MODEL, "--training.float8=tensorwise", *EVALUATE, STATS))
-FLOAT8_ROWWISE = Family("float8_rowwise", "tiny_data", (*FLOAT8_MODEL, "--training.float8=rowwise", STATS))
+FLOAT8 = Family("float8", "tiny_data", (*FLOAT8_MODEL, *TWO_LAYERS, "--training.float8=tensorwise", *EVALUATE, STATS))
+FLOAT8_ROWWISE = Family("float8_rowwise", "tiny_data", (*FLOAT8_MODEL, *TWO_LAYERS, "--training.float8=rowwise", STATS))
+
+
+def dense_family(layout: Layout) -> Family:
+    """SHALLOW where the layout has at most two pipeline stages, DENSE (TINY_MODEL's four layers) for more: pp 4, or
+    pp 2 with the multi-stage engines' two virtual stages per rank (interleaved 1F1B, zero bubble, ZBV)."""
+    cfg = load_config(*parse_overrides([*TINY_MODEL, *layout.args()]))
+    return DENSE if cfg.num_stages > 2 else SHALLOW
 
 
 class Run:

@@ -23,6 +23,7 @@ from matrix import (
     RTOL,
     Layout,
     assert_matches,
+    dense_family,
     relative_difference,
     weights,
 )
@@ -72,11 +73,13 @@ LAYOUTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_layout_matches_one_process(layout, references, tiny_data, tmp_path):
-    ref = references[DENSE]
-    run = DENSE.run(tiny_data, tmp_path, "run", layout)
+    family = dense_family(layout)
+    ref = references[family]
+    run = family.run(tiny_data, tmp_path, "run", layout)
+    layers = 4 if family is DENSE else 2
     assert len(ref.series("eval_loss")) == 2 and len(ref.items) == 25  # steps 0 and 5; 7 items of 3 and 4 choices
-    assert sorted(ref.stats) == [2, 4] and len(ref.stats[2]) == 1 + 3 * 4 + 2  # embed, 4 layers x 3, norm, logits
-    print(f"{layout}: {assert_matches(run, ref, DENSE)}")
+    assert sorted(ref.stats) == [2, 4] and len(ref.stats[2]) == 1 + 3 * layers + 2  # embed, layers x 3, norm, logits
+    print(f"{family.name} {layout}: {assert_matches(run, ref, family)}")
 
 
 # The other families, each at the layouts where its own parameters see shards, held to its own 1-process run.
@@ -156,14 +159,15 @@ COMPILE_RTOL = {"float32": (RTOL, RTOL), "bfloat16": (2e-4, 1e-2)}
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", COMPILED_LAYOUTS, ids=str)
 def test_compiled_layout_matches_its_eager_twin(layout, references, tiny_data, tmp_path):
-    compiled = DENSE.run(tiny_data, tmp_path, "compiled", layout, COMPILE)
+    family = dense_family(layout)
+    compiled = family.run(tiny_data, tmp_path, "compiled", layout, COMPILE)
     dtype = "bfloat16" if "--training.dtype=bfloat16" in layout.flags else "float32"
-    ref = references[DENSE] if dtype == "float32" else DENSE.run(tiny_data, tmp_path, "eager", layout)
+    ref = references[family] if dtype == "float32" else family.run(tiny_data, tmp_path, "eager", layout)
     losses, ref_losses = compiled.losses + compiled.series("eval_loss"), ref.losses + ref.series("eval_loss")
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     weight_diff = relative_difference(compiled.weights, ref.weights)
     print(f"{layout} compiled vs eager: losses {loss_diff:.2e}, weights {weight_diff:.2e}")
-    assert len(compiled.losses) == DENSE.steps and len(compiled.series("eval_loss")) == 2
+    assert len(compiled.losses) == family.steps and len(compiled.series("eval_loss")) == 2
     loss_rtol, weight_rtol = COMPILE_RTOL[dtype]
     assert loss_diff <= loss_rtol, (losses, ref_losses)
     assert weight_diff <= weight_rtol
