@@ -129,6 +129,7 @@ QWEN3_MOE = Family(
         "--logging.log_interval=1",
         "--checkpoint.interval=2",
         STATS,
+        *TWO_LAYERS,
     ),
 )
 # DeepSeek-V3's multi-head latent attention on the tiny model at 2 layers: latents of 16 (queries and keys/values),
@@ -159,13 +160,13 @@ MTP = Family(
     ),  # fmt: skip
     tasks=True,  # downstream scoring runs the main model only, its pipeline stages still carrying the MTP tokens
 )
-# SmolLM3's attention (RoPE skipped in layers 1 and 3) with the z-loss, its mean log(Z)^2 logged every step: the
-# weight (1e-3 x ~81) moves the loss by 1e-2, three orders above RTOL, so a z-loss summed over the wrong tokens or
-# reduced over a vocab shard shows.
+# SmolLM3's attention (RoPE skipped in layer 1 of 2: the second stage's at pp 2) with the z-loss, its mean
+# log(Z)^2 logged every step: the weight (1e-3 x ~81) moves the loss by 1e-2, three orders above RTOL, so a z-loss
+# summed over the wrong tokens or reduced over a vocab shard shows.
 NOPE_Z_LOSS = Family(
     "nope_z_loss",
     "tiny_data",
-    ("--model.nope_layers=1,3", "--training.z_loss=1e-3", *EVALUATE, "--logging.log_interval=1", STATS),
+    ("--model.nope_layers=1", "--training.z_loss=1e-3", *EVALUATE, "--logging.log_interval=1", STATS, *TWO_LAYERS),
 )
 # TINY_MODEL (hidden 32, 4 layers, 4 heads of 8) as 2x the width, 2x the depth and 2x the head dim of its base.
 MUP = Family(
