@@ -46,20 +46,35 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.slow
-def test_a_benchmarks_forked_training_run_is_the_command_it_stands_for(tiny_data, tmp_path, monkeypatch):
-    """Under the suite's fork launcher, `launch_nanotron` forks the run from this process: the same Popen to wait on,
-    its argv the documented torchrun command, its ranks and output those of that command."""
-    from benchmarks.common import ForkedRun, launch_nanotron
+# A benchmark process that launches a run under the suite's fork launcher (a fresh single-threaded interpreter: a
+# pytest worker's own state, its threads and in-process tests' leftovers, is no place to fork a run from).
+FORKED_LAUNCH = """
+import json, sys
+from pathlib import Path
+from benchmarks.common import launch_nanotron
+proc, run_dir = launch_nanotron("forked", json.loads(sys.argv[1]), 2, Path(sys.argv[2]))
+stdout, stderr = proc.communicate(timeout=240)
+metrics = run_dir / "metrics.jsonl"
+steps = sum("step_time_sec" in line for line in metrics.read_text().splitlines()) if metrics.exists() else 0
+print(json.dumps({"type": type(proc).__name__, "rc": proc.returncode, "args": proc.args, "steps": steps,
+                  "stdout": stdout, "stderr": stderr[-3000:]}))
+"""
 
-    monkeypatch.setenv(FORK_LAUNCHER, str(FORKRUN))
+
+@pytest.mark.slow
+def test_a_benchmarks_forked_training_run_is_the_command_it_stands_for(tiny_data, tmp_path):
+    """Under the suite's fork launcher, `launch_nanotron` forks the run from the benchmark's process: the same Popen
+    to wait on, its argv the documented torchrun command, its ranks and output those of that command."""
     args = [*TINY_MODEL, *tiny_data.overrides(), "--training.steps=2", "--parallelism.dp=2"]
-    proc, run_dir = launch_nanotron("forked", args, 2, tmp_path)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert isinstance(proc, ForkedRun) and proc.returncode == 0, stderr[-3000:]
-    assert proc.args[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    assert "dp=2 tp=1 pp=1" in stdout and "run done: steps 1-2" in stdout, (stdout[-2000:], stderr[-2000:])
-    assert len([line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "step_time_sec" in line]) == 2
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", FORK_LAUNCHER: str(FORKRUN)}
+    command = [sys.executable, "-c", FORKED_LAUNCH, json.dumps(args), str(tmp_path)]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout.splitlines()[-1])
+    assert run["type"] == "ForkedRun" and run["rc"] == 0, run["stderr"]
+    assert run["args"][1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert "dp=2 tp=1 pp=1" in run["stdout"] and "run done: steps 1-2" in run["stdout"], run
+    assert run["steps"] == 2
 
 
 @pytest.mark.slow
