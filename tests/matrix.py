@@ -9,7 +9,7 @@ downstream log-likelihoods, gradient norms, activation statistics, MoE statistic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import torch
 from conftest import TINY_MODEL, TINY_MUP, activation_stats, item_log_likelihoods, read_metrics, run_train, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from nanotron.config import load_config, parse_overrides
+from nanotron.config import Config, load_config, parse_overrides
 
 RTOL = 1e-5
 STATS = "--logging.activation_stats_interval=2"  # act/* every other step (not with compile: a config error)
@@ -87,7 +87,7 @@ EVALUATE = ("--training.eval_interval=5", "--training.eval_steps=1")  # before t
 TWO_LAYERS = ("--model.num_layers=2",)
 DENSE = Family("dense", "tiny_data", (*EVALUATE, STATS), tasks=True, tensor_rtol=10 * RTOL)
 # The same model at two layers, for the layouts of at most two pipeline stages (dense_family).
-SHALLOW = Family("shallow", "tiny_data", (*DENSE.flags, *TWO_LAYERS), tasks=True, tensor_rtol=10 * RTOL)
+SHALLOW = replace(DENSE, name="shallow", flags=(*DENSE.flags, *TWO_LAYERS))
 # Document masking: several EOS tokens in most samples, documents crossing the cp chunks.
 DOCUMENTS = Family("documents", "short_docs_data", (*EVALUATE, "--model.attention=document", STATS, *TWO_LAYERS))
 # Shared experts, a dense first layer, DeepSeek-V3's sigmoid router with bias balancing and the sequence-wise
@@ -192,8 +192,12 @@ FLOAT8_ROWWISE = Family("float8_rowwise", "tiny_data", (*FLOAT8_MODEL, *TWO_LAYE
 def dense_family(layout: Layout) -> Family:
     """SHALLOW where the layout has at most two pipeline stages, DENSE (TINY_MODEL's four layers) for more: pp 4, or
     pp 2 with the multi-stage engines' two virtual stages per rank (interleaved 1F1B, zero bubble, ZBV)."""
-    cfg = load_config(*parse_overrides([*TINY_MODEL, *layout.args()]))
-    return DENSE if cfg.num_stages > 2 else SHALLOW
+    return DENSE if config(layout.args()).num_stages > 2 else SHALLOW
+
+
+def config(flags) -> Config:
+    """TINY_MODEL's config with these flags (a family's, a layout's)."""
+    return load_config(*parse_overrides([*TINY_MODEL, *flags]))
 
 
 class Run:

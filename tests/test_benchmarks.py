@@ -36,8 +36,7 @@ def run_benchmark(module: str, out: Path, work_dir: Path, timeout: float = 180, 
     args = ["--quick", "--out", str(out), "--work-dir", str(work_dir), *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), FORK_LAUNCHER: str(FORKRUN)}
     proc = ZYGOTE.run([sys.executable, "-m", module, *args], args, 1, REPO, env, timeout, module=module)
-    cmd = proc.args
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
 

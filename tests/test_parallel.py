@@ -27,6 +27,7 @@ from matrix import (
     relative_difference,
     weights,
 )
+from matrix import config as matrix_config
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.models.llama import LlamaForCausalLM
@@ -76,7 +77,7 @@ def test_layout_matches_one_process(layout, references, tiny_data, tmp_path):
     family = dense_family(layout)
     ref = references[family]
     run = family.run(tiny_data, tmp_path, "run", layout)
-    layers = 4 if family is DENSE else 2
+    layers = matrix_config(family.flags).model.num_layers
     assert len(ref.series("eval_loss")) == 2 and len(ref.items) == 25  # steps 0 and 5; 7 items of 3 and 4 choices
     assert sorted(ref.stats) == [2, 4] and len(ref.stats[2]) == 1 + 3 * layers + 2  # embed, layers x 3, norm, logits
     print(f"{family.name} {layout}: {assert_matches(run, ref, family)}")
