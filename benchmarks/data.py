@@ -171,7 +171,8 @@ import json, sys, time
 def rss_mb():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
 from nanotron.config import load_config
-from nanotron.data import build_train_loader, open_corpus
+from nanotron.data import open_corpus
+from nanotron.data.loader import build_train_loader
 path, tokenizer, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cfg = load_config("configs/tiny.toml", [("data.path", path), ("data.tokenizer", tokenizer)])
 before = rss_mb()
@@ -268,7 +269,8 @@ def loader_rows(work_dir: Path, tokenizer: Path, quick: bool) -> list[dict]:
 
 def blend_rows(work_dir: Path, tokenizer: Path) -> list[dict]:
     from nanotron.config import load_config
-    from nanotron.data import TrainSamples, open_corpus
+    from nanotron.data import open_corpus
+    from nanotron.data.loader import TrainSamples
 
     parts = [sparse_dir(work_dir / "tokenized" / f"blend{i}", 10**6, tokenizer, shards=1) for i in range(3)]
     rows = []

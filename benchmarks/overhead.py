@@ -72,7 +72,8 @@ def loop_worker(implementation: str, args: list[str], out: Path) -> None:
     import torch.nn.functional as F
 
     from nanotron.config import load_config, parse_overrides
-    from nanotron.data import build_train_loader, open_corpus
+    from nanotron.data import open_corpus
+    from nanotron.data.loader import build_train_loader
     from nanotron.metrics.profiler import Profiler
     from nanotron.models.llama import LlamaForCausalLM
     from nanotron.optim import build_optimizer

@@ -106,6 +106,12 @@ def storage_errors(action: str, path: object, hint: str = ""):
         ) from None
 
 
+def short(error: BaseException) -> str:
+    """`Type: last line of the message`, for one-line errors."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1][:300]}" if text else type(error).__name__
+
+
 def os_reason(error: OSError) -> str:
     """The OS's words for `error`; for EFBIG also the limit a person raises (it is per process, not the disk's)."""
     if error.errno == errno.EFBIG and (limit := file_size_limit()) is not None:

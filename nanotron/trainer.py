@@ -22,7 +22,8 @@ from nanotron.checkpoint.resume_policy import check_resume
 from nanotron.checkpoint.state import ModelState, OptimizerState
 from nanotron.config import Config, to_toml
 from nanotron.console import say
-from nanotron.data import build_train_loader, loader_batches, open_corpus
+from nanotron.data import open_corpus
+from nanotron.data.loader import build_train_loader, loader_batches
 from nanotron.data.skips import write_run_skips
 from nanotron.errors import DivergenceError, NodeFaultError, UserError
 from nanotron.evaluation.evaluator import Evaluator

@@ -23,7 +23,8 @@ from nanotron.checkpoint.safe_io import read_metadata
 from nanotron.commands.convert import main as convert_main
 from nanotron.commands.generate import main as generate_main
 from nanotron.config import load_config, parse_overrides, toml_text
-from nanotron.data import build_train_loader, open_corpus
+from nanotron.data import open_corpus
+from nanotron.data.loader import build_train_loader
 from nanotron.errors import CheckpointError
 from nanotron.hf.export import to_hf
 from nanotron.models.generate import generate, sample_next

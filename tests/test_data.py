@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from nanotron.config import TrainingConfig, load_config
-from nanotron.data import TrainSamples, build_train_loader, check_corpus_size, eval_batches, loader_batches, open_corpus
+from nanotron.data import check_corpus_size, open_corpus
+from nanotron.data.loader import TrainSamples, build_train_loader, eval_batches, loader_batches
 from nanotron.data.order import Blend, Permutation, key_of
 from nanotron.errors import DataError
 from nanotron.parallel.init import name_seed

@@ -16,7 +16,7 @@ from conftest import TINY_MODEL, read_metrics, run_train, synthetic_documents, t
 
 from benchmarks.common import ensure_data, model_overrides
 from nanotron.config import StabilityConfig, TrainingConfig, load_config
-from nanotron.data import StepSampler
+from nanotron.data.loader import StepSampler
 from nanotron.data.skips import SKIPPED_SAMPLES, SampleSkips
 from nanotron.errors import ConfigError, NodeFaultError, SpikeError
 from nanotron.stability import Observation, Replay, SpikeDetector, Stability, differing_ranks
@@ -352,7 +352,8 @@ def poisoned(tmp_path_factory):
     document of a character the corpus never has: the two of its samples this run reads are both read at step
     POISON_STEP (global positions inside POISON_WINDOW). The step's loss jumps 2.7x and its gradient norm 42x
     (z 6.2 and 22.7, in runs whose other steps stay below 2 after warm-up)."""
-    from nanotron.data import TrainSamples, open_corpus
+    from nanotron.data import open_corpus
+    from nanotron.data.loader import TrainSamples
     from nanotron.tokenize.bpe import train_tokenizer
     from nanotron.tokenize.tokenizer import load_tokenizer
     from nanotron.tokenize.writer import tokenize_paths

@@ -316,6 +316,22 @@ def test_the_watcher_and_the_launcher_of_local_ranks_start_light():
     assert "nanotron.trainer" not in modules_loaded_by("nanotron.commands.train", "nanotron.launch.torchrun")
 
 
+# Commands that read no tensor: they run on a login node or a laptop in a blink, not after torch's ~3 s of imports.
+TORCH_FREE_COMMANDS = ["report", "config", "tokenize", "prepare", "launch", "torchrun", "suspects"]
+
+
+@pytest.mark.slow
+def test_the_commands_that_read_no_tensor_load_no_torch():
+    code = (
+        "import importlib, sys\n"
+        f"for name in {TORCH_FREE_COMMANDS!r}:\n"
+        "    importlib.import_module('nanotron.commands.' + name)\n"
+        "    print(name, 'torch' in sys.modules)\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.split() == [word for name in TORCH_FREE_COMMANDS for word in (name, "False")], loaded
+
+
 def is_entry_point(path: Path) -> bool:
     """A module run as a program: a `__main__.py`, a module-level `def main`, or an `if __name__ == "__main__":`."""
     tree = ast.parse(path.read_text())

@@ -26,10 +26,10 @@ from torch.futures import Future
 import nanotron.checkpoint.integrity as integrity
 import nanotron.checkpoint.layout as layout
 from nanotron import records
-from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata, short
+from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata
 from nanotron.config import CheckpointConfig
 from nanotron.config.validate import check_async_mode
-from nanotron.errors import CheckpointError, storage_errors
+from nanotron.errors import CheckpointError, short, storage_errors
 from nanotron.step_end import StepInfo
 
 UNVERIFIED_OPTION = "checkpoint.allow_unverified=true"

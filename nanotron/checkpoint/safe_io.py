@@ -29,7 +29,7 @@ from torch.futures import Future
 import nanotron.checkpoint.integrity as integrity
 from nanotron.checkpoint.layout import find_checkpoint
 from nanotron.checkpoint.torch_private import DCP_INDEX_PRIVATE_GLOBALS, set_element
-from nanotron.errors import CheckpointError, file_size_limit, os_reason
+from nanotron.errors import CheckpointError, file_size_limit, os_reason, short
 
 _DCP_INDEX_CLASSES = "Metadata MetadataIndex StorageMeta TensorProperties TensorStorageMetadata ChunkStorageMetadata"
 _ALLOWED_GLOBALS = {f"torch.distributed.checkpoint.metadata.{name}" for name in _DCP_INDEX_CLASSES.split()} | {
@@ -115,12 +115,6 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-def short(error: BaseException) -> str:
-    """`Type: last line of the message`, for one-line errors."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[-1][:300]}" if text else type(error).__name__
 
 
 def _first_cause(error: BaseException) -> BaseException:

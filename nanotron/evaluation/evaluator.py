@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 
 from nanotron.config import Config
-from nanotron.data import Corpus, eval_batches
+from nanotron.data import Corpus
+from nanotron.data.loader import eval_batches
 from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
 from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.runner import MicrobatchRunner

@@ -14,9 +14,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nanotron.checkpoint.safe_io import short
 from nanotron.console import format_count, format_duration, quiet_handler_errors, say
-from nanotron.errors import storage_errors
+from nanotron.errors import short, storage_errors
 
 METRICS_HINT = "free space or fix the run dir (job.out_dir), then resume from the last checkpoint"
 NOT_SCALARS = ("step", "time")  # what TensorBoard and W&B get as the axis, not as a series
