@@ -123,8 +123,9 @@ def worker(args: list[str], out: Path) -> None:
 
     from benchmarks.probe import StepProbe, nbytes, pipeline_buffer_bytes
     from nanotron.config import load_config, parse_overrides
+    from nanotron.launch.torchrun import launched_world_size
     from nanotron.metrics.step import memory_record
-    from nanotron.parallel.mesh import destroy_distributed, launched_world_size
+    from nanotron.parallel.mesh import destroy_distributed
     from nanotron.parallel.recompute import recompute_mode
     from nanotron.trainer import Trainer
 

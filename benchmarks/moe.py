@@ -121,7 +121,8 @@ def worker(args: list[str], out: Path) -> None:
     import torch.distributed as dist
 
     from nanotron.config import load_config, parse_overrides
-    from nanotron.parallel.mesh import destroy_distributed, launched_world_size
+    from nanotron.launch.torchrun import launched_world_size
+    from nanotron.parallel.mesh import destroy_distributed
     from nanotron.trainer import Trainer
 
     spent = [0.0, 0]

@@ -19,10 +19,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanotron.config import Config
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -109,11 +111,15 @@ def gpu_peak_tflops(name: str, mode: str) -> float | None:
 
 def device_memory_gib(device: torch.device) -> float | None:
     """A CUDA device's memory in GiB; None for a CPU (no device memory to plan against)."""
+    import torch  # here and below: importing this module (for the environment defaults) loads no torch
+
     return torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
 
 
 def set_matmul_precision(cfg: Config, device: torch.device) -> None:
     """fp32 matmuls on TF32 tensor cores (training.tf32) on CUDA; CPU keeps full fp32 whatever the key."""
+    import torch
+
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if cfg.training.tf32 else "highest")
 

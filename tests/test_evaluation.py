@@ -194,7 +194,8 @@ def test_batches_score_like_length_rows_with_the_head_on_their_continuations_onl
     from types import SimpleNamespace
 
     from nanotron.config import load_config, parse_overrides
-    from nanotron.evaluation.scoring import DownstreamEval, load_tasks
+    from nanotron.evaluation.scoring import DownstreamEval
+    from nanotron.evaluation.tasks import load_tasks
     from nanotron.parallel.runner import IGNORE_INDEX
 
     args = [*tiny_data.overrides(), *TINY_MODEL, f"--evaluation.tasks={tiny_data.task}", "--training.seq_len=16"]

@@ -97,7 +97,7 @@ def test_apply_sets_the_defaults_in_this_process_for_the_ranks_it_starts(monkeyp
 )
 def test_async_tp_says_why_it_cannot_run(overrides, device, reason):
     base = ["--parallelism.tp=2", "--parallelism.tp_linear_async_communication=true", "--training.compile=true"]
-    why = async_tp_unavailable(config(*base, *overrides), torch.device(device))
+    why = async_tp_unavailable(config(*base, *overrides), device)
     assert why == reason if reason is None else reason in why
 
 

@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY_MODEL
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanotron"
+REPO = PACKAGE.parent
 
 
 def module_name(path: Path) -> str:
@@ -309,15 +311,43 @@ def modules_loaded_by(*modules: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_watcher_and_the_launcher_of_local_ranks_start_light():
-    """Every launch starts a watcher per node and, with --nproc_per_node, a launcher: the watcher loads no torch
-    (2.6 s of CPU and ~300 MB per node otherwise), the launcher no trainer (1.8 s per launch)."""
+def test_the_watcher_starts_light():
+    """Every launch starts a watcher per node: it loads no torch (2.6 s of CPU and ~300 MB per node otherwise)."""
     assert "torch" not in modules_loaded_by("nanotron.commands.watcher")
-    assert "nanotron.trainer" not in modules_loaded_by("nanotron.commands.train", "nanotron.launch.torchrun")
+
+
+# A launcher of local ranks, stopped where it would start torchrun (which imports torch itself): what it has loaded.
+LAUNCHER_PROBE = """
+import sys
+import nanotron.launch.torchrun as torchrun
+from nanotron.commands import main
+
+def probe(args):
+    print("loaded:", *[name for name in ("torch", "nanotron.trainer") if name in sys.modules], flush=True)
+    return 0
+
+torchrun.run_torchrun = probe
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["train", "doctor"])
+def test_a_launcher_of_local_ranks_checks_its_input_before_loading_torch(command, tiny_data, tmp_path):
+    """`--nproc_per_node N` validates the config (and for training the corpus) in a process that then only runs
+    torchrun: that process imports neither torch's model stack nor the trainer (~2 s of CPU per launch)."""
+    args = [command, "--nproc_per_node", "2", "--parallelism.tp=2", *TINY_MODEL, *tiny_data.overrides()]
+    args.append(f"--job.out_dir={tmp_path}")
+    done = subprocess.run([sys.executable, "-c", LAUNCHER_PROBE, *args], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["loaded:"], done.stdout
 
 
 # Commands that read no tensor: they run on a login node or a laptop in a blink, not after torch's ~3 s of imports.
+# And those that start local ranks, whose modules import the ranks' stack where a rank runs (eval's launcher is
+# checked here only at import: it needs a checkpoint).
 TORCH_FREE_COMMANDS = ["report", "config", "tokenize", "prepare", "launch", "torchrun", "suspects"]
+TORCH_FREE_COMMANDS += ["train", "doctor", "eval"]
 
 
 @pytest.mark.slow

@@ -6,23 +6,25 @@ Under `torchrun`/`srun` it runs in every rank; with `--nproc_per_node N` it star
 
 from __future__ import annotations
 
-import sys
-
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import run_as_main, run_command
-from nanotron.launch.torchrun import pop_nproc, spawn_local
-from nanotron.parallel.mesh import destroy_distributed, init_distributed, launched_world_size
-from nanotron.watch.doctor import preflight
+from nanotron.launch.torchrun import launched_world_size, pop_nproc, spawn_local
 
 
 def _main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print(__doc__ + "\n" + sys.modules["nanotron.watch.doctor"].__doc__)
+        from nanotron.watch import doctor
+
+        print(__doc__ + "\n" + doctor.__doc__)
         return 0
     nproc = pop_nproc(argv)
     cfg = load_config(*parse_overrides(argv), world_size=nproc or launched_world_size())
     if nproc:
         return spawn_local(nproc, ["-m", "nanotron", "doctor", *argv])
+    # A rank: the checks' imports are here, so the launcher of local ranks (above) loads no torch before torchrun.
+    from nanotron.parallel.mesh import destroy_distributed, init_distributed
+    from nanotron.watch.doctor import preflight
+
     ctx = init_distributed(cfg)
     preflight(cfg, ctx, standalone=True)
     if ctx.rank == 0:

@@ -19,20 +19,13 @@ import sys
 from pathlib import Path
 
 from nanotron.checkpoint.layout import find_checkpoint
-from nanotron.checkpoint.manager import load_states
-from nanotron.checkpoint.state import ModelState
 from nanotron.commands.args import Parser
-from nanotron.config import load_config, parse_overrides
+from nanotron.config import Config, load_config, parse_overrides
 from nanotron.errors import ConfigError, run_as_main, run_command
-from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
-from nanotron.gpu import set_matmul_precision
+from nanotron.evaluation.tasks import Task, load_tasks
 from nanotron.io import check_writable_file, write_atomic
-from nanotron.launch.torchrun import pop_nproc, spawn_local
+from nanotron.launch.torchrun import launched_world_size, pop_nproc, spawn_local
 from nanotron.parallel.layout import layout_sizes
-from nanotron.parallel.mesh import destroy_distributed, init_distributed, launched_world_size
-from nanotron.parallel.parallelize import build_model
-from nanotron.parallel.runner import MicrobatchRunner
-from nanotron.tokenize.tokenizer import load_tokenizer
 
 # The layout a checkpoint's config is read with, before the command line's overrides: one process.
 ONE_PROCESS = {
@@ -80,6 +73,21 @@ def _main(argv: list[str]) -> int:
     tasks = load_tasks(cfg)  # bad task files: one line, before any process starts
     if nproc:
         return spawn_local(nproc, ["-m", "nanotron", "eval", *argv])
+    return _score(cfg, tasks, step_dir, out, args)
+
+
+def _score(cfg: Config, tasks: list[Task], step_dir: Path, out: Path, args: argparse.Namespace) -> int:
+    """One rank's share of the scoring. The model's imports are here: the launcher of local ranks (above) loads no
+    torch until it starts them."""
+    from nanotron.checkpoint.manager import load_states
+    from nanotron.checkpoint.state import ModelState
+    from nanotron.evaluation.scoring import DownstreamEval, scores_line, write_items
+    from nanotron.gpu import set_matmul_precision
+    from nanotron.parallel.mesh import destroy_distributed, init_distributed
+    from nanotron.parallel.parallelize import build_model
+    from nanotron.parallel.runner import MicrobatchRunner
+    from nanotron.tokenize.tokenizer import load_tokenizer
+
     ctx = init_distributed(cfg)
     set_matmul_precision(cfg, ctx.device)
     stages = build_model(cfg, ctx, initialize=False)

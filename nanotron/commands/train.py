@@ -13,13 +13,11 @@ from nanotron.config import Config, help_text, load_config, parse_overrides
 from nanotron.console import say
 from nanotron.data import open_corpus
 from nanotron.errors import RUN_DIR_VARIABLE, run_as_main, run_command
-from nanotron.gpu import apply_env_defaults, device_memory_gib
+from nanotron.gpu import apply_env_defaults
 from nanotron.io import check_writable
-from nanotron.launch.torchrun import pop_nproc, spawn_local
+from nanotron.launch.torchrun import launched_world_size, pop_nproc, spawn_local
 from nanotron.lock import lock_run
-from nanotron.parallel.mesh import destroy_distributed, launched_world_size, pick_device
 from nanotron.parallel.overlap import max_connections
-from nanotron.parallel.regather import can_regather
 from nanotron.signals import fail_writes_past_the_size_limit, stop_with_launcher
 
 
@@ -37,13 +35,20 @@ def _main(argv: list[str]) -> int:
     if nproc:
         open_corpus(cfg)  # data errors surface here as one line, before the processes start
         return spawn_local(nproc, ["-m", "nanotron.train", *argv])
+    return _train(cfg)
+
+
+def _train(cfg: Config) -> int:
+    """One rank's run. The training stack is imported here: the launcher of local ranks (above) checks the config
+    and the corpus without torch, which only its torchrun loads."""
+    from nanotron.parallel.mesh import destroy_distributed
+    from nanotron.trainer import Trainer
+
     # One run per run dir: global rank 0 holds the lock for the run's lifetime (peers follow its fate).
     owns_run_dir = int(os.environ.get("RANK", "0")) == 0
     stop_with_launcher()
     fail_writes_past_the_size_limit()
     cfg = resolve_sp_regather(cfg)
-    from nanotron.trainer import Trainer  # here: a launcher of local ranks (above) needs none of it
-
     try:
         with lock_run([cfg.run_dir, cfg.checkpoint_dir]) if owns_run_dir else contextlib.nullcontext():
             trainer = Trainer(cfg)
@@ -62,6 +67,10 @@ def resolve_sp_regather(cfg: Config) -> Config:
     """cfg with parallelism.sp_regather as this rank builds its model: 'auto' decided by the plan of this config on
     this rank's device (`nanotron.plan.search.choose_sp_regather`; the Trainer turns it on everywhere if any rank
     did), said once by rank 0. The planner is loaded only where the setting can act (sequence parallelism, eager)."""
+    from nanotron.gpu import device_memory_gib
+    from nanotron.parallel.mesh import pick_device
+    from nanotron.parallel.regather import can_regather
+
     if not can_regather(cfg):
         return cfg
     from nanotron.plan.search import choose_sp_regather, sp_regather_line, with_sp_regather

@@ -13,7 +13,8 @@ import torch
 from nanotron.config import Config
 from nanotron.data import Corpus
 from nanotron.data.loader import eval_batches
-from nanotron.evaluation.scoring import DownstreamEval, load_tasks, scores_line, write_items
+from nanotron.evaluation.scoring import DownstreamEval, scores_line, write_items
+from nanotron.evaluation.tasks import load_tasks
 from nanotron.parallel.mesh import ParallelContext
 from nanotron.parallel.runner import MicrobatchRunner
 from nanotron.step_end import StepInfo, StepReport

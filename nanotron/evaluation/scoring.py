@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from nanotron.config import Config
-from nanotron.evaluation.tasks import Task, encode_item, load_task, predictions, rates
+from nanotron.evaluation.tasks import Task, encode_item, predictions, rates
 from nanotron.io import write_atomic
 from nanotron.parallel.runner import IGNORE_INDEX, MicrobatchRunner
 from nanotron.tokenize.tokenizer import Tokenizer
@@ -34,11 +34,6 @@ from nanotron.tokenize.tokenizer import Tokenizer
 class Row:
     tokens: torch.Tensor  # int32: 4 bytes a token (HellaSwag's 40k rows of ~100 tokens at dp 1: 16 MB)
     scored: int  # the last `scored` tokens are the continuation
-
-
-def load_tasks(cfg: Config) -> list[Task]:
-    e = cfg.evaluation
-    return [load_task(t.task_name, t.path, e.max_items) for t in e.tasks]
 
 
 class DownstreamEval:

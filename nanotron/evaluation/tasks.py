@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanotron.config import Config
 from nanotron.config.conversion import show
 from nanotron.errors import DataError
 from nanotron.tokenize.tokenizer import Tokenizer
@@ -125,6 +126,12 @@ def load_task(name: str, path: str | Path, max_items: int = 0) -> Task:
     if not items:
         raise DataError(f"{what}: '{path}' holds no items; expected {FORMAT_HINT}")
     return Task(name, path, items)
+
+
+def load_tasks(cfg: Config) -> list[Task]:
+    """The tasks of `[evaluation]`, each cut to evaluation.max_items."""
+    e = cfg.evaluation
+    return [load_task(t.task_name, t.path, e.max_items) for t in e.tasks]
 
 
 def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -58,6 +58,11 @@ def pop_nproc(argv: list[str]) -> int:
     return 0
 
 
+def launched_world_size() -> int:
+    """World size from the launcher's environment (torchrun, srun) without touching the network."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def spawn_local(nproc: int, command: list[str]) -> int:
     """`command` (e.g. ["-m", "nanotron.train", ...]) in `nproc` processes on this machine."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -30,11 +30,6 @@ from nanotron.parallel.torch_private import (
 )
 
 
-def launched_world_size() -> int:
-    """World size from the launcher's environment (torchrun, srun) without touching the network."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def pick_device(cfg: Config) -> torch.device:
     wanted = cfg.training.device
     if wanted == "cuda" and not torch.cuda.is_available():

@@ -3,12 +3,10 @@ parallelism) and the number of hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) its
 
 from __future__ import annotations
 
-import torch
-
 from nanotron.config import Config
 
 
-def async_tp_unavailable(cfg: Config, device: torch.device) -> str | None:
+def async_tp_unavailable(cfg: Config, device_type: str) -> str | None:
     """Why parallelism.tp_linear_async_communication can't take effect here (None: it can).
 
     Async TP is inductor's micro-pipelining of sequence parallelism: it splits each all-gather before a
@@ -25,7 +23,7 @@ def async_tp_unavailable(cfg: Config, device: torch.device) -> str | None:
         )
     if not cfg.training.compile:
         return "async TP is an inductor pass: it needs training.compile=true"
-    if device.type != "cuda":
+    if device_type != "cuda":
         return "async TP needs CUDA (symmetric memory)"
     return None
 
@@ -41,7 +39,7 @@ def max_connections(cfg: Config) -> str | None:
     p = cfg.parallelism
     if cfg.world_size == 1:
         return None
-    async_tp = p.tp_linear_async_communication and async_tp_unavailable(cfg, torch.device("cuda")) is None
+    async_tp = p.tp_linear_async_communication and async_tp_unavailable(cfg, "cuda") is None
     if p.tp > 1 and p.dp == 1 and p.pp == 1 and not async_tp:
         return "1"
     return "32"

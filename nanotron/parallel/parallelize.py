@@ -85,7 +85,7 @@ def enable_async_tp(cfg: Config, ctx: ParallelContext) -> None:
     the matmuls (micro-pipelined TP over symmetric memory), or says on rank 0 why it can't here."""
     if not cfg.parallelism.tp_linear_async_communication:
         return
-    reason = async_tp_unavailable(cfg, ctx.device)
+    reason = async_tp_unavailable(cfg, ctx.device.type)
     if reason is None:
         enable_inductor_async_tp()
     elif ctx.rank == 0:
