@@ -14,9 +14,12 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import traceback
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -188,20 +191,21 @@ def launch_nanotron(name: str, args: Sequence[str], nproc: int, work_dir: Path) 
     run_dir = work_dir / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     args = [*args, f"--job.out_dir={run_dir.parent}", f"--job.name={name}"]
-    popen = functools.partial(ForkedRun, nproc, args) if os.environ.get(FORK_LAUNCHER) else subprocess.Popen
+    popen = subprocess.Popen
+    if os.environ.get(FORK_LAUNCHER):
+        popen = functools.partial(ForkedRun, lambda: _run_training(nproc, args))
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     proc = popen(train_command(nproc, args), cwd=REPO, env=bench_env(), text=True, **pipes)
     return proc, run_dir
 
 
 class ForkedRun(subprocess.Popen):
-    """`subprocess.Popen(train_command(nproc, args), ...)` whose process is forked from this one instead of executed:
-    the run's streams, directory and environment as given, then `nanotron.train`'s main (one process) or the
-    FORK_LAUNCHER module's `main(nproc, args)`, which forks the ranks with torchrun's environment. Waiting,
-    communicate, terminate and kill are Popen's own."""
+    """`subprocess.Popen(command, ...)` whose process is forked from this one instead of executed: the streams,
+    directory and environment as given, then `child()`, what the command would have run (`_run_training`: a training
+    run; `run_code`: a `python -c` program). Waiting, communicate, terminate and kill are Popen's own."""
 
-    def __init__(self, nproc: int, args: Sequence[str], *popen_args, **popen_kwargs):
-        self.run = nproc, list(args)
+    def __init__(self, child: Callable[[], None], *popen_args, **popen_kwargs):
+        self.child = child
         for stream in (sys.stdout, sys.stderr):  # not written again by the child
             stream.flush()
         super().__init__(*popen_args, **popen_kwargs)
@@ -216,10 +220,13 @@ class ForkedRun(subprocess.Popen):
                         os.dup2(fd, target)
                 # streams over those descriptors, as a fresh interpreter's (this process's may be a capture's)
                 sys.stdin, sys.stdout, sys.stderr = (os.fdopen(fd, m, closefd=False) for fd, m in enumerate("rww"))
-                os.chdir(cwd)
-                os.environ.clear()
-                os.environ.update(env)
-                _run_forked(*self.run)
+                if cwd is not None:
+                    os.chdir(cwd)
+                if env is not None:
+                    os.environ.clear()
+                    os.environ.update(env)
+                _as_fresh_process()
+                self.child()
             finally:
                 os._exit(1)  # not reached: the run ends the process
         self.pid = pid
@@ -227,15 +234,56 @@ class ForkedRun(subprocess.Popen):
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
 
-def _run_forked(nproc: int, args: list[str]) -> None:
+def run_train_command(command: list[str], stdout=None, stderr=None) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, stdout=..., stderr=...)` of a `python -m nanotron.train ARGS [--nproc_per_node N]`
+    that package code starts itself (the coordinate check's member runs), forked as `ForkedRun` forks a benchmark's
+    runs: what `subprocess` is to that code under FORK_LAUNCHER (`forked_subprocess`)."""
+    if command[1:3] != ["-m", "nanotron.train"]:
+        raise ValueError(f"not a training command: {command}")
+    args, nproc = command[3:], 1
+    if "--nproc_per_node" in args:
+        at = args.index("--nproc_per_node")
+        args, nproc = args[:at] + args[at + 2 :], int(args[at + 1])
+    with ForkedRun(lambda: _run_training(nproc, args), command, stdout=stdout, stderr=stderr) as proc:
+        proc.wait()
+    return subprocess.CompletedProcess(command, proc.returncode)
+
+
+# A stand-in for the `subprocess` module of package code whose only use of it is `run` of training commands.
+forked_subprocess = types.SimpleNamespace(run=run_train_command, STDOUT=subprocess.STDOUT)
+
+
+def _as_fresh_process() -> None:
+    """A forked child's signal handlers and random state as a fresh interpreter's, not the benchmark's."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    random.seed()
+
+
+def run_code(code: str) -> None:
+    """`python -c CODE` in a forked child: its exit code as the interpreter's (sys.exit's, 1 for an exception)."""
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        status = 0
+    except SystemExit as done:
+        status = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+        if not isinstance(done.code, int | None):
+            print(done.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _run_training(nproc: int, args: list[str]) -> None:
+    """`nanotron.train`'s main (one process) or the FORK_LAUNCHER module's `main(nproc, args)`, which forks the
+    ranks with torchrun's environment."""
     import importlib.util
-    import signal
 
     from nanotron.errors import run_as_main
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fresh interpreter's handlers, not the benchmark's
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    random.seed()
     if nproc == 1:
         from nanotron.commands.train import main
 

@@ -11,10 +11,11 @@ coord_check.csv, coord_check.md and coord-check-{width,depth}-{size,change,updat
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_WORK_DIR, RESULTS_DIR, bench_parser
+from benchmarks.common import DEFAULT_WORK_DIR, FORK_LAUNCHER, RESULTS_DIR, bench_parser, forked_subprocess
 from benchmarks.inprocess import corpus_overrides
 
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.widths, args.depths, args.steps, args.seeds = "32,64", "1,2", 2, 1
     from nanotron.commands.coord_check import main as coord_check
+    from nanotron.coord_check import runs
+
+    if os.environ.get(FORK_LAUNCHER):  # the test suite's smoke run: the member runs forked, not executed
+        runs.subprocess = forked_subprocess
 
     status = coord_check(
         [

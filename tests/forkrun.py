@@ -1,5 +1,6 @@
 """`python tests/forkrun.py NPROC ARGS...`: `torchrun --standalone --nproc_per_node=NPROC -m nanotron.train ARGS`
-for the test suite, its ranks forked from one process that imported the trainer once.
+for the test suite, its ranks forked from one process that imported the trainer once (`main(nproc, args, module)`:
+`-m MODULE ARGS` instead, e.g. benchmarks.memory's worker).
 
 Under torchrun every rank starts a fresh interpreter and imports torch, its distributed packages and dynamo
 (~3 s of CPU each on the 2-core test machine), and the launcher imports torch too: a 4-rank run of the tiny model
@@ -32,7 +33,7 @@ def preimport() -> None:
     import nanotron.trainer  # noqa: F401 - dynamo and the rest of the trainer: the command imports them lazily
 
 
-def main(nproc: int, args: list[str]) -> int:
+def main(nproc: int, args: list[str], module: str | None = None) -> int:
     preimport()
     from nanotron.commands.train import main as train
     from nanotron.errors import run_as_main
@@ -60,9 +61,9 @@ def main(nproc: int, args: list[str]) -> int:
                 TORCHELASTIC_RUN_ID="forkrun",
                 NANOTRON_LAUNCHER_PID=str(os.getppid()),
             )
-            sys.argv = ["nanotron.train", *args]
+            sys.argv = [module or "nanotron.train", *args]
             faulthandler.enable(all_threads=True)  # a rank's segfault or abort shows its stacks in the test's output
-            run_as_main(train)  # exits the process
+            run_as_main(lambda: run_module(module) if module else train())  # exits the process
         os.close(read)
         ports.append(write)
         ranks[pid] = rank
@@ -74,6 +75,21 @@ def main(nproc: int, args: list[str]) -> int:
         os.write(write, str(store.port).encode())
         os.close(write)
     return wait(ranks)
+
+
+def run_module(name: str) -> int:
+    """`python -m NAME`'s exit code: 0 at its end or for `sys.exit()`, 1 (its message printed) for
+    `sys.exit("message")`."""
+    import runpy
+
+    try:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
+    return 0
 
 
 def wait(ranks: dict[int, int]) -> int:

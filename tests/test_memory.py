@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, TINY_MODEL, train_env, train_losses
+from conftest import REPO, TINY_MODEL, ZYGOTE, train_env, train_losses
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.parallel.mesh import ParallelContext, build_mesh
@@ -51,11 +50,10 @@ def measure(
         "--checkpoint.save_final=false",
         *extra,
     ]
-    args = ["-m", "benchmarks.memory", "--worker", "--out", str(record), *train_args]
+    args = ["--worker", "--out", str(record), *train_args]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    proc = subprocess.run(
-        [sys.executable, *launcher, *args], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300
-    )
+    command = [sys.executable, *launcher, "-m", "benchmarks.memory", *args]  # its ranks forked (tests/zygote.py)
+    proc = ZYGOTE.run(command, args, nproc, REPO, train_env(), 300, module="benchmarks.memory")
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = json.loads(record.read_text())
     cfg = load_config(*parse_overrides(train_args))

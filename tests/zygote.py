@@ -8,7 +8,8 @@ command would have been — `python -m nanotron.train ARGS` for one process, tes
 forked from it in turn) for more.
 
 A request may instead name a module (`python -m MODULE ARGS`, e.g. a benchmark's `--quick` run in
-tests/test_benchmarks.py, whose own training runs are then forked from it: benchmarks/common.py FORK_LAUNCHER).
+tests/test_benchmarks.py, whose own training runs are then forked from it: benchmarks/common.py FORK_LAUNCHER; or,
+with several processes, `torchrun -m MODULE ARGS`, e.g. benchmarks.memory's worker in tests/test_memory.py).
 
 Protocol, one connection per run: the client sends a JSON request {"args", "nproc", "env", "cwd"} (and "module"
 for a module) with three file descriptors (stdin, stdout, stderr) attached; a handler forked for the connection
@@ -87,36 +88,21 @@ def run(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     random.seed()  # a fresh interpreter's: forked children would all share the server's state
+    import forkrun
+
     from nanotron.errors import run_as_main
 
-    args = request["args"]
-    if request.get("module"):  # `python -m MODULE ARGS` (a benchmark's --quick run)
-        sys.argv = [request["module"], *args]
-        run_as_main(lambda: run_module(request["module"]))
-    if request["nproc"] == 1:
+    args, nproc, module = request["args"], request["nproc"], request.get("module")
+    if module and nproc == 1:  # `python -m MODULE ARGS` (a benchmark's --quick run, benchmarks.memory's worker)
+        sys.argv = [module, *args]
+        run_as_main(lambda: forkrun.run_module(module))
+    if nproc == 1:
         from nanotron.commands.train import main
 
         sys.argv = ["nanotron.train", *args]
         run_as_main(main)
-    import forkrun
-
-    sys.argv = ["forkrun.py", str(request["nproc"]), *args]
-    run_as_main(lambda: forkrun.main(request["nproc"], args))
-
-
-def run_module(name: str) -> int:
-    """`python -m NAME`'s exit code: 0 at its end or for `sys.exit()`, 1 (its message printed) for
-    `sys.exit("message")`."""
-    import runpy
-
-    try:
-        runpy.run_module(name, run_name="__main__", alter_sys=True)
-    except SystemExit as exit_:
-        if exit_.code is None or isinstance(exit_.code, int):
-            return exit_.code or 0
-        print(exit_.code, file=sys.stderr)
-        return 1
-    return 0
+    sys.argv = ["forkrun.py", str(nproc), *args]  # torchrun's ranks, of nanotron.train or of the module
+    run_as_main(lambda: forkrun.main(nproc, args, module))
 
 
 if __name__ == "__main__":
