@@ -356,6 +356,28 @@ def pytest_sessionfinish(session, exitstatus):
     ZYGOTE.stop()
 
 
+# What the ranks of the tests that start processes themselves import before their work: the fork server imports it
+# once per pytest worker.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "nanotron.parallel.context"]
+
+
+@pytest.fixture
+def forkserver():
+    """multiprocessing's "forkserver" context for a test that starts its ranks itself: each process is forked from
+    one single-threaded server per pytest worker that imported torch and the parallel modules once, where a
+    "spawn" context starts a fresh interpreter (~4 s of CPU) per process. The server's children carry the marker of
+    the test that started the server, not their own: what this test leaves running is killed here instead."""
+    import multiprocessing
+
+    import torch.multiprocessing
+
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    yield context
+    for process in multiprocessing.active_children():
+        process.kill()
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -440,17 +440,15 @@ def _timeouts_of_every_group(rank: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_timeouts_reach_init_process_group_and_every_mesh_group(tmp_path):
+def test_the_timeouts_reach_init_process_group_and_every_mesh_group(tmp_path, forkserver):
     import json
-    import multiprocessing
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
     procs = [
-        context.Process(target=_timeouts_of_every_group, args=(r, port, str(tmp_path / f"{r}.json"))) for r in (0, 1)
+        forkserver.Process(target=_timeouts_of_every_group, args=(r, port, str(tmp_path / f"{r}.json"))) for r in (0, 1)
     ]
     for p in procs:
         p.start()

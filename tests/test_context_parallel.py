@@ -10,7 +10,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import TINY_MODEL, run_train, train_losses
 from matrix import DOCUMENTS, Layout, assert_matches
 
@@ -99,11 +98,10 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_equals_full_attention_in_float64(cp):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+def test_ring_attention_equals_full_attention_in_float64(cp, forkserver):
+    queue = forkserver.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_ring_worker, args=(r, cp, port, queue)) for r in range(cp)]
+    procs = [forkserver.Process(target=_ring_worker, args=(r, cp, port, queue)) for r in range(cp)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=120) for _ in procs)

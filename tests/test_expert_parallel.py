@@ -11,7 +11,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import TINY_MODEL, run_train, train_losses
 from matrix import EXPERTS, MOE, Layout, assert_matches, weights
 
@@ -71,10 +70,9 @@ def _dispatch_worker(rank: int, port: int, queue, case: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [0, 1], ids=["rank-sends-nothing", "experts-receive-nothing"])
-def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks(case):
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_dispatch_worker, args=(r, port, queue, case)) for r in range(2)]
+def test_all_to_all_dispatch_equals_local_experts_with_empty_experts_and_ranks(case, forkserver):
+    queue, port = forkserver.Queue(), _free_port()
+    procs = [forkserver.Process(target=_dispatch_worker, args=(r, port, queue, case)) for r in range(2)]
     for p in procs:
         p.start()
     by_rank = dict(queue.get(timeout=60) for _ in procs)
