@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import ZYGOTE
 
 from nanotron.commands import launch
 from nanotron.commands.plan import main as plan_main
@@ -43,11 +44,12 @@ LLAMA_70B = [
 
 def plan(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`nanotron plan ARGV` from the repository root: in this process (no interpreter and torch start-up per call),
-    except `--check`, which builds every rank on a fake process group and so runs in a process of its own."""
+    except `--check`, which builds every rank on a fake process group and so runs in a process of its own, forked
+    from the worker's tests/zygote.py."""
     cmd = [sys.executable, "-m", "nanotron", "plan", *argv]
     if "--check" in argv:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return ZYGOTE.run(cmd, ["plan", *argv], 1, REPO, env, timeout, module="nanotron")
     stdout, stderr, here = io.StringIO(), io.StringIO(), os.getcwd()
     os.chdir(REPO)
     try:
