@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, item_log_likelihoods, run_train, train_env
+from conftest import REPO, TINY_MODEL, ZYGOTE, item_log_likelihoods, run_train, train_env
 
 from nanotron.errors import DataError
 from nanotron.evaluation.tasks import Item, Task, accuracy, encode_item, encode_pair, load_task
@@ -98,12 +98,9 @@ def test_eval_of_a_checkpoint_at_another_layout_equals_training_and_transformers
     at_tp2_pp2 = [value for line in items.read_text().splitlines() for value in json.loads(line)["log_likelihoods"]]
     assert torch.allclose(torch.tensor(at_tp2_pp2), torch.tensor(in_training), rtol=1e-5, atol=0)
     # transformers on the HF export, scored here the plain way: sum of log p(continuation token | prefix).
-    assert (
-        subprocess.run(
-            [sys.executable, "-m", "nanotron", "convert", "to-hf", str(run_dir), str(tmp_path / "hf")], cwd=REPO
-        ).returncode
-        == 0
-    )
+    export = ["convert", "to-hf", str(run_dir), str(tmp_path / "hf")]
+    done = ZYGOTE.run([sys.executable, "-m", "nanotron", *export], export, 1, REPO, train_env(), 300, module="nanotron")
+    assert done.returncode == 0, done.stderr[-3000:]
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokenizer = load_tokenizer(tiny_data.tokenizer)
     expected = []

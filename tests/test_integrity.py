@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, Box, run_train, train_env
+from conftest import REPO, TINY_MODEL, ZYGOTE, Box, run_train, train_env
 
 from nanotron.checkpoint.integrity import CHECKSUM_FILE
 from nanotron.checkpoint.manager import CheckpointManager
@@ -37,9 +37,8 @@ def one_error(proc: subprocess.CompletedProcess) -> str:
 
 
 def command(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120
-    )
+    """`python -m MODULE ARGS` from the repository root, forked from the worker's tests/zygote.py."""
+    return ZYGOTE.run([sys.executable, "-m", module, *args], list(args), 1, REPO, train_env(), 120, module=module)
 
 
 def flip_a_bit(file: Path) -> None:
