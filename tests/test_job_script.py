@@ -8,7 +8,9 @@ process group of its own and forwards signals to that group only, as a cluster t
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -69,6 +71,19 @@ def job_env(tmp_path: Path, srun: str = RECORDING_SRUN, job_id: int = 4242, **ex
     slurm = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1"}
     slurm |= {"SLURM_CPUS_ON_NODE": "6", "SLURM_JOB_CPUS_PER_NODE": "6(x1)"}
     return {**env, **slurm, "PATH": path, "RECORD": str(tmp_path), **extra}
+
+
+def free_job_id() -> int:
+    """A job id whose rendezvous port (launch/slurm.sh: 10000 + id % 20000) is free now. Two jobs that train at once
+    on the two pytest workers under one id (4242: port 14242) meet in one store, and one's rendezvous fails."""
+    while True:
+        job_id = random.randrange(1, 20000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", 10000 + job_id))
+            except OSError:
+                continue
+        return job_id
 
 
 def run_script(tmp_path: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -168,7 +183,7 @@ def test_every_nodes_task_sources_the_set_up_and_runs_through_the_container_comm
     all run through NANOTRON_CONTAINER_EXEC (an apptainer-style wrapper)."""
     wrapper = tmp_path / "bin" / "container-exec"
     stand_in(tmp_path / "bin", "container-exec", 'echo "$*" >> "$RECORD/exec.log"\nshift 2\nexec "$@"')
-    env = job_env(tmp_path, srun=PGID_SRUN, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
+    env = job_env(tmp_path, srun=PGID_SRUN, job_id=free_job_id(), NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     env |= {"NANOTRON_SETUP": str(python_shim(tmp_path)), "NANOTRON_CONTAINER_EXEC": f"{wrapper} --nv img.sif"}
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--job.name=setup"]
     proc = run_script(tmp_path, *args, "--parallelism.dp=2", "--training.steps=2", "--checkpoint.interval=0", env=env)
@@ -237,7 +252,8 @@ def test_preemption_signal_reaches_trainers_tracked_by_process_group_and_pp_save
     are still starting must not kill them. At pp=2 the checkpoint is committed by rank 0, which is not the logging
     rank: its "checkpoint: saved" line must still be printed."""
     run = tmp_path / "pgid"
-    env = job_env(tmp_path, srun=PGID_SRUN, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
+    job_id = free_job_id()
+    env = job_env(tmp_path, srun=PGID_SRUN, job_id=job_id, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     args = [*TINY_MODEL, *tiny_data.overrides(), f"--job.out_dir={tmp_path}", "--job.name=pgid"]
     args += ["--parallelism.pp=2", "--training.steps=500", "--checkpoint.interval=0", "--training.device=cpu"]
     proc = subprocess.Popen(
@@ -261,7 +277,7 @@ def test_preemption_signal_reaches_trainers_tracked_by_process_group_and_pp_save
     assert stopped < 500 and f"preempted: stopped at step {stopped}" in out
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stopped}"
     assert f"checkpoint: saved {run / 'checkpoints' / f'step-{stopped}'}" in out
-    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", str(job_id)]
 
 
 @pytest.mark.slow
