@@ -56,6 +56,7 @@ class Family:
     steps: int = 5
     tasks: bool = False  # downstream scores at the first and last step, every item's log-likelihood written
     tensor_rtol: float | None = None  # also bound each weight tensor alone (not only all of them together)
+    flips: bool = False  # float8: held to RTOL in what step 1 computes, within the flip bounds after (FLIPS below)
 
     def train(self, data, out: Path, name: str, layout: Layout = Layout(), *extra: str, steps: int = 0) -> Path:
         flags = [flag for flag in self.flags if not (COMPILE in extra and flag == STATS)]
@@ -177,16 +178,33 @@ MUP = Family(
 )
 
 # Float8 (torchao, emulated on CPU) on TINY_MODEL at twice its width, so every converted linear keeps dimensions of
-# 16 or more per rank at tp=2 (k_proj [32, 64] -> 16 rows). Held to its own 1-process float8 run at RTOL: every
-# amax is the 1-process one (max is exact: FSDP's float8 all-gather precomputes the scale from the all-reduced
-# shard maxima, DTensor reduces a tp-sharded weight's or activation's amax), so the layouts differ only in reduction
-# order, as without float8. Measured: every row within RTOL (tests print the differences). Fragile by nature: a
-# one-ulp change to shared numerics (a norm rounding otherwise) moves the 1-process float8 run itself by 1e-4 by
-# step 3 (a value an ulp from an fp8 rounding boundary moves a whole fp8 step; benchmarks/RESULTS.md), so model
-# code that these runs share changes bit for bit or these rows are re-derived.
+# 16 or more per rank at tp=2 (k_proj [32, 64] -> 16 rows). Every amax is the 1-process one (max is exact: FSDP's
+# float8 all-gather precomputes the scale from the all-reduced shard maxima, DTensor reduces a tp-sharded weight's
+# or activation's amax), so a layout differs from one process in reduction order, as without float8, but float8
+# turns an ulp into more: a value an ulp from an e4m3 (e5m2) rounding boundary moves a whole fp8 step, 1/16-1/8
+# (1/8-1/4) of itself, when a row-parallel sum or a sharded norm weight's gradient rounds the other way. Such a flip
+# is one element of many in the step it happens in; from step 2 Adam carries it (m / sqrt(v) makes a changed
+# near-zero gradient entry a full-size update) and the runs part. Measured over 30 seeds x the 4 float8 rows (120
+# runs, 2026-12-07, on the Xeon where seed 42's tp2 row first failed RTOL; on the EPYCs of earlier sessions it
+# passed by chance), largest relative difference to the 1-process run:
+# - step 1's loss and the evaluation before it: 1.8e-6 (114 runs at 0 or one ulp);
+# - step 1's gradient norm: 3.1e-4 (5 runs over RTOL, all with tp; e5m2's steps are a quarter of a value);
+# - after step 1: losses 2.1e-4, gradient norms 3e-2, activation statistics 1e-2, final weights 8e-3; 41 runs over
+#   RTOL somewhere.
+# A scale computed from each rank's own shard instead (the tp amax not reduced) moved step 1's loss by 3.8e-5 to
+# 1e-4 (5 seeds), the evaluation before it by 6e-5 to 1e-4 and step 1's gradient norm by 8e-4 to 3e-3 (4 of them).
+# So a float8 row holds step 1's forward at RTOL (5x the flips, under a third of that bug), step 1's gradient norm
+# within 1e-3 (3x the flips: a gross error in backward only) and the rest within 5x (losses) and 3x the flips
+# measured: the same run, give or take flips. A scale gone stale after an optimizer step shows only after step 1,
+# within those bounds: the trainer's refresh is test_float8's to hold.
+FLIPS = {"step 1 grad_norm": 1e-3, "losses": 1e-3, "the rest": 1e-1}
 FLOAT8_MODEL = ("--model.hidden_size=64", "--model.intermediate_size=128")
-FLOAT8 = Family("float8", "tiny_data", (*FLOAT8_MODEL, *TWO_LAYERS, "--training.float8=tensorwise", *EVALUATE, STATS))
-FLOAT8_ROWWISE = Family("float8_rowwise", "tiny_data", (*FLOAT8_MODEL, *TWO_LAYERS, "--training.float8=rowwise", STATS))
+FLOAT8 = Family(
+    "float8", "tiny_data", (*FLOAT8_MODEL, *TWO_LAYERS, "--training.float8=tensorwise", *EVALUATE, STATS), flips=True
+)
+FLOAT8_ROWWISE = Family(
+    "float8_rowwise", "tiny_data", (*FLOAT8_MODEL, *TWO_LAYERS, "--training.float8=rowwise", STATS), flips=True
+)
 
 
 def dense_family(layout: Layout) -> Family:
@@ -264,20 +282,31 @@ def relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 
 
 def assert_matches(run: Run, ref: Run, family: Family) -> str:
-    """Every quantity the reference logged, within RTOL; returns a line of the measured differences."""
+    """Every quantity the reference logged, within RTOL (a float8 family's after step 1 within FLIPS); returns a line
+    of the measured differences."""
     assert len(run.losses) == len(ref.losses) == family.steps
-    assert run.losses == pytest.approx(ref.losses, rel=RTOL, abs=0), ("losses", run.losses, ref.losses)
+    flips = FLIPS if family.flips else {}
+
+    def close(key: str, got: list[float], want: list[float], first: float = RTOL, later: str = "losses") -> None:
+        """`first` for step 1's value (or the evaluation before it), the family's bound for the later ones."""
+        assert len(got) == len(want), key
+        assert got[:1] == pytest.approx(want[:1], rel=first, abs=0), (key, got, want)
+        assert got[1:] == pytest.approx(want[1:], rel=flips.get(later, RTOL), abs=0), (key, got, want)
+
+    close("losses", run.losses, ref.losses)
     # grad_norm: the global norm over every shard, before clipping
     for key in ("eval_loss", "grad_norm", "mtp_loss", "z_loss"):
-        assert len(run.series(key)) == len(ref.series(key)), key
-        got, want = run.series(key), ref.series(key)
-        assert got == pytest.approx(want, rel=RTOL, abs=0), (key, got, want)
+        if key == "grad_norm":
+            close(key, run.series(key), ref.series(key), flips.get("step 1 grad_norm", RTOL), "the rest")
+        else:
+            close(key, run.series(key), ref.series(key))
     # Downstream evaluation on the layout: every (item, choice) log-likelihood, items split over dp unevenly.
+    assert not (family.flips and family.tasks), "a float8 family's items would need the flip bound after step 1"
     assert run.items == pytest.approx(ref.items, rel=RTOL, abs=0)
-    # The activation statistics, reduced from each rank's shards.
+    # The activation statistics, reduced from each rank's shards (logged from step 2 on).
     assert sorted(run.stats) == sorted(ref.stats)
     for step, stats in ref.stats.items():
-        assert run.stats[step] == pytest.approx(stats, rel=RTOL, abs=0), step
+        assert run.stats[step] == pytest.approx(stats, rel=flips.get("the rest", RTOL), abs=0), step
     assert len(run.moe) == len(ref.moe)
     for got, want in zip(run.moe, ref.moe):
         assert got == pytest.approx(want, rel=RTOL, abs=1e-12)
@@ -290,7 +319,7 @@ def assert_matches(run: Run, ref: Run, family: Family) -> str:
     together = relative_difference(run.weights, ref.weights)
     losses = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses))
     line = f"max loss rel diff {losses:.2e}, weights rel diff {together:.2e}"
-    assert together <= RTOL, line
+    assert together <= flips.get("the rest", RTOL), line
     if family.tensor_rtol is not None:
         # One tensor alone may drift more: Adam turns reduction-order noise in near-zero gradient entries into
         # full-size updates (m / sqrt(v) ~ +-1).
