@@ -334,8 +334,8 @@ def host_syncs(moe, x: torch.Tensor, monkeypatch) -> list[str]:
     class Syncs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = str(func.overloadpacket)
-            if name == "aten._local_scalar_dense" and last[0] == "aten.aminmax":
-                return func(*args, **(kwargs or {}))  # one_hot's check of its ids' range: on CPU only
+            if name == "aten._local_scalar_dense" and last[0] in ("aten.aminmax", "aten.min", "aten.max"):
+                return func(*args, **(kwargs or {}))  # one_hot's check of its ids' range, CPU only (2.11: min, max)
             if name in SYNCING_OPS or (name == "aten.repeat_interleave" and "output_size" not in (kwargs or {})):
                 seen.append(name)
             last[0] = name

@@ -27,6 +27,7 @@ import nanotron.checkpoint.integrity as integrity
 import nanotron.checkpoint.layout as layout
 from nanotron import records
 from nanotron.checkpoint.safe_io import dcp_errors, load_dcp, read_metadata
+from nanotron.checkpoint.torch_private import stager_keeps_its_buffers
 from nanotron.config import CheckpointConfig
 from nanotron.config.validate import check_async_mode
 from nanotron.errors import CheckpointError, short, storage_errors
@@ -147,6 +148,9 @@ class CheckpointManager:
         self._commit(tmp, target, progress)
 
     def _async_save(self, state: dict, tmp: Path, target: Path, progress: dict) -> None:
+        if self.stager is not None and not stager_keeps_its_buffers():  # torch 2.11: one stager per save
+            self.stager.close()
+            self.stager = None
         if self.stager is None:  # one per run: it keeps its host buffers and refills them at every save
             pinned = self.options.async_mode == "async_pinned"
             self.stager = DefaultStager(

@@ -194,9 +194,16 @@ def reduce_accumulated_gradients(module: FSDPModule, reshard: bool) -> None:
     module.set_reshard_after_backward(reshard)
     state = fully_shard.state(module)
     for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
+        for group in _fsdp_param_groups(each):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def _fsdp_param_groups(state) -> list:
+    """An FSDP state's parameter groups: a list since torch 2.13, at most one group (or None) before."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 def stage_backward(stage_output, output_grads, input_values) -> list[torch.Tensor | None]:
@@ -270,7 +277,6 @@ def attention_with_lse_backward(dout, q, k, v, out, lse, causal: bool, mask, sca
 
 def pytree_logger() -> logging.Logger:
     """torch.utils._pytree's logger: torchao's import registers enums with pytree, which logs a deprecation warning
-    on every rank; the float8 import quiets it (no public switch for one module's log)."""
-    import torch.utils._pytree as pytree
-
-    return pytree.log
+    on every rank (torch 2.13; 2.11 neither warns nor has the module attribute); the float8 import quiets it (no
+    public switch for one module's log)."""
+    return logging.getLogger("torch.utils._pytree")
