@@ -18,7 +18,14 @@
 #
 # Exit code 0 when every row that ran passed (skipped rows do not fail it), 1 when a check fails (the table says
 # which and why), 128 + the signal when stopped.
+#
+# On a GPU machine with its own torch and no internet (the lent machines' image: torch 2.11.0+cu130, no torchao),
+# carry torchao's wheel and run from the checkout (docs/testing.md, "The first GPU run"):
+#   pip install --no-deps --no-index .wheels/*.whl && PYTHONPATH=$PWD bash benchmarks/gpu_check.sh --out DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device is visible')"
-exec python -m benchmarks.gpu_check "$@"
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}  # an image may have python3 alone
+"$PYTHON" -c "import importlib.util as u, sys; sys.exit(None if u.find_spec('torch') else f'gpu_check: {sys.executable} \
+has no torch; set PYTHON to the interpreter that has it')"
+"$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device is visible')"
+exec "$PYTHON" -m benchmarks.gpu_check "$@"

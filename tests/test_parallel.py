@@ -15,6 +15,7 @@ from matrix import (
     FLOAT8,
     FLOAT8_ROWWISE,
     MLA,
+    MOE,
     MTP,
     MUON,
     NOPE_Z_LOSS,
@@ -258,6 +259,29 @@ def test_first_pipeline_step_runs_each_stage_once_per_microbatch():
         assert calls == {0: 4, 1: 4}
     finally:
         destroy_distributed()
+
+
+@pytest.mark.parametrize(
+    "layout, refused",
+    [
+        (["--parallelism.pp=2"], "parallelism.pp=2 needs torch >= 2.13 (this is 2.11.0+cu130"),
+        (["--parallelism.tp=2"], "parallelism.tp=2 needs torch >= 2.13 (this is 2.11.0+cu130"),
+        (["--parallelism.dp=2", "--parallelism.cp=2", "--parallelism.ep=2", *MOE, "--model.moe.aux_loss_coef=0"], None),
+    ],
+    ids=["pp", "tp", "dp-cp-ep"],
+)
+def test_a_layout_the_torch_cannot_run_is_one_line_naming_the_key(layout, refused):
+    """torch 2.11 (a GPU image's) runs one process, FSDP, cp and ep; pipeline and tensor parallelism need 2.13."""
+    from nanotron.errors import ConfigError
+    from nanotron.parallel.mesh import check_torch
+
+    cfg = matrix_config(layout)
+    check_torch(cfg, "2.13.0")
+    if refused is None:
+        check_torch(cfg, "2.11.0+cu130")
+        return
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        check_torch(cfg, "2.11.0+cu130")
 
 
 def test_stage_split_balances_cost_and_gives_every_stage_a_layer():
