@@ -262,13 +262,13 @@ def _as_fresh_process() -> None:
 
 def run_code(code: str) -> None:
     """`python -c CODE` in a forked child: its exit code as the interpreter's (sys.exit's, 1 for an exception)."""
+    from nanotron.errors import exit_status
+
     try:
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
         status = 0
     except SystemExit as done:
-        status = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
-        if not isinstance(done.code, int | None):
-            print(done.code, file=sys.stderr)
+        status = exit_status(done)
     except BaseException:
         traceback.print_exc()
         status = 1

@@ -264,6 +264,15 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
+def exit_status(exit_: SystemExit) -> int:
+    """The status Python ends with for `sys.exit(code)`: 0 for None, the number, or 1 with the message printed."""
+    if exit_.code is None or isinstance(exit_.code, int):
+        return exit_.code or 0
+    with contextlib.suppress(Exception):  # e.g. stderr is a broken pipe
+        print(exit_.code, file=sys.stderr)
+    return 1
+
+
 def run_as_main(main: Callable[[], int]) -> None:
     """A gloo process's `if __name__ == "__main__":` body: `main()`, a traceback for a crash, then `exit_process`
     with its code whatever happened (never the interpreter's teardown)."""
@@ -271,7 +280,7 @@ def run_as_main(main: Callable[[], int]) -> None:
     try:
         code = main()
     except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+        code = exit_status(exit_)
     except BaseException:
         with contextlib.suppress(Exception):  # e.g. stderr is a broken pipe
             traceback.print_exc()

@@ -82,13 +82,12 @@ def run_module(name: str) -> int:
     `sys.exit("message")`."""
     import runpy
 
+    from nanotron.errors import exit_status
+
     try:
         runpy.run_module(name, run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
-        if exit_.code is None or isinstance(exit_.code, int):
-            return exit_.code or 0
-        print(exit_.code, file=sys.stderr)
-        return 1
+        return exit_status(exit_)
     return 0
 
 

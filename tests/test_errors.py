@@ -113,3 +113,16 @@ def test_no_rank_can_fail_before_every_peer_has_connected_to_every_group(monkeyp
     finally:
         dist.destroy_process_group()
     assert events[-1] == "barrier" and {"build_mesh", "expert_mesh"} <= set(events), events
+
+
+@pytest.mark.parametrize(
+    "body, code, stderr",
+    [("sys.exit()", 0, ""), ("sys.exit(3)", 3, ""), ("sys.exit('no corpus at data/')", 1, "no corpus at data/\n")],
+    ids=["none", "int", "message"],
+)
+def test_a_main_that_calls_sys_exit_ends_as_the_interpreter_would_end_it(body, code, stderr):
+    """`run_as_main` (every rank's and command's exit) ends with the status Python gives `sys.exit(...)`: 0 for
+    none, the number, or 1 with the message printed."""
+    program = f"import sys\nfrom nanotron.errors import run_as_main\nrun_as_main(lambda: {body})\n"
+    proc = subprocess.run([sys.executable, "-c", program], cwd=REPO, env=train_env(), capture_output=True, text=True)
+    assert (proc.returncode, proc.stderr) == (code, stderr)
