@@ -25,7 +25,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}  # an image may have python3 alone
-"$PYTHON" -c "import importlib.util as u, sys; sys.exit(None if u.find_spec('torch') else f'gpu_check: {sys.executable} \
-has no torch; set PYTHON to the interpreter that has it')"
-"$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device is visible')"
+"$PYTHON" -c "import importlib.util as u, sys
+if not u.find_spec('torch'):
+    sys.exit(f'gpu_check: {sys.executable} has no torch; set PYTHON to the interpreter that has it')
+import torch
+sys.exit(None if torch.cuda.is_available() else 'gpu_check: no CUDA device is visible')"
 exec "$PYTHON" -m benchmarks.gpu_check "$@"

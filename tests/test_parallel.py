@@ -29,14 +29,13 @@ from matrix import (
     weights,
 )
 from matrix import config as matrix_config
-from torch.torch_version import TorchVersion
 
 from nanotron.config import load_config, parse_overrides
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.models.parametrization import param_init_std
 from nanotron.parallel.fsdp import GradientSync
 from nanotron.parallel.init import init_weights
-from nanotron.parallel.mesh import destroy_distributed, init_distributed
+from nanotron.parallel.mesh import destroy_distributed, init_distributed, runs_on_this_torch
 from nanotron.parallel.pipeline import build_schedule, split_layers, split_model
 from nanotron.parallel.runner import microbatch_loss
 
@@ -231,11 +230,7 @@ def test_initial_weights_follow_the_configured_std(parametrization):
     assert param_init_std(m, "model.embed_tokens.weight") == param_init_std(m, "lm_head.weight") == init_std
 
 
-@pytest.mark.skipif(
-    TorchVersion(torch.__version__) < (2, 13),
-    reason="torch 2.11's schedules send a world of one's stage outputs to itself over gloo, which gloo refuses; "
-    "the interleaved engine at pp 2 is the layout matrix's",
-)
+@pytest.mark.skipif(not runs_on_this_torch("pp"), reason="pp needs torch >= 2.13")
 def test_first_pipeline_step_runs_each_stage_once_per_microbatch():
     """Static stage shapes: step 1 runs no extra metadata forward+backward on placeholder tensors. Two
     interleaved stages on one rank (a world of one) exercise the same PipelineStage path as pp ranks."""

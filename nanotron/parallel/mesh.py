@@ -115,13 +115,16 @@ class ParallelContext:
 NEEDS_TORCH_2_13 = ("pp", "tp")
 
 
+def runs_on_this_torch(dimension: str, version: str = torch.__version__) -> bool:
+    """Whether this torch runs the parallelism `dimension` (pp, tp, ...) at sizes above 1."""
+    return dimension not in NEEDS_TORCH_2_13 or TorchVersion(version) >= (2, 13)
+
+
 def check_torch(cfg: Config, version: str = torch.__version__) -> None:
     """A layout this torch cannot run, as one line naming the key."""
-    if TorchVersion(version) >= (2, 13):
-        return
     for name in NEEDS_TORCH_2_13:
         size = getattr(cfg.parallelism, name)
-        if size > 1:
+        if size > 1 and not runs_on_this_torch(name, version):
             raise ConfigError(
                 f"parallelism.{name}={size} needs torch >= 2.13 (this is {version}: its pipeline stages and DTensor "
                 f"differ); use parallelism.{name}=1 with this torch (one process, dp/FSDP, cp and ep run on it), or "

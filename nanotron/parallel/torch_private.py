@@ -194,16 +194,9 @@ def reduce_accumulated_gradients(module: FSDPModule, reshard: bool) -> None:
     module.set_reshard_after_backward(reshard)
     state = fully_shard.state(module)
     for each in state._state_ctx.all_states:
-        for group in _fsdp_param_groups(each):
+        for group in each._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
-
-
-def _fsdp_param_groups(state) -> list:
-    """An FSDP state's parameter groups: a list since torch 2.13, at most one group (or None) before."""
-    if hasattr(state, "_fsdp_param_groups"):
-        return state._fsdp_param_groups
-    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 def stage_backward(stage_output, output_grads, input_values) -> list[torch.Tensor | None]:
