@@ -193,6 +193,38 @@ def test_a_warmup_stable_decay_schedule_holds_lr_until_decay_start_then_decays_o
     assert [lr_at(s, plain, 100) for s in range(101)] == [lr_at(s, at_warmup_end, 100) for s in range(101)]
 
 
+def test_clipping_scales_every_gradient_a_tp_partial_sum_and_a_shard_included():
+    """Every gradient is clipped, whatever its placement: a sequence-parallel norm's weight gradient is a Partial
+    DTensor (each tp rank's share of the sum). torch 2.11's in-place foreach ops leave a Partial DTensor unchanged
+    at world sizes above 1 (so its `clip_grads_with_norm_` skipped those gradients: tp2 sequence-parallel runs
+    drifted 1e-4 from one process once the norm passed the limit); the fake group plays rank 0 of 2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from nanotron.optim import clip_grad_norm
+    from nanotron.parallel.torch_private import fake_process_group
+
+    fake_process_group(rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        params = []
+        for placement in (Partial(), Replicate(), Shard(0)):
+            layout = [Shard(0)] if isinstance(placement, Shard) else [Replicate()]
+            param = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, layout))
+            param.grad = DTensor.from_local(torch.full((4,), 3.0), mesh, [placement])
+            params.append(param)
+        plain = torch.nn.Parameter(torch.ones(4))
+        plain.grad = torch.full((4,), 3.0)
+        total = clip_grad_norm([*params, plain], max_norm=1.0, pp_group=None)
+        coefficient = 1.0 / (total.item() + 1e-6)  # torch's rule: max_norm / (norm + 1e-6), at most 1
+        for param in (*params, plain):
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            assert local.tolist() == pytest.approx([3.0 * coefficient] * 4, rel=1e-6), param.grad
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scaled", [False, True])
 def test_the_z_loss_is_the_mean_squared_log_normaliser_over_loss_tokens_with_its_exact_gradient(scaled):

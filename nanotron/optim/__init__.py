@@ -20,6 +20,7 @@ from nanotron.models.parametrization import (
     param_weight_decay_scale,
 )
 from nanotron.optim.muon import build_muon
+from nanotron.parallel.torch_private import scale_in_place
 
 
 def build_optimizer(
@@ -138,6 +139,11 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
         dist.all_reduce(squared, group=pp_group)
     total = squared.sqrt()
     if max_norm > 0:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        # torch's rule (clip_grads_with_norm_), applied to each DTensor's local gradient: scaling every shard, or
+        # every rank's share of a Partial sum, scales the whole. torch 2.11's in-place foreach ops leave a Partial
+        # DTensor (a sequence-parallel norm's gradient) unchanged, so its own function skipped those silently.
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for key, group in groups.items():
+            grads = [p.grad.to_local() if key is not None else p.grad for p in group]
+            scale_in_place(grads, coefficient.to(grads[0].device))
     return total

@@ -40,6 +40,7 @@ __all__ = [
     "pytree_logger",
     "reduce_accumulated_gradients",
     "replicate",
+    "scale_in_place",
     "set_group_timeout",
     "shard_block_at",
     "stage_backward",
@@ -197,6 +198,12 @@ def reduce_accumulated_gradients(module: FSDPModule, reshard: bool) -> None:
         for group in each._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiplies every tensor by the 0-dim `factor` in place, in one foreach kernel per device and dtype (what
+    torch's clip_grads_with_norm_ runs; public torch has no foreach op)."""
+    torch._foreach_mul_(tensors, factor)
 
 
 def stage_backward(stage_output, output_grads, input_values) -> list[torch.Tensor | None]:
