@@ -21,7 +21,6 @@ from torch.distributed.fsdp import fully_shard
 import nanotron.checkpoint.torch_private as checkpoint_door
 import nanotron.parallel.torch_private as door
 from nanotron.checkpoint.safe_io import _MetadataUnpickler
-from nanotron.parallel.mesh import runs_on_this_torch
 
 
 @pytest.fixture
@@ -83,7 +82,6 @@ def test_stage_backward_returns_input_gradients():
     assert torch.equal(grads[0], torch.full((3,), 2.0))
 
 
-@pytest.mark.skipif(not runs_on_this_torch("pp"), reason="only pipelines call it: pp needs torch >= 2.13")
 def test_reduce_accumulated_gradients_reduce_scatters_held_gradients(world_of_one):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     for layer in model:

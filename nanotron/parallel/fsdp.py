@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage
 
 from nanotron.config.parallelism import fsdp_wraps
 from nanotron.models.llama import LlamaForCausalLM, decoder_layers
 from nanotron.parallel.expert import expert_shard_dim
-from nanotron.parallel.torch_private import reduce_accumulated_gradients, replicate, stage_backward
+from nanotron.parallel.torch_private import (
+    PortablePipelineStage,
+    reduce_accumulated_gradients,
+    replicate,
+    stage_backward,
+)
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
@@ -118,7 +122,7 @@ class GradientSync:
         return self._fsdp_modules[module]
 
 
-class ZeroPipelineStage(PipelineStage):
+class ZeroPipelineStage(PortablePipelineStage):
     """A pipeline stage whose gradient reduction follows the ZeRO stage's `GradientSync`.
 
     torch's stage turns FSDP's gradient sync off for every microbatch and reduces once at the step's end,

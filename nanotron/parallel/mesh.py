@@ -18,7 +18,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.torch_version import TorchVersion
 
 from nanotron.config import Config
 from nanotron.errors import ConfigError
@@ -109,32 +108,8 @@ class ParallelContext:
         return [row.tolist() for row in every]
 
 
-# torch 2.11 (the CUDA build of some GPU images) trains one process, FSDP/HSDP, cp and ep as 2.13 does (the quick
-# test loop and `gpu_check --quick` pass there); its pipeline stages (static shapes, PipelineStage's arguments) and
-# DTensor's sharding of a sequence-sharded view differ, so pipeline and tensor parallelism need 2.13.
-NEEDS_TORCH_2_13 = ("pp", "tp")
-
-
-def runs_on_this_torch(dimension: str, version: str = torch.__version__) -> bool:
-    """Whether this torch runs the parallelism `dimension` (pp, tp, ...) at sizes above 1."""
-    return dimension not in NEEDS_TORCH_2_13 or TorchVersion(version) >= (2, 13)
-
-
-def check_torch(cfg: Config, version: str = torch.__version__) -> None:
-    """A layout this torch cannot run, as one line naming the key."""
-    for name in NEEDS_TORCH_2_13:
-        size = getattr(cfg.parallelism, name)
-        if size > 1 and not runs_on_this_torch(name, version):
-            raise ConfigError(
-                f"parallelism.{name}={size} needs torch >= 2.13 (this is {version}: its pipeline stages and DTensor "
-                f"differ); use parallelism.{name}=1 with this torch (one process, dp/FSDP, cp and ep run on it), or "
-                "install torch >= 2.13"
-            )
-
-
 def init_distributed(cfg: Config) -> ParallelContext:
     """Joins (or, for one plain process, creates) the process group and builds the mesh."""
-    check_torch(cfg)
     device = pick_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)

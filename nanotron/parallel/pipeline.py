@@ -7,12 +7,14 @@ embedding / final norm / head set to None where they don't belong, so parameter 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed.pipelining as pipelining
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Shard
 
 from nanotron.config import PP_ENGINES, Config, ModelConfig
@@ -149,13 +151,11 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
         sharded = DTensor.from_local(local, mesh["tp"], [Shard(-1)], run_check=False)
         return sharded.requires_grad_(requires_grad)
 
+    shapes = {"input_args": (inputs,), "output_args": (logits(True),)}
+    if "input_grads" not in inspect.signature(PipelineStage).parameters:
+        return shapes  # torch 2.11: the gradients' metadata is taken from the outputs'
     input_grad = None if index == 0 else hidden(False)
-    return {
-        "input_args": (inputs,),
-        "output_args": (logits(True),),
-        "input_grads": (input_grad,),
-        "output_grads": (logits(False),),
-    }
+    return shapes | {"input_grads": (input_grad,), "output_grads": (logits(False),)}
 
 
 _FORWARD_ACTIONS = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}

@@ -400,7 +400,9 @@ class MicrobatchRunner:
         elsewhere)."""
         losses: list[torch.Tensor] = []
         run(
-            *([inputs] if self.has_first else []),
+            # contiguous: torch 2.11 checks stage 0's inputs' strides against the static ones (2.13 does not), and
+            # the inputs are a view of the batch (it holds one token more); a copy of B x T token ids
+            *([inputs.contiguous()] if self.has_first else []),
             target=targets if self.has_last else None,
             losses=losses if self.has_last else None,
             return_outputs=False,

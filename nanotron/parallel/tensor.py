@@ -116,9 +116,13 @@ def apply_tensor_parallel(
     if model.mtp is not None and sequence_parallel:
         # Multi-token prediction: its norms and 2h -> h projection act per token, on this rank's sequence shard
         # (the projection's weight replicated, its gradient summed over tp like a norm's).
+        # The projection's input is declared sharded on the batch dim, the rows a linear flattens [batch, seq] into
+        # staying whole per rank: each rank's rows are its own tokens either way, and torch 2.11's DTensor cannot
+        # flatten a tensor sharded on its second dim (2.13 can).
         local = SequenceParallel(use_local_output=True)
         for k in model.mtp:
-            top_plan |= {f"mtp.{k}.{name}": local for name in ("enorm", "hnorm", "eh_proj")}
+            top_plan |= {f"mtp.{k}.{name}": local for name in ("enorm", "hnorm")}
+            top_plan[f"mtp.{k}.eh_proj"] = SequenceParallel(sequence_dim=0, use_local_output=True)
             top_plan[f"mtp.{k}.norm"] = SequenceParallel()
     if model.lm_head is not None:
         # Logits stay vocab-sharded (Shard(-1)) as a DTensor: loss_parallel never gathers them.

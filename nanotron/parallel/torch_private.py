@@ -18,12 +18,15 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.pipelining import PipelineStage
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 __all__ = [
+    "PIPELINE_STAGE_OF_TORCH_2_11",
+    "PortablePipelineStage",
     "AsyncCollectiveTensor",
     "attention_with_lse",
     "attention_with_lse_backward",
@@ -34,6 +37,7 @@ __all__ = [
     "fake_process_group",
     "flatten_mesh",
     "flight_recorder_dump",
+    "fsdp_param_groups",
     "grouped_mm",
     "in_backward_pass",
     "local_block",
@@ -195,9 +199,53 @@ def reduce_accumulated_gradients(module: FSDPModule, reshard: bool) -> None:
     module.set_reshard_after_backward(reshard)
     state = fully_shard.state(module)
     for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
+        for group in fsdp_param_groups(each):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def fsdp_param_groups(state) -> list:
+    """An FSDP state's parameter groups: a list since torch 2.13, at most one group (or None) on 2.11."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
+# torch 2.11's PipelineStage (2.13 rewrote these parts): it decides once, when the first schedule call builds its
+# receive buffers, whether they require grad; it checks every stage's outputs against the static shapes at every
+# forward (2.13: only at TORCH_DISTRIBUTED_DEBUG=DETAIL); its first call's warm-up exchange sends to every
+# neighbour stage, on this rank too.
+PIPELINE_STAGE_OF_TORCH_2_11 = hasattr(PipelineStage, "_validate_fwd_outputs")
+
+
+class PortablePipelineStage(PipelineStage):
+    """torch's PipelineStage, run alike on torch 2.11 and 2.13 (on 2.13 it is PipelineStage unchanged)."""
+
+    if PIPELINE_STAGE_OF_TORCH_2_11:
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            """Every activation buffer requires grad: torch 2.11 sets that only when the call that builds them has
+            a backward, and the first call may be an evaluation (the one before step 1). Under evaluation's
+            no_grad that records nothing."""
+            built = super()._prepare_forward_infra(*args, **kwargs)
+            for infos in self.args_recv_info.values():
+                for info in infos:
+                    buffer = getattr(info, "buffer", None)  # stage 0's placeholders for the root inputs have none
+                    if isinstance(buffer, torch.Tensor):
+                        buffer.requires_grad_(True)
+            return built
+
+        def _get_init_p2p_neighbors_ops(self) -> list:
+            """The warm-up exchange without the neighbours on this rank (a V schedule's adjacent stages): gloo
+            cannot send to its own rank."""
+            me = dist.get_rank(self.group)
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
+        def _validate_fwd_outputs(self, outputs: tuple) -> None:
+            """Only the outputs sent to a peer are checked: the last stage's go to the loss, and in evaluation a
+            model with multi-token prediction returns its main logits alone."""
+            if not self.is_last:
+                super()._validate_fwd_outputs(outputs)
 
 
 def scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
