@@ -240,6 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_work(parser, argv, worker)
     size = "nano" if args.quick else args.size
     layouts = [layout for layout in LAYOUTS if not args.quick or layout[0] in QUICK_LAYOUTS]
+    selective = [name for name, flags, _ in layouts if "--parallelism.recompute=selective" in flags]
+    if selective:
+        import torch
+
+        from nanotron.parallel.recompute import POLICY_SEES_OUTPUTS
+
+        if not POLICY_SEES_OUTPUTS:
+            print(
+                f"skipped (torch {torch.__version__} hides what selective recompute keeps from the probe): {selective}"
+            )
+            layouts = [layout for layout in layouts if layout[0] not in selective]
     if args.layouts:  # the one-process run stays first: it is the reference
         unknown = set(args.layouts) - {name for name, _, _ in LAYOUTS}
         if unknown:

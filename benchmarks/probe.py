@@ -30,7 +30,7 @@ from nanotron.parallel import recompute as recompute_policy
 from nanotron.parallel import regather
 from nanotron.parallel.fsdp import ZeroPipelineStage
 from nanotron.parallel.regather import local_tensor as local
-from nanotron.parallel.torch_private import in_backward_pass
+from nanotron.parallel.torch_private import fsdp_param_groups, in_backward_pass
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -55,7 +55,7 @@ def fsdp_params(modules: list[nn.Module]) -> Iterator[object]:
     for module in modules:
         for sub in module.modules():
             if isinstance(sub, FSDPModule):
-                for group in sub._get_fsdp_state()._fsdp_param_groups:
+                for group in fsdp_param_groups(sub._get_fsdp_state()):
                     yield from group.fsdp_params
 
 
@@ -179,6 +179,12 @@ class StepProbe:
         saved_backward, saved_stage_backward = torch.autograd.backward, ZeroPipelineStage.backward_maybe_with_nosync
         torch.autograd.backward = self._after(saved_backward)
         ZeroPipelineStage.backward_maybe_with_nosync = self._after(saved_stage_backward)
+        selective = any(self.recompute(int(name)) == "selective" for m in self.modules for name in m.model.layers)
+        if selective and not recompute_policy.POLICY_SEES_OUTPUTS:
+            raise RuntimeError(
+                f"measuring selective recompute needs torch >= 2.13: torch {torch.__version__}'s checkpoint policy "
+                "is not shown the outputs it keeps"
+            )
         recompute_policy.on_keep.append(self._kept)
         regather.on_save.append(self._pack)  # inside attention/MLP blocks under SP its hooks replace this one's
         try:

@@ -110,3 +110,23 @@ def test_activation_stats_with_compile_is_a_config_error():
 
     with pytest.raises(ConfigError, match="logging.activation_stats_interval needs training.compile=false"):
         load_config(*parse_overrides([*TINY_MODEL, "--logging.activation_stats_interval=5", "--training.compile=true"]))
+
+
+def test_the_every_other_matmul_policy_answers_the_rerun_as_it_answered_the_forward():
+    """Selective recompute keeping every other matmul: torch 2.11 asks the policy again for each op of the rerun
+    (2.13 replays the forward's answers), and a kept output is matched to its op by order, so the rerun must get
+    the forward's answers in the forward's order, or q's rerun is handed gate's output (a shape error on 2.11)."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from nanotron.parallel.recompute import every_other_matmul_policy
+
+    aten = torch.ops.aten
+    ops = [aten.mm.default, aten.mul.Tensor, aten.mm.default, aten.addmm.default, aten.silu.default, aten.mm.default]
+    policy = every_other_matmul_policy()
+    forward = [policy(SimpleNamespace(is_recompute=False, op_output=None), op) for op in ops]
+    rerun = [policy(SimpleNamespace(is_recompute=True, op_output=None), op) for op in ops]
+    keep, rerun_it = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert forward == [keep, rerun_it, rerun_it, keep, rerun_it, rerun_it]  # matmuls 1 and 3 kept, 2 and 4 rerun
+    assert rerun == forward

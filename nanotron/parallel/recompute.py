@@ -8,17 +8,18 @@ selective: torch's selective checkpointing with one policy: keep what is expensi
            not kept (Megatron's re-gather in backward). With `parallelism.selective_matmuls = "every_other"`
            only the odd-numbered matmuls of each layer's forward keep their outputs (q, v, gate, down); the even
            ones (k, o, up) rerun with the cheap ops: torchtitan's op-level policy. The count starts at 0 in
-           each forward of a layer; torch records each op's choice then and replays it in the rerun (torch 2.13
-           does not ask the policy again), so the rerun makes the forward's choices.
+           each forward of a layer and again in its rerun, so the rerun makes the forward's choices whether
+           torch replays them (2.13) or asks the policy again (2.11).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
 from nanotron.config import Config
 from nanotron.models.llama import LlamaForCausalLM, decoder_layers
@@ -50,7 +51,9 @@ def recompute_mode(cfg: Config, layer: int) -> str:
 
 
 # Called with each output the policy keeps in a forward (not a recompute): how benchmarks/probe.py measures it.
+# Only a torch whose policy context carries the op's output (2.13's op_output; 2.11's has none) can call them.
 on_keep: list[Callable[[object], None]] = []
+POLICY_SEES_OUTPUTS = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -67,20 +70,25 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 PROJECTIONS = {aten.mm.default, aten.addmm.default}
 
 
-def _every_other_matmul_contexts():
-    """A fresh pair of selective-checkpoint contexts for one forward of a layer (torch asks for one per forward):
-    its matmul count starts at 0, and an even-numbered matmul is rerun in backward instead of kept."""
-    count = 0
+def every_other_matmul_policy() -> Callable[..., CheckpointPolicy]:
+    """The policy of one forward of a layer and its rerun: an even-numbered matmul is rerun in backward instead
+    of kept. The forward and the rerun count apart, each from 0, so a torch that asks the policy again in the
+    rerun (2.11 does; 2.13 replays the forward's choices) gets the same answers in the same order."""
+    counts = {False: 0, True: 0}  # by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        nonlocal count
-        if op in PROJECTIONS and not ctx.is_recompute:
-            count += 1
-            if count % 2 == 0:
+        if op in PROJECTIONS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return _policy(ctx, op, *args, **kwargs)
 
-    return create_selective_checkpoint_contexts(policy)
+    return policy
+
+
+def _every_other_matmul_contexts():
+    """A fresh pair of selective-checkpoint contexts for one forward of a layer (torch asks for one per forward)."""
+    return create_selective_checkpoint_contexts(every_other_matmul_policy())
 
 
 def apply_recompute(
