@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The venv's bin/ first on PATH: Slurm jobs started from the tests inherit it and find its torchrun.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 # Installed into the new venv before the project. "" skips it: a torch already in $(VENV) stays, else pip
-# installs the newest torch>=2.13 its index has (a GPU cluster puts its CUDA build into $(VENV) first: README).
+# installs the newest torch>=2.11 its index has (a GPU cluster puts its CUDA build into $(VENV) first: README).
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 8
 LAYOUT ?= --parallelism.dp=2 --parallelism.tp=2 --parallelism.pp=2
