@@ -54,8 +54,12 @@ __all__ = [
 
 
 def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
-    """The collective timeout of an existing group: torch sets it only when a group is created."""
-    dist.distributed_c10d._set_pg_timeout(timeout, group)
+    """The collective timeout of an existing group: public as `dist.set_timeout` from torch 2.14 (where the private
+    setter warns on every rank, once per group); torch 2.11 and 2.13 set it publicly only when a group is created."""
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group)
+    else:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 _waited = [0.0]  # seconds the main thread spent blocked on collectives, since the clock was first asked for
