@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 __all__ = [
-    "PIPELINE_STAGE_OF_TORCH_2_11",
     "PortablePipelineStage",
     "AsyncCollectiveTensor",
     "attention_with_lse",
@@ -219,13 +218,13 @@ def fsdp_param_groups(state) -> list:
 # receive buffers, whether they require grad; it checks every stage's outputs against the static shapes at every
 # forward (2.13: only at TORCH_DISTRIBUTED_DEBUG=DETAIL); its first call's warm-up exchange sends to every
 # neighbour stage, on this rank too.
-PIPELINE_STAGE_OF_TORCH_2_11 = hasattr(PipelineStage, "_validate_fwd_outputs")
+_STAGE_OF_TORCH_2_11 = hasattr(PipelineStage, "_validate_fwd_outputs")
 
 
 class PortablePipelineStage(PipelineStage):
     """torch's PipelineStage, run alike on torch 2.11 and 2.13 (on 2.13 it is PipelineStage unchanged)."""
 
-    if PIPELINE_STAGE_OF_TORCH_2_11:
+    if _STAGE_OF_TORCH_2_11:
 
         def _prepare_forward_infra(self, *args, **kwargs):
             """Every activation buffer requires grad: torch 2.11 sets that only when the call that builds them has
