@@ -717,3 +717,64 @@ def test_the_launchers_watcher_is_started_again_when_a_signal_kills_it_and_not_a
         time.sleep(0.1)
     assert f"watcher (pid {failing.process.pid}) failed (exit code 3); its ranks are unwatched" in out, out
     failing.stop()
+
+
+def test_a_rank_that_fails_while_its_watcher_handles_an_incident_ends_the_launch_with_the_watchers_verdict(
+    monkeypatch,
+):
+    """Two nodes: the peer node's watcher ends its ranks on the verdict, and ours, blocked in a collective with them,
+    fail with exit code 1 a moment before our watcher has written the same verdict. The launch must wait for it
+    and exit 75 (CI, 2026-12-07: node1 exited 1 first, so the Slurm job ended 1 and was not requeued without
+    node2). The stand-in watcher does what a real one does mid-incident: marked as handling, verdict 1 s later."""
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from nanotron.launch import torchrun
+    from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE
+    from nanotron.watch.watcher import HANDLING, VERDICT
+
+    verdict = {"exit_code": 75, "line": "hang: rank 1 (node node2) stalled in data at step 7", "action": "requeue"}
+    mid_incident = (
+        "import json, pathlib, sys, time; folder = pathlib.Path(sys.argv[1])\n"
+        f"(folder / {HANDLING!r}).touch(); time.sleep(1)\n"
+        f"(folder / {VERDICT!r}).write_text(json.dumps({verdict!r}))\n"
+    )
+    stand_in = lambda command: KeptWatcher([sys.executable, "-c", mid_incident, command[command.index("--dir") + 1]])
+    monkeypatch.setattr(torchrun, "KeptWatcher", stand_in)
+
+    def rank_lost_its_peer(config):
+        marker = Path(os.environ[WATCH_DIR_VARIABLE]) / HANDLING
+        deadline = time.time() + 20
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="")
+        raise ChildFailedError("nanotron.train", {0: failure})
+
+    monkeypatch.setattr(torch_run, "run", rank_lost_its_peer)
+    config = torch_run.parse_args(["--standalone", "--nproc_per_node=1", "--no-python", "true"])
+    assert torchrun._run_once(config) == (75, verdict)
+
+
+def test_the_watcher_marks_an_incident_as_handled_before_it_gathers_evidence(tmp_path, monkeypatch):
+    """The mark the launcher waits on (the test above) comes before the slow part, the ranks' stacks and, on several
+    nodes, the leader's gathering; then the verdict, then the ranks are ended."""
+    from types import SimpleNamespace
+
+    from nanotron.watch import watcher
+
+    folder, run_dir = tmp_path / "watch", tmp_path / "run"
+    folder.mkdir()
+    rank = subprocess.Popen(["sleep", "60"])
+    info = {"pid": rank.pid, "run_dir": str(run_dir), "checkpoint_dir": str(run_dir / "checkpoints")}
+    info["watch"] = {"on_hang": "requeue", "max_restarts_without_progress": 3}
+    marked = []
+
+    def gather(folder, ranks, now):
+        marked.append((folder / watcher.HANDLING).exists() and not (folder / watcher.VERDICT).exists())
+        return [gloo_evidence(0, "data", {"0": ("default_pg", [(5, "all_reduce", [[2]])])}, blocked=False)], {0: ""}
+
+    monkeypatch.setattr(watcher, "gather", gather)
+    watcher.handle(folder, {0: SimpleNamespace(rank=0, info=info)}, Limits(SETTINGS), None, None)
+    assert marked == [True]
+    assert json.loads((folder / watcher.VERDICT).read_text())["exit_code"] == NodeFaultError.exit_code
+    assert rank.wait(timeout=10) == -signal.SIGKILL

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from nanotron.watch.faults import ATTEMPT_VARIABLE
 from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE, fatal_path, info_path, read_slot, slot_path
 from nanotron.watch.nodes import node_name
 from nanotron.watch.suspects import record_fault
-from nanotron.watch.watcher import VERDICT
+from nanotron.watch.watcher import HANDLING, VERDICT
 
 QUIET_EXIT_CODES = {
     UserError.exit_code,
@@ -99,12 +100,13 @@ def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    with _watcher(config) as watch_dir:
+    with _watcher(config) as (watch_dir, watcher):
         try:
             run(config)
         except ChildFailedError as error:
-            if (verdict := watch_dir / VERDICT).exists():  # the watcher ended the ranks and printed why
-                verdict = json.loads(verdict.read_text())
+            if (
+                verdict := watcher.verdict(watch_dir)
+            ) is not None:  # the watcher ended the ranks (or their peers) and said why
                 return verdict["exit_code"], verdict
             quiet = sorted((rank, f.exitcode) for rank, f in error.failures.items() if f.exitcode in QUIET_EXIT_CODES)
             if quiet:  # a worker has printed its one-line error (the others were ended by torchrun)
@@ -187,7 +189,7 @@ def _last_heartbeat(watch_dir: Path, rank: int) -> dict:
 
 
 @contextlib.contextmanager
-def _watcher(config: argparse.Namespace) -> Iterator[Path]:
+def _watcher(config: argparse.Namespace) -> Iterator[tuple[Path, KeptWatcher]]:
     """The node's watcher process (nanotron.watch.watcher) and the node-local folder of the ranks' slots; with
     several nodes, the watchers meet in the rendezvous endpoint's key-value store."""
     with tempfile.TemporaryDirectory(prefix="nanotron-watch-") as folder:
@@ -198,9 +200,12 @@ def _watcher(config: argparse.Namespace) -> Iterator[Path]:
             command += ["--nnodes", str(nnodes), "--store", config.rdzv_endpoint]
         watcher = KeptWatcher(command)
         try:
-            yield Path(folder)
+            yield Path(folder), watcher
         finally:
             watcher.stop()
+
+
+VERDICT_PATIENCE_SECONDS = 60.0  # srun --wait (launch/slurm.sh) ends a node 60 s after the first one
 
 
 class KeptWatcher:
@@ -233,6 +238,18 @@ class KeptWatcher:
                 f"warning: the node's watcher (pid {dead.pid}) failed (exit code {code}); its ranks are unwatched "
                 "from now on: a hang ends at distributed.timeout_minutes"
             )
+
+    def verdict(self, folder: Path, patience: float = VERDICT_PATIENCE_SECONDS) -> dict | None:
+        """The verdict the watcher left in its folder, if it ended the ranks. On several nodes a peer node's watcher
+        may act first: our ranks, blocked in a collective with the ranks it ended, fail by themselves (exit code 1)
+        while our watcher still writes the same verdict. So while it handles an incident, wait for the verdict
+        (seconds: the ranks' stacks, the leader's gathering; at most `patience`)."""
+        path, deadline = folder / VERDICT, time.monotonic() + patience
+        while not path.exists() and (folder / HANDLING).exists() and time.monotonic() < deadline:
+            if self.process.poll() is not None:  # it ended without one: a crash, whose traceback is printed
+                break
+            time.sleep(0.1)
+        return json.loads(path.read_text()) if path.exists() else None
 
     def stop(self) -> None:
         with self.lock:

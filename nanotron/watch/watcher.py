@@ -44,6 +44,7 @@ from nanotron.watch.suspects import write_suspects
 POLL_SECONDS = 0.5
 DUMP_WAIT_SECONDS = 5.0
 VERDICT = "verdict.json"
+HANDLING = "handling"  # an incident is under way: a launcher whose ranks fail now waits for the verdict
 
 
 class Limits:
@@ -186,6 +187,7 @@ def handle(
     folder: Path, ranks: dict[int, Rank], limits: Limits, coordinator: Coordinator | None, announced: str | None
 ):
     """One incident: this node's evidence, one verdict for the job (the leading node's), and the action."""
+    (folder / HANDLING).touch()  # before any node can act: every node's evidence is in before the verdict
     now = time.time()
     evidence, stacks = gather(folder, ranks, now)
     run_dir = Path(next(iter(ranks.values())).info["run_dir"])
