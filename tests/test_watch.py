@@ -751,6 +751,7 @@ def test_a_rank_that_fails_while_its_watcher_handles_an_incident_ends_the_launch
         raise ChildFailedError("nanotron.train", {0: failure})
 
     monkeypatch.setattr(torch_run, "run", rank_lost_its_peer)
+    monkeypatch.setenv(WATCH_DIR_VARIABLE, "")  # the launcher sets it for its ranks: not for this test's neighbours
     config = torch_run.parse_args(["--standalone", "--nproc_per_node=1", "--no-python", "true"])
     assert torchrun._run_once(config) == (75, verdict)
 
