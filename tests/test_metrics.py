@@ -110,13 +110,18 @@ def test_cpu_peak_is_the_rate_the_fastest_matmul_layout_of_a_linear_layer_gets(d
     this CPU without native bf16, x @ W^T at 9 and dY^T @ x at 17)."""
     element = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     a, b = torch.randn(1024, 1024, dtype=element), torch.randn(1024, 1024, dtype=element)
-    rates = []
-    for product in (lambda: a @ b.t(), lambda: a.t() @ b):  # a linear layer's forward, its weight gradient
-        product()
-        start = time.perf_counter()
-        product()
-        rates.append(2 * 1024**3 / (time.perf_counter() - start) / 1e12)
-    assert detect_peak_tflops(torch.device("cpu"), dtype, tf32=False) >= 0.5 * max(rates), rates
+    rounds = []
+    for _ in range(3):  # interleaved rounds: on a shared machine one quiet moment must not decide the comparison
+        peak, rates = detect_peak_tflops(torch.device("cpu"), dtype, tf32=False), []
+        for product in (lambda: a @ b.t(), lambda: a.t() @ b):  # a linear layer's forward, its weight gradient
+            product()
+            start = time.perf_counter()
+            product()
+            rates.append(2 * 1024**3 / (time.perf_counter() - start) / 1e12)
+        rounds.append((peak, max(rates)))
+        if peak >= 0.5 * max(rates):
+            return
+    pytest.fail(f"the measured peak is under half a linear layer's matmul rate in every round (peak, rate): {rounds}")
 
 
 def test_unknown_gpu_warns_naming_the_key_and_logs_no_mfu(monkeypatch, capsys):
