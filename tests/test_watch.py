@@ -719,41 +719,73 @@ def test_the_launchers_watcher_is_started_again_when_a_signal_kills_it_and_not_a
     failing.stop()
 
 
-def test_a_rank_that_fails_while_its_watcher_handles_an_incident_ends_the_launch_with_the_watchers_verdict(
-    monkeypatch,
-):
-    """Two nodes: the peer node's watcher ends its ranks on the verdict, and ours, blocked in a collective with them,
-    fail with exit code 1 a moment before our watcher has written the same verdict. The launch must wait for it
-    and exit 75 (CI, 2026-12-07: node1 exited 1 first, so the Slurm job ended 1 and was not requeued without
-    node2). The stand-in watcher does what a real one does mid-incident: marked as handling, verdict 1 s later."""
+def launch_failing_mid_incident(monkeypatch, failure: Exception, incident: bool) -> tuple[int, dict | None]:
+    """The launcher's `_run_once` where torchrun's run raises `failure`; its watcher is a stand-in that, with
+    `incident`, does what a real one does mid-incident (marked as handling, the verdict 1 s later), else idles."""
     import torch.distributed.run as torch_run
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from nanotron.launch import torchrun
     from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE
     from nanotron.watch.watcher import HANDLING, VERDICT
 
-    verdict = {"exit_code": 75, "line": "hang: rank 1 (node node2) stalled in data at step 7", "action": "requeue"}
     mid_incident = (
         "import json, pathlib, sys, time; folder = pathlib.Path(sys.argv[1])\n"
         f"(folder / {HANDLING!r}).touch(); time.sleep(1)\n"
-        f"(folder / {VERDICT!r}).write_text(json.dumps({verdict!r}))\n"
+        f"(folder / {VERDICT!r}).write_text(json.dumps({HANG_VERDICT!r}))\n"
     )
-    stand_in = lambda command: KeptWatcher([sys.executable, "-c", mid_incident, command[command.index("--dir") + 1]])
+    script = mid_incident if incident else "import time; time.sleep(60)"
+    stand_in = lambda command: KeptWatcher([sys.executable, "-c", script, command[command.index("--dir") + 1]])
     monkeypatch.setattr(torchrun, "KeptWatcher", stand_in)
 
-    def rank_lost_its_peer(config):
+    def run(config):
         marker = Path(os.environ[WATCH_DIR_VARIABLE]) / HANDLING
-        deadline = time.time() + 20
+        deadline = time.time() + (20 if incident else 0)
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)
-        failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="")
-        raise ChildFailedError("nanotron.train", {0: failure})
+        raise failure
 
-    monkeypatch.setattr(torch_run, "run", rank_lost_its_peer)
+    monkeypatch.setattr(torch_run, "run", run)
     monkeypatch.setenv(WATCH_DIR_VARIABLE, "")  # the launcher sets it for its ranks: not for this test's neighbours
-    config = torch_run.parse_args(["--standalone", "--nproc_per_node=1", "--no-python", "true"])
-    assert torchrun._run_once(config) == (75, verdict)
+    return torchrun._run_once(torch_run.parse_args(["--standalone", "--nproc_per_node=1", "--no-python", "true"]))
+
+
+HANG_VERDICT = {"exit_code": 75, "line": "hang: rank 1 (node node2) stalled in data at step 7", "action": "requeue"}
+
+
+def store_host_ended() -> Exception:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    try:
+        raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+    except torch.distributed.DistNetworkError as cause:
+        error = RendezvousConnectionError("The connection to the C10d store has failed. See inner exception")
+        error.__cause__ = cause
+        return error
+
+
+def rank_lost_its_peer() -> Exception:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    return ChildFailedError("nanotron.train", {0: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="")})
+
+
+@pytest.mark.parametrize("failure", [rank_lost_its_peer, store_host_ended], ids=["rank_lost_its_peer", "store_lost"])
+def test_a_launch_that_fails_while_its_watcher_handles_an_incident_ends_with_the_watchers_verdict(monkeypatch, failure):
+    """Two nodes: the other node's watcher acts first. Our ranks, blocked in a collective with the ranks it ended,
+    fail with exit code 1 (CI, 2026-12-07: node1 exited 1 first, so the Slurm job ended 1 and was not requeued
+    without node2); or its launcher, which hosts the rendezvous store, exits and our torchrun agent loses the store
+    (a traceback and exit 1, seen with the leader delayed 3 s). Either way the launch waits for our watcher's verdict
+    and exits with its code."""
+    assert launch_failing_mid_incident(monkeypatch, failure(), incident=True) == (75, HANG_VERDICT)
+
+
+def test_a_lost_rendezvous_store_outside_an_incident_is_one_line_naming_it(monkeypatch, capsys):
+    """The node hosting the store ended first (bad input there, a crash, the node gone): this node's ranks are
+    stopped by torchrun, and the launch says so in one line instead of torchrun's traceback."""
+    assert launch_failing_mid_incident(monkeypatch, store_host_ended(), incident=False) == (1, None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: lost the rendezvous store (--rdzv_endpoint "), err
+    assert "its node's launcher ended or the node is unreachable" in err[0]
 
 
 def test_the_watcher_marks_an_incident_as_handled_before_it_gathers_evidence(tmp_path, monkeypatch):

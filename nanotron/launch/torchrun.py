@@ -30,7 +30,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nanotron.console import say
-from nanotron.errors import ConfigError, DivergenceError, NodeFaultError, SpikeError, UserError, incident_dir
+from nanotron.errors import (
+    ConfigError,
+    DivergenceError,
+    NodeFaultError,
+    SpikeError,
+    UserError,
+    incident_dir,
+    short,
+)
 from nanotron.signals import ABORT_EXIT_CODE, LAUNCHER_PID_VARIABLE, STOP_SIGNALS
 from nanotron.watch.faults import ATTEMPT_VARIABLE
 from nanotron.watch.heartbeat import WATCH_DIR_VARIABLE, fatal_path, info_path, read_slot, slot_path
@@ -98,6 +106,7 @@ def run_torchrun(args: list[str]) -> int:
 def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
     """One torchrun launch: (exit code, the watcher's verdict if it ended the ranks)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.run import run
 
     with _watcher(config) as (watch_dir, watcher):
@@ -114,6 +123,16 @@ def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
             if (died := _report_death(error, watch_dir)) is not None:  # a rank killed by a signal: named in one line
                 return died, None
             print(error.format_msg(), file=sys.stderr, flush=True)
+            return 1, None
+        except RendezvousConnectionError as error:  # torchrun has stopped this node's ranks
+            if (verdict := watcher.verdict(watch_dir)) is not None:  # the store's node acted on a hang first
+                return verdict["exit_code"], verdict
+            message = (
+                f"error: lost the rendezvous store (--rdzv_endpoint {config.rdzv_endpoint}): its node's launcher "
+                "ended or the node is unreachable (or its port is blocked, at start); this node's ranks were stopped "
+                f"({short(error.__cause__ or error)})"
+            )
+            print(message, file=sys.stderr, flush=True)
             return 1, None
     return 0, None
 
