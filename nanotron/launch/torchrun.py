@@ -113,9 +113,8 @@ def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
         try:
             run(config)
         except ChildFailedError as error:
-            if (
-                verdict := watcher.verdict(watch_dir)
-            ) is not None:  # the watcher ended the ranks (or their peers) and said why
+            # the watcher ended the ranks (or another node's watcher ended their peers) and printed why
+            if (verdict := watcher.verdict(watch_dir)) is not None:
                 return verdict["exit_code"], verdict
             quiet = sorted((rank, f.exitcode) for rank, f in error.failures.items() if f.exitcode in QUIET_EXIT_CODES)
             if quiet:  # a worker has printed its one-line error (the others were ended by torchrun)
@@ -260,9 +259,10 @@ class KeptWatcher:
 
     def verdict(self, folder: Path, patience: float = VERDICT_PATIENCE_SECONDS) -> dict | None:
         """The verdict the watcher left in its folder, if it ended the ranks. On several nodes a peer node's watcher
-        may act first: our ranks, blocked in a collective with the ranks it ended, fail by themselves (exit code 1)
-        while our watcher still writes the same verdict. So while it handles an incident, wait for the verdict
-        (seconds: the ranks' stacks, the leader's gathering; at most `patience`)."""
+        may act first: our ranks, blocked in a collective with the ranks it ended, fail by themselves (exit code 1),
+        or torchrun loses the rendezvous store that node's launcher hosted, while our watcher still writes the same
+        verdict. So while it handles an incident, wait for the verdict (seconds: the ranks' stacks, the leader's
+        gathering; at most `patience`)."""
         path, deadline = folder / VERDICT, time.monotonic() + patience
         while not path.exists() and (folder / HANDLING).exists() and time.monotonic() < deadline:
             if self.process.poll() is not None:  # it ended without one: a crash, whose traceback is printed

@@ -4,9 +4,10 @@ The first watcher to see a hang announces an incident (compare-and-set: exactly 
 watcher sees the announcement at its next poll, gathers its own ranks' evidence at once (its limits need not have
 expired) and publishes it. The leader waits for every node (or a deadline), names the culprit from all of it,
 prints the one line and publishes the verdict, which each watcher acts on for its own ranks. The first node to act
-ends ranks that the others' ranks are blocked in collectives with: those fail by themselves (exit code 1) while
-their own watcher is still writing the verdict, and their launcher waits for it (`KeptWatcher.verdict`), so every
-node exits with the verdict's code and the job script requeues without the culprit.
+ends ranks that the others' ranks are blocked in collectives with (and, if it hosts the rendezvous store, takes the
+store with it when its launcher exits): the others' ranks fail, or their torchrun does, while their own watcher is
+still writing the verdict, and their launcher waits for it (`KeptWatcher.verdict`), so every node exits with the
+verdict's code and the job script requeues without the culprit.
 """
 
 from __future__ import annotations
