@@ -755,12 +755,9 @@ HANG_VERDICT = {"exit_code": 75, "line": "hang: rank 1 (node node2) stalled in d
 def store_host_ended() -> Exception:
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-    try:
-        raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
-    except torch.distributed.DistNetworkError as cause:
-        error = RendezvousConnectionError("The connection to the C10d store has failed. See inner exception")
-        error.__cause__ = cause
-        return error
+    error = RendezvousConnectionError("The connection to the C10d store has failed. See inner exception")
+    error.__cause__ = torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+    return error
 
 
 def rank_lost_its_peer() -> Exception:

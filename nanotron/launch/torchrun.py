@@ -112,26 +112,25 @@ def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
     with _watcher(config) as (watch_dir, watcher):
         try:
             run(config)
-        except ChildFailedError as error:
-            # the watcher ended the ranks (or another node's watcher ended their peers) and printed why
+        except (ChildFailedError, RendezvousConnectionError) as error:  # torchrun has stopped this node's ranks
+            # this node's watcher ended them and printed why; or another node's acted first, and they lost their peers
+            # (or torchrun the store that node's launcher hosted) while this one's was still writing the same verdict
             if (verdict := watcher.verdict(watch_dir)) is not None:
                 return verdict["exit_code"], verdict
+            if isinstance(error, RendezvousConnectionError):
+                message = (
+                    f"error: lost the rendezvous store (--rdzv_endpoint {config.rdzv_endpoint}): its node's launcher "
+                    "ended or the node is unreachable (or its port is blocked, at start); this node's ranks were "
+                    f"stopped ({short(error.__cause__ or error)})"
+                )
+                print(message, file=sys.stderr, flush=True)
+                return 1, None
             quiet = sorted((rank, f.exitcode) for rank, f in error.failures.items() if f.exitcode in QUIET_EXIT_CODES)
             if quiet:  # a worker has printed its one-line error (the others were ended by torchrun)
                 return quiet[0][1], None
             if (died := _report_death(error, watch_dir)) is not None:  # a rank killed by a signal: named in one line
                 return died, None
             print(error.format_msg(), file=sys.stderr, flush=True)
-            return 1, None
-        except RendezvousConnectionError as error:  # torchrun has stopped this node's ranks
-            if (verdict := watcher.verdict(watch_dir)) is not None:  # the store's node acted on a hang first
-                return verdict["exit_code"], verdict
-            message = (
-                f"error: lost the rendezvous store (--rdzv_endpoint {config.rdzv_endpoint}): its node's launcher "
-                "ended or the node is unreachable (or its port is blocked, at start); this node's ranks were stopped "
-                f"({short(error.__cause__ or error)})"
-            )
-            print(message, file=sys.stderr, flush=True)
             return 1, None
     return 0, None
 
