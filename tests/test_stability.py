@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_MODEL, read_metrics, run_train, synthetic_documents, train_losses
+from matrix import RTOL
 
 from benchmarks.common import ensure_data, model_overrides
 from nanotron.config import StabilityConfig, TrainingConfig, load_config
@@ -482,8 +483,8 @@ def test_at_dp2_pp2_a_transient_fault_names_its_rank_and_a_poisoned_step_is_roll
     assert transient["stability/ranks"] == [3] and transient["stability/loss_z"] > 10
     assert "a transient fault, loss differed on rank 3" in proc.stdout
     assert rollback["step"] == POISON_STEP and rollback["stability/window"] == POISON_WINDOW
-    reference = train_losses(never_had_the_window)
-    assert train_losses(run_dir)[-(STEPS - 24) :] == pytest.approx(reference[24:], rel=1e-6, abs=0)
+    reference = train_losses(never_had_the_window)  # 1 process: the layout matrix's tolerance
+    assert train_losses(run_dir)[-(STEPS - 24) :] == pytest.approx(reference[24:], rel=RTOL, abs=0)
 
 
 @pytest.mark.slow

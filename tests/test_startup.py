@@ -28,7 +28,14 @@ def test_resume_skips_the_random_init_and_still_resumes_bit_exact(tiny_data, tmp
 
     monkeypatch.setattr(nanotron.parallel.parallelize, "init_weights", no_init)
     step2 = fresh / "checkpoints" / "step-2"
-    code = nanotron.train.main([*common, "--job.name=resumed", f"--checkpoint.resume_from={step2}"])
+    # One intra-op thread, as the forked run had (OMP_NUM_THREADS=1): a BLAS may split a matmul's sums by
+    # thread (MKL's AVX2 kernels do: the last bits then differ), and bit-exact holds for the same settings.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = nanotron.train.main([*common, "--job.name=resumed", f"--checkpoint.resume_from={step2}"])
+    finally:
+        torch.set_num_threads(threads)
     assert code == 0
     resumed = tmp_path / "resumed"
     assert train_losses(resumed) == train_losses(fresh)[2:]  # bit-exact, not approximately
