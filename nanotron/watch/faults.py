@@ -6,7 +6,8 @@ in-place restart or a requeue is the next attempt), so a drill can stage a trans
 Kinds, each acting when the rank enters the named phase of step S (and, for `slow` and `slow_disk`, every step
 from S on):
   sleep            sleeps in `data` (a stuck data loader; the GIL is free)
-  gil_lock         spins in `forward` holding the GIL (a C extension that never releases it)
+  gil_lock         blocks in native code in `forward` holding the GIL (a C extension stuck in a lock it never
+                   releases the GIL around); it burns no CPU
   sigstop          stops itself with SIGSTOP in `data` (the process can run no code at all)
   skip_collective  skips the step's all-reduce in `optimizer` (ranks disagree on collectives: a hang on NCCL; on
                    gloo the rank aborts when it meets its peers' larger message)
@@ -24,6 +25,7 @@ microbatch run, the step's collective), so the step itself has no fault branches
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -101,9 +103,10 @@ class Fault:
         if self.kind == "sleep":
             time.sleep(10**6)
         elif self.kind == "gil_lock":
-            sys.setswitchinterval(10**6)  # never hand the GIL to another thread
+            sys.setswitchinterval(10**6)  # never hand the GIL to another thread between the calls below
+            libc = ctypes.PyDLL(None)  # a PyDLL's calls keep the GIL (a CDLL's release it)
             while True:
-                pass
+                libc.pause()  # returns when a signal arrives (the watcher asking for stacks, SIGTERM)
         elif self.kind == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "crash":
