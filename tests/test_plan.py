@@ -191,6 +191,29 @@ def test_zero_stages_change_gradients_and_working_copies_as_documented():
     assert mem[3]["working"] < mem[2]["working"] == mem[1]["working"]
 
 
+# docs/planning.md's example lines, each with the command the page names: (the command's flags after
+# `--config configs/large.toml`, the start of the line it shows).
+PLANNING_EXAMPLES = [
+    (
+        "--nodes 1 --gpus_per_node 8 --gpu h100 --parallelism.dp=2 --parallelism.tp=4 --parallelism.pp=1",
+        "parallelism.sp_regather=auto -> ",
+    ),
+    ("--nodes 4 --gpus_per_node 8 --gpu h100 --training.float8=tensorwise", "float8 (tensorwise): "),
+]
+
+
+@pytest.mark.parametrize("flags, start", PLANNING_EXAMPLES, ids=["sp_regather", "float8"])
+def test_the_planning_pages_example_lines_are_what_the_planner_prints(flags, start):
+    """The page shows the planner's line verbatim (its numbers had drifted from the planner's once)."""
+    page = (REPO / "docs" / "planning.md").read_text()
+    command = f"nanotron plan --config configs/large.toml {flags}"
+    assert f"`{command}`" in " ".join(page.split()), command
+    proc = plan("--config", "configs/large.toml", *flags.split())
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith(start)]
+    assert line in page.splitlines(), line
+
+
 def test_bad_gpu_and_layout_larger_than_the_cluster_are_one_line_errors(capsys):
     assert plan_main(["--gpu", "tpu9"]) == 2
     err = capsys.readouterr().err

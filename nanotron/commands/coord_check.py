@@ -24,8 +24,9 @@ For each statistic, the slope of log(value) against log(width) and against log(d
 squares fit over the sizes, values averaged over seeds) is the verdict: µP passes when every slope is within
 ±tolerance (flat: the scale does not drift with size); standard parametrization is expected to fail (its
 updates grow with width). Writes coord_check.csv (every value), coord_check.md (the slopes and the verdict) and
-coord-check-{size,change,update}.png (a row per sweep, standard and µP side by side on shared y-axes, the step
-as a colour bar) to --out. Exit status 0 when µP passes (or was not run), 1 when it fails.
+coord-check-{width,depth}-{size,change,update}.png (one per sweep and statistic: a column per quantity, standard
+above µP on shared y-axes, the step as a colour bar) to --out. Exit status 0 when µP passes (or was not run), 1
+when it fails.
 """
 
 from __future__ import annotations
