@@ -151,8 +151,9 @@ def test_a_diverging_run_skips_then_stops_with_exit_3_and_keeps_only_finite_chec
     assert 2 <= bad < 9, proc.stdout  # some steps trained, and the run did not reach its end
     assert len(re.findall(r"warning: non-finite loss or gradients", proc.stdout)) == 1, proc.stdout[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, errors
     stopped = re.match(r"error: non-finite loss or gradients at step (\d+): .*\(1 earlier steps skipped; ", errors[0])
-    assert len(errors) == 1 and stopped and bad < int(stopped.group(1)) <= 10, errors
+    assert stopped and bad < int(stopped.group(1)) <= 10, errors
     stop = int(stopped.group(1))
     folder = tmp_path / "diverge" / "checkpoints"
     # The skipped step changed no weight, so its interval save is still a good checkpoint; the failing one has none.

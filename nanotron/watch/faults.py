@@ -6,8 +6,8 @@ in-place restart or a requeue is the next attempt), so a drill can stage a trans
 Kinds, each acting when the rank enters the named phase of step S (and, for `slow` and `slow_disk`, every step
 from S on):
   sleep            sleeps in `data` (a stuck data loader; the GIL is free)
-  gil_lock         blocks in native code in `forward` holding the GIL (a C extension stuck in a lock it never
-                   releases the GIL around); it burns no CPU
+  gil_lock         blocks in native code in `forward` holding the GIL (a C extension that waits without
+                   releasing it); it burns no CPU
   sigstop          stops itself with SIGSTOP in `data` (the process can run no code at all)
   skip_collective  skips the step's all-reduce in `optimizer` (ranks disagree on collectives: a hang on NCCL; on
                    gloo the rank aborts when it meets its peers' larger message)
