@@ -719,6 +719,9 @@ def test_the_launchers_watcher_is_started_again_when_a_signal_kills_it_and_not_a
     failing.stop()
 
 
+HANG_VERDICT = {"exit_code": 75, "line": "hang: rank 1 (node node2) stalled in data at step 7", "action": "requeue"}
+
+
 def launch_failing_mid_incident(monkeypatch, failure: Exception, incident: bool) -> tuple[int, dict | None]:
     """The launcher's `_run_once` where torchrun's run raises `failure`; its watcher is a stand-in that, with
     `incident`, does what a real one does mid-incident (marked as handling, the verdict 1 s later), else idles."""
@@ -747,9 +750,6 @@ def launch_failing_mid_incident(monkeypatch, failure: Exception, incident: bool)
     monkeypatch.setattr(torch_run, "run", run)
     monkeypatch.setenv(WATCH_DIR_VARIABLE, "")  # the launcher sets it for its ranks: not for this test's neighbours
     return torchrun._run_once(torch_run.parse_args(["--standalone", "--nproc_per_node=1", "--no-python", "true"]))
-
-
-HANG_VERDICT = {"exit_code": 75, "line": "hang: rank 1 (node node2) stalled in data at step 7", "action": "requeue"}
 
 
 def store_host_ended() -> Exception:
