@@ -448,7 +448,7 @@ def test_the_console_script_points_at_the_command_dispatcher():
     """`nanotron` (pyproject's [project.scripts]) must name a function that exists: a moved module breaks it."""
     import importlib
 
-    import tomllib
+    from nanotron.config.parse import tomllib  # tomli before Python 3.11
 
     scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, function = scripts["nanotron"].partition(":")
