@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import (
     TINY_MODEL,
     Box,
@@ -283,6 +284,23 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="refusing to load"):
         read_metadata(tmp_path)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+def test_an_index_written_by_any_python_reads_on_this_one(tmp_path, module):
+    """DCP's index holds the checkpoint's path, pickled under its class's module: `pathlib` up to Python 3.12,
+    `pathlib._local` from 3.13 on. Either must read on any Python (a cluster on 3.13, an eval box on 3.11)."""
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+    index = tmp_path / ".metadata"
+    with open(index, "rb") as f:
+        metadata = pickle.load(f)
+    assert isinstance(metadata.storage_meta.checkpoint_id, Path)
+    # Protocol 2 names classes in text ("c<module>\n<name>\n"), so the module can be renamed in place.
+    written = pickle.dumps(Path(), protocol=2).split(b"\n")[0][len(b"\x80\x02c") :]  # this Python's module
+    pickled = pickle.dumps(metadata, protocol=2)
+    index.write_bytes(pickled.replace(b"c" + written + b"\nPosixPath\n", f"c{module}\nPosixPath\n".encode()))
+    assert f"c{module}\nPosixPath\n".encode() in index.read_bytes()
+    assert read_metadata(tmp_path).storage_meta.checkpoint_id == tmp_path
 
 
 @pytest.mark.slow

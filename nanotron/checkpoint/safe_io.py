@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pathlib
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,10 +37,11 @@ _ALLOWED_GLOBALS = {f"torch.distributed.checkpoint.metadata.{name}" for name in 
     "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
     *DCP_INDEX_PRIVATE_GLOBALS,
     "torch.Size",
-    "pathlib.PosixPath",
-    "pathlib.WindowsPath",
     "collections.OrderedDict",
 }
+# The index holds the checkpoint's path, pickled under its class's module: `pathlib` up to Python 3.12,
+# `pathlib._local` from 3.13 on. Either reads as `pathlib`'s class on any Python.
+_PATH_MODULES, _PATH_CLASSES = {"pathlib", "pathlib._local"}, {"PosixPath", "WindowsPath"}
 
 
 # Failures a user can fix: the file system's, and files that are not what a checkpoint holds (corrupt, foreign).
@@ -50,6 +52,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's .metadata but refuses any class a checkpoint index never contains (no code runs)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if module in _PATH_MODULES and name in _PATH_CLASSES:
+            return getattr(pathlib, name)
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if f"{module}.{name}" in _ALLOWED_GLOBALS or dtype:
             return super().find_class(module, name)
