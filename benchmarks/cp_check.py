@@ -59,8 +59,12 @@ class _Mailbox:
         return Pending()
 
 
-def run_ring(cp: int, work: Callable[[int], object]) -> list[object]:
-    """work(rank) on cp threads, each a cp rank of one in-process ring; results by rank."""
+def run_ring(cp: int, work: Callable[[int], object], timeout: float = 300) -> list[object]:
+    """work(rank) on cp threads, each a cp rank of one in-process ring; results by rank.
+
+    Each rank's backward runs on its own thread: autograd otherwise runs the backward of CUDA tensors on one
+    worker thread per device, where a rank waiting in the ring for its peer's gradient blocks the peer's backward
+    for good. A ring still running after `timeout` seconds is an error, not a hang."""
     mailbox, results, errors = _Mailbox(cp), [None] * cp, []
     original = context._Ring
     context._Ring = mailbox.ring
@@ -68,21 +72,26 @@ def run_ring(cp: int, work: Callable[[int], object]) -> list[object]:
 
         def target(rank: int) -> None:
             try:
-                results[rank] = work(rank)
+                with torch.autograd.set_multithreading_enabled(False):  # thread-local
+                    results[rank] = work(rank)
             except BaseException as error:  # surfaced below, after every thread ended
                 errors.append(error)
                 with mailbox.cond:
                     mailbox.cond.notify_all()
 
-        threads = [threading.Thread(target=target, args=(r,)) for r in range(cp)]
+        threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(cp)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + timeout
         for t in threads:
-            t.join(timeout=600)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         context._Ring = original
     if errors:
         raise errors[0]
+    stuck = [rank for rank, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        raise TimeoutError(f"cp ranks {stuck} of the in-process ring still run after {timeout:.0f} s")
     return results
 
 
@@ -226,7 +235,15 @@ def flex_check(device: str, seq_len: int) -> bool:
         for kernel in ("mask", "flex"):
             attention.document_kernel = lambda device_type, kernel=kernel: kernel
             try:
-                leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+                # SDPA takes grouped KV heads on CUDA only in its flash (no mask) and math kernels: the boolean mask
+                # is timed on K/V expanded to every head (the memory-efficient kernel), not the math kernel's
+                # [heads, seq, seq] fp32 scores (128 GiB at 32k tokens).
+                kv = (
+                    [x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v)]
+                    if kernel == "mask"
+                    else [k, v]
+                )
+                leaves = [x.clone().requires_grad_() for x in (q, *kv)]
                 torch.cuda.reset_peak_memory_stats()
                 times[kernel] = _time_ms(lambda leaves=leaves: DotProductAttention(0.125)(*leaves, doc).backward(dout))
                 times[kernel + "_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -234,8 +251,8 @@ def flex_check(device: str, seq_len: int) -> bool:
                 attention.document_kernel = chosen
         print(
             f"document masks speed at {seq_len} tokens (~200-token documents, forward+backward): flex "
-            f"{times['flex']:.1f} ms (peak {times['flex_peak_gib']:.2f} GiB), boolean mask {times['mask']:.1f} ms "
-            f"(peak {times['mask_peak_gib']:.2f} GiB), x{times['mask'] / times['flex']:.2f}",
+            f"{times['flex']:.1f} ms (peak {times['flex_peak_gib']:.2f} GiB), boolean mask (K/V expanded) "
+            f"{times['mask']:.1f} ms (peak {times['mask_peak_gib']:.2f} GiB), x{times['mask'] / times['flex']:.2f}",
             flush=True,
         )
     return ok
@@ -305,6 +322,9 @@ def check(device: str, seq_lens: tuple[int, ...]) -> bool:
     path's error in the same dtype. Then speed and peak memory of ring cp2 vs full SDPA at each of `seq_lens` (the
     matmul path only up to 8192 tokens: beyond, its [q, k] score blocks do not fit)."""
     ok = True
+    # FlexAttention compiles once per shape: the one-rank case, each ring block at cp 2 and 4 and the timed length
+    # are 8 variants, dynamo's default limit; past it flex falls back to eager (scores in memory).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     chosen = context.block_kernel
     matmul = lambda q, masked: "matmul"  # noqa: E731
     kernels = ("fused", "matmul") if device == "cpu" else ("matmul",)

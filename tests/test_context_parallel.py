@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 
 import pytest
 import torch
@@ -210,6 +211,26 @@ def test_ring_attention_takes_sdpas_default_scale_when_none_on_both_kernels(monk
         )
         for rank, out in enumerate(outs):
             assert (out - shard_sequence(expected, 2, rank, dim=2)).abs().max() <= 1e-10
+
+
+def test_the_in_process_ring_runs_each_ranks_backward_on_its_thread_and_a_stuck_ring_is_an_error():
+    """On CUDA autograd runs backward on one worker thread per device unless the calling thread turns that off:
+    two cp ranks as threads would then wait for each other's gradients on one thread, for good (gpu_check's cp
+    attention row). Each rank's thread turns it off; a rank that never gets its peer's block ends the ring in
+    `timeout`, as an error."""
+    from benchmarks.cp_check import run_ring
+
+    original = context._Ring
+    assert run_ring(2, lambda rank: torch._C._is_multithreading_enabled()) == [False, False]
+
+    def lonely(rank):  # rank 1 never sends: rank 0 waits for its block
+        return context._Ring(torch.zeros(1), None, 2, rank).wait() if rank == 0 else None
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"cp ranks \[0\] of the in-process ring still run after 1 s"):
+        run_ring(2, lonely, timeout=1)
+    assert time.monotonic() - start < 10
+    assert context._Ring is original
 
 
 # ---- the ring's block kernels: which one runs where, and the fused ones' numerics -------------------------
