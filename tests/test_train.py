@@ -230,6 +230,34 @@ def test_clipping_scales_every_gradient_a_tp_partial_sum_and_a_shard_included():
         dist.destroy_process_group()
 
 
+def test_clipping_makes_no_tensor_off_the_gradients_device():
+    """The norm is summed on the gradients' device: a CPU tensor moved to a GPU is a blocking copy, a host sync
+    every step (gpu_check's host-sync row runs under torch.cuda.set_sync_debug_mode("error")). Fake CUDA
+    gradients (FakeTensorMode: no GPU needed, no kernel runs) stand in: every tensor the clipping makes is on CUDA."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nanotron.optim import clip_grad_norm
+
+    made: list[str] = []
+
+    class Devices(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.device.type != "cuda":
+                    made.append(f"{func} on {tensor.device}")
+            return out
+
+    with FakeTensorMode():
+        params = [torch.nn.Parameter(torch.ones(4, device="cuda")) for _ in range(2)]
+        for param in params:
+            param.grad = torch.full((4,), 3.0, device="cuda")
+        with Devices():
+            total = clip_grad_norm(params, max_norm=1.0, pp_group=None)
+    assert total.device.type == "cuda" and made == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scaled", [False, True])
 def test_the_z_loss_is_the_mean_squared_log_normaliser_over_loss_tokens_with_its_exact_gradient(scaled):

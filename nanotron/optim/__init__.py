@@ -129,12 +129,13 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups[key].append(p)
-    squared = torch.zeros((), dtype=torch.float32)
+    # Summed on the parameters' device: a CPU zero moved to a GPU would be a blocking copy, a host sync per step.
+    squared = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squared = squared.to(norm.device) + norm.float() ** 2
+        squared = squared + norm.float() ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squared, group=pp_group)
     total = squared.sqrt()
