@@ -596,6 +596,33 @@ def test_the_in_job_doctor_of_a_two_node_job_names_the_bad_node_for_the_requeue(
     assert not (tmp_path / "tiny" / "metrics.jsonl").exists()  # stopped before step 1
 
 
+def test_on_cuda_the_doctors_link_timings_wait_for_the_transfers(monkeypatch):
+    """NCCL's all-reduce and send/recv return once queued on the GPU: each timed round must end in a device
+    synchronize, or the doctor's GB/s are launch rates and it names links at random. Fake CUDA tensors
+    (FakeTensorMode: no GPU) and recorded collectives play rank 0 of a world of 2."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    events: list[str] = []
+    request = SimpleNamespace(wait=lambda: events.append("wait"))
+    monkeypatch.setattr(doctor.dist, "all_reduce", lambda tensor, group=None: events.append("all_reduce"))
+    monkeypatch.setattr(doctor.dist, "batch_isend_irecv", lambda ops: [request] * len(ops))
+    monkeypatch.setattr(doctor.dist, "P2POp", lambda *args: None)
+    monkeypatch.setattr(doctor.dist, "barrier", lambda: None)
+    monkeypatch.setattr(doctor.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    group = SimpleNamespace(get_group=lambda: None)
+    mesh = type("Mesh", (), {"mesh_dim_names": ("dp",), "__getitem__": lambda self, name: group})()
+    ctx = SimpleNamespace(mesh=mesh, device=torch.device("cuda"), rank=0, world_size=2)
+    with FakeTensorMode():
+        doctor.bus_bandwidth(ctx, None)
+        assert events == ["all_reduce", "sync"] * (1 + doctor.ROUNDS)  # the warm-up, then each timed round
+        events.clear()
+        doctor.pairwise(ctx, None)
+    assert events == ["wait", "wait", "sync"] * 2 * doctor.ROUNDS  # with each neighbour (both are rank 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("problem", ["a file", "under a file", "read-only", "full"])
 def test_the_doctor_names_a_checkpoint_dir_it_cannot_write_in_one_line(tiny_data, tmp_path, problem):

@@ -103,6 +103,18 @@ def best_of(action, fault: Fault | None, rank: int, clock: Callable[[], float] |
     return result, best
 
 
+def until_done(action: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """`action` (collectives), returning when the device has done them: NCCL's calls return once queued on the GPU,
+    so a clock read right after them times the launch, not the transfer."""
+
+    def run() -> None:
+        action()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return run
+
+
 def bus_bandwidth(ctx: ParallelContext, fault: Fault | None) -> dict[str, float]:
     """GB/s of an all-reduce of COMM_BYTES over this rank's group of each mesh dimension (ring bus bandwidth)."""
     figures = {}
@@ -112,8 +124,9 @@ def bus_bandwidth(ctx: ParallelContext, fault: Fault | None) -> dict[str, float]
         if size == 1:
             continue
         tensor = torch.ones(COMM_BYTES // 4, device=ctx.device)
-        dist.all_reduce(tensor, group=group)  # warm-up
-        _, elapsed = best_of(lambda group=group, tensor=tensor: dist.all_reduce(tensor, group=group), fault, ctx.rank)
+        reduce = until_done(lambda group=group, tensor=tensor: dist.all_reduce(tensor, group=group), ctx.device)
+        reduce()  # warm-up
+        _, elapsed = best_of(reduce, fault, ctx.rank)
         figures[name] = 2 * (size - 1) / size * COMM_BYTES / elapsed / 1e9
     return figures
 
@@ -138,7 +151,7 @@ def pairwise(ctx: ParallelContext, fault: Fault | None) -> dict[int, float]:
 
         for turn in range(turns):
             if peer != rank and turn == ((rank - offset) % world) // 2 % turns:
-                _, elapsed = best_of(exchange, fault, rank)
+                _, elapsed = best_of(until_done(exchange, ctx.device), fault, rank)
                 figures[peer] = 2 * COMM_BYTES / elapsed / 1e9
             if turns > 1:
                 dist.barrier()
