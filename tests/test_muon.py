@@ -228,3 +228,22 @@ def test_owners_spread_the_newton_schulz_work_over_the_ranks():
     matrices = assign_owners(pieces, 4)
     load = [sum(cost[(m.param, m.lead, m.start, m.stop, m.cols)] for m in matrices if m.owner == r) for r in range(4)]
     assert min(load) > 0 and max(load) - min(load) <= max(cost.values()), load
+
+
+def test_an_empty_route_in_the_exchange_is_on_the_matrices_device(monkeypatch):
+    """A rank that sends a peer nothing (more ranks than matrices) sends an empty tensor: it must be on the
+    matrices' device, or the concatenation (and NCCL's all-to-all) gets a CPU tensor among CUDA ones. Fake CUDA
+    tensors (FakeTensorMode: no GPU) and a recorded all-to-all play rank 0 of 2."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nanotron.optim import muon
+
+    sent = []
+    monkeypatch.setattr(muon.dist, "all_to_all_single", lambda out, send, *args, **kwargs: sent.append(send.device))
+    optimizer = SimpleNamespace(plan=SimpleNamespace(size=2, group=None))
+    with FakeTensorMode():
+        piece = torch.ones(4, device="cuda")
+        received = muon.Muon._exchange(optimizer, [[piece], []], [4, 0], piece)
+    assert sent == [torch.device("cuda", 0)] and [t.device.type for t in received] == ["cuda", "cuda"]

@@ -259,7 +259,7 @@ class Muon(torch.optim.Optimizer):
         updates back (a second all-to-all)."""
         plan = self.plan
         sends = [[directions[i][index].reshape(-1) for i, index in route] for route in plan.outgoing]
-        received = self._exchange(sends, plan.incoming_sizes, directions[0].dtype)
+        received = self._exchange(sends, plan.incoming_sizes, directions[0])
         wholes = {m: directions[0].new_zeros(m.shape) for m in plan.owned}
         for route, flat in zip(plan.incoming, received):
             offset = 0
@@ -274,7 +274,7 @@ class Muon(torch.optim.Optimizer):
             ortho = newton_schulz(whole, self.cfg.muon_ns_steps, coefficients, self.ns_dtype)
             results[m] = ortho.to(whole.dtype).mul_(scale)
         back = [[results[m][index].reshape(-1) for m, index in route] for route in plan.back]
-        returned = self._exchange(back, plan.returning_sizes, directions[0].dtype)
+        returned = self._exchange(back, plan.returning_sizes, directions[0])
         updates = [torch.zeros_like(d) for d in directions]
         for route, flat in zip(plan.returning, returned):
             offset = 0
@@ -285,10 +285,11 @@ class Muon(torch.optim.Optimizer):
         return updates
 
     def _exchange(
-        self, sends: list[list[torch.Tensor]], recv_sizes: list[int], dtype: torch.dtype
+        self, sends: list[list[torch.Tensor]], recv_sizes: list[int], like: torch.Tensor
     ) -> list[torch.Tensor]:
-        """One all-to-all of the concatenated pieces (uneven splits); one process keeps its own."""
-        flat = [torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype) for pieces in sends]
+        """One all-to-all of the concatenated pieces (uneven splits); one process keeps its own. A peer sent
+        nothing gets an empty tensor of `like`'s dtype and device."""
+        flat = [torch.cat(pieces) if pieces else like.new_zeros(0) for pieces in sends]
         if self.plan.size == 1:
             return flat
         send = torch.cat(flat)
