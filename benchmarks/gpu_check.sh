@@ -19,15 +19,28 @@
 # Exit code 0 when every row that ran passed (skipped rows do not fail it), 1 when a check fails (the table says
 # which and why), 128 + the signal when stopped.
 #
-# On a GPU machine with its own torch and no internet (the lent machines' image: torch 2.11.0+cu130, no torchao),
-# carry torchao's wheel and run from the checkout (docs/testing.md, "The first GPU run"):
-#   pip install --no-deps --no-index .wheels/*.whl && PYTHONPATH=$PWD bash benchmarks/gpu_check.sh --out DIR
+# On a GPU machine with its own torch and no internet (the lent machines' image: Python 3.12, torch 2.11.0+cu130,
+# no torchao), carry torchao's wheel, install it beside the image's packages and run from the checkout
+# (docs/testing.md, "The first GPU run"):
+#   python3 -m pip install -q --no-deps --no-index --target /tmp/site .wheels/*.whl &&
+#     PYTHONPATH=$PWD:/tmp/site bash benchmarks/gpu_check.sh --out DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$(command -v python || command -v python3)}  # an image may have python3 alone
+# The first of python3 and python that has torch (an image may have a bare system `python` beside its torch's python3).
+if [ -z "${PYTHON:-}" ]; then
+  for candidate in python3 python; do
+    if command -v "$candidate" >/dev/null && "$candidate" -c "import torch" 2>/dev/null; then
+      PYTHON=$(command -v "$candidate")
+      break
+    fi
+  done
+  PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+fi
 "$PYTHON" -c "import importlib.util as u, sys
 if not u.find_spec('torch'):
     sys.exit(f'gpu_check: {sys.executable} has no torch; set PYTHON to the interpreter that has it')
+if not u.find_spec('torchao'):
+    print('gpu_check: torchao is not importable: the float8 rows will fail (carry its wheel: docs/testing.md)')
 import torch
 sys.exit(None if torch.cuda.is_available() else 'gpu_check: no CUDA device is visible')"
 exec "$PYTHON" -m benchmarks.gpu_check "$@"
