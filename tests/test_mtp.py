@@ -65,14 +65,13 @@ def test_the_mtp_block_is_checkpointed_regathered_and_compiled_as_the_model_laye
     activation checkpointing as parallelism.recompute says for its index (every other layer here), the
     sequence-parallel re-gather where it is not recomputed (eager only), and torch.compile."""
     import torch.distributed as dist
-    from torch.distributed._composable import checkpoint
 
     from nanotron.models.llama import decoder_layers
     from nanotron.parallel.mesh import ParallelContext, build_mesh
     from nanotron.parallel.parallelize import parallelize
     from nanotron.parallel.recompute import recompute_mode
     from nanotron.parallel.regather import _Regather
-    from nanotron.parallel.torch_private import fake_process_group
+    from nanotron.parallel.torch_private import fake_process_group, is_checkpointed
 
     layout = ["--parallelism.tp=2", "--parallelism.tp_mode=reduce_scatter", "--parallelism.sp_regather=on"]
     layout += [f"--parallelism.recompute={recompute}", "--parallelism.recompute_every=2"]
@@ -86,7 +85,7 @@ def test_the_mtp_block_is_checkpointed_regathered_and_compiled_as_the_model_laye
     layers = decoder_layers(model)
     assert [index for index, _ in layers] == [0, 1, 2]  # MLA_MODEL's 2 layers, then the MTP block
     for index, layer in layers:
-        checkpointed = checkpoint.state(layer) is not None
+        checkpointed = is_checkpointed(layer)
         regathered = any(isinstance(getattr(hook, "__self__", None), _Regather) for hook in
                          layer.self_attn._forward_pre_hooks.values())  # fmt: skip
         assert checkpointed == (recompute_mode(cfg, index) != "none") == (recompute != "none" and index % 2 == 0)

@@ -148,10 +148,11 @@ def test_family_layout_matches_its_one_process_run(family, layout, references, t
 # to its eager twin. (loss, all-weights) relative tolerances, ~4x the measured compiled-vs-eager gaps: fp32
 # 1.5e-7 and 2.9e-7; bf16 2.3e-5 to 1.1e-4 and 2.3e-3 to 2.5e-3 (inductor fuses bf16 ops without the intermediate
 # roundings: the same gap with or without TP). Compile is most of a run here (inductor per rank, ~45 s for two
-# ranks on 2 cores, ~110 s for four): two 2-rank rows, sequence-parallel TP with pipelining and FSDP ZeRO-3 in
-# bf16 (plain TP, dp x tp and every other dimension are the eager matrix's; gpu_check compiles on the GPU).
+# ranks on 2 cores, ~110 s for four): two 2-rank rows, sequence-parallel TP with pipelining and selective recompute
+# (its policy applied inside the compiled layers), and FSDP ZeRO-3 in bf16 (plain TP, dp x tp and every other
+# dimension are the eager matrix's; gpu_check compiles on the GPU).
 COMPILED_LAYOUTS = [
-    Layout(tp=2, pp=2, flags=("--parallelism.tp_mode=reduce_scatter",)),
+    Layout(tp=2, pp=2, flags=("--parallelism.tp_mode=reduce_scatter", "--parallelism.recompute=selective")),
     Layout(dp=2, flags=("--training.dtype=bfloat16", "--parallelism.zero_stage=3")),
 ]
 COMPILE_RTOL = {"float32": (RTOL, RTOL), "bfloat16": (2e-4, 1e-2)}

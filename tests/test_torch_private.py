@@ -58,13 +58,41 @@ def test_replicate_keeps_names_and_averages_gradients(world_of_one):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_checkpoint_in_place_keeps_names_and_recomputes_in_backward():
+@pytest.mark.parametrize("selective", [False, True])
+def test_checkpoint_in_place_keeps_names_and_recomputes_in_backward(selective):
+    from nanotron.parallel.recompute import selective_contexts
+
     layer, forwards = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), []
     layer[0].register_forward_hook(lambda module, args, out: forwards.append(door.in_backward_pass()))
-    door.checkpoint_in_place(layer)
+    assert not door.is_checkpointed(layer)
+    door.checkpoint_in_place(layer, selective_contexts("all") if selective else None)
+    assert door.is_checkpointed(layer)
     assert [name for name, _ in layer.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     layer(torch.ones(2, 4)).sum().backward()
     assert forwards == [False, True]  # the forward, then its recomputation inside backward
+
+
+def test_a_compiled_selective_layer_keeps_what_the_policy_keeps():
+    """torch.compile applies selective recompute's policy inside the compiled layer: the layer keeps for backward
+    fewer activations than without recompute (its matmul outputs, not the SiLUs' inputs), fewer still when only
+    every other matmul is kept, and more than full recompute (its input only). Under torch's composable
+    checkpoint hooks the policy never saw a compiled layer's ops, and selective kept what full keeps."""
+    from nanotron.parallel.recompute import selective_contexts
+
+    def saved_elements(mode: str) -> int:
+        torch.manual_seed(0)
+        layer = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.SiLU())])
+        if mode != "none":
+            door.checkpoint_in_place(layer, None if mode == "full" else selective_contexts(mode))
+        layer.compile()
+        sizes: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            out = layer(torch.randn(4, 8, 16, requires_grad=True))
+        out.sum().backward()
+        return sum(sizes)
+
+    saved = {mode: saved_elements(mode) for mode in ("none", "all", "every_other", "full")}
+    assert saved["none"] > saved["all"] > saved["every_other"] > saved["full"], saved
 
 
 def test_async_collective_tensor_is_what_functional_collectives_return(world_of_one):

@@ -91,6 +91,13 @@ def _every_other_matmul_contexts():
     return create_selective_checkpoint_contexts(every_other_matmul_policy())
 
 
+def selective_contexts(matmuls: str) -> Callable:
+    """torch.utils.checkpoint's `context_fn` for selective recompute keeping `matmuls` ('all' or 'every_other')."""
+    if matmuls == "every_other":
+        return _every_other_matmul_contexts
+    return functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
 def apply_recompute(
     model: LlamaForCausalLM, mode_of: Callable[[int], str] = lambda layer: "full", matmuls: str = "all"
 ) -> None:
@@ -101,11 +108,6 @@ def apply_recompute(
         mode = mode_of(index)
         if mode == "none":
             continue
-        if mode == "selective" and matmuls == "every_other":
-            checkpoint_in_place(layer, context_fn=_every_other_matmul_contexts)
-        elif mode == "selective":
-            checkpoint_in_place(layer, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
-        else:
-            checkpoint_in_place(layer)
+        checkpoint_in_place(layer, context_fn=selective_contexts(matmuls) if mode == "selective" else None)
         if isinstance(layer.mlp, MoE):  # its recomputed forward must not count the step's tokens again
             layer.mlp.counting = lambda: not in_backward_pass()

@@ -39,6 +39,7 @@ __all__ = [
     "fsdp_param_groups",
     "grouped_mm",
     "in_backward_pass",
+    "is_checkpointed",
     "local_block",
     "pytree_logger",
     "reduce_accumulated_gradients",
@@ -163,11 +164,32 @@ def replicate(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
 
 
 def checkpoint_in_place(module: nn.Module, context_fn: Callable | None = None) -> None:
-    """Activation checkpointing as a hook: unlike the public `checkpoint_wrapper` it keeps parameter names.
-    `context_fn`: torch.utils.checkpoint's, e.g. `create_selective_checkpoint_contexts` for selective recompute."""
+    """Activation checkpointing that keeps parameter names (unlike the public `checkpoint_wrapper`).
+
+    Full (no `context_fn`): torch's composable checkpoint, forward hooks; compiled, the module still keeps its input
+    only. Selective (`context_fn`: torch.utils.checkpoint's, e.g. `create_selective_checkpoint_contexts`): the
+    module's forward runs inside `torch.utils.checkpoint.checkpoint`, which torch.compile traces as one region and
+    applies the policy to; under the composable hooks a compiled module's ops never reach the policy (torch 2.13:
+    everything was rerun; 2.11: the module ran uncompiled)."""
+    if context_fn is None:
+        from torch.distributed._composable import checkpoint
+
+        checkpoint(module)
+        return
+    forward = module.forward
+
+    def checkpointed_forward(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    checkpointed_forward.checkpointed = forward
+    module.forward = checkpointed_forward
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `checkpoint_in_place` made `module` recompute its activations."""
     from torch.distributed._composable import checkpoint
 
-    checkpoint(module, context_fn=context_fn)
+    return checkpoint.state(module) is not None or hasattr(module.__dict__.get("forward"), "checkpointed")
 
 
 def reduced_output_ops() -> tuple:
