@@ -114,6 +114,7 @@ def false_alarm_run(work_dir: Path, steps: int, nproc: int, save_seconds: float)
         "--checkpoint.resume_from=none",
     ]
     command = [sys.executable, "-m", "nanotron.train", "--nproc_per_node", str(nproc), *args]
+    shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)  # a fresh start, not over the last run's checkpoints
     started = time.perf_counter()
     env = bench_env() | {"NANOTRON_FAULT": f"rank:0,step:1,kind:slow_disk:{save_seconds}"}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)

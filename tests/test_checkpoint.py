@@ -368,7 +368,28 @@ def test_resume_from_choices(tmp_path):
     two = _fake_step(tmp_path, 2)
     assert source(resume_from="latest") == (two, False)
     assert source(init_from=str(partial)) == (two, False)  # a run with checkpoints resumes, init_from or not
-    assert source(resume_from="none") is None
+    assert source(resume_from=str(two)) == (two, False)  # back to a step of this run (a rollback): asked for
+
+
+def test_a_fresh_start_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """resume_from='none' starts fresh: into a folder that holds an earlier run's committed checkpoints it would
+    overwrite them step by step and prune the rest (found by a bad-input probe). An empty value (an unset shell
+    variable: --checkpoint.resume_from=$RESUME) was taken as 'none'; it is refused too."""
+
+    def source(**options: str) -> tuple[Path, bool] | None:
+        return resolve_source(tmp_path, CheckpointConfig(**options))
+
+    assert source(resume_from="none") is None  # nothing saved yet: a fresh start
+    with pytest.raises(CheckpointError, match="expected 'auto', 'latest', 'none' or a step-N checkpoint folder"):
+        source(resume_from="")
+    _fake_step(tmp_path, 6, tmp=True)
+    assert source(resume_from="none") is None  # an uncommitted save is no earlier run's checkpoint
+    _fake_step(tmp_path, 4)
+    expected = f"'{tmp_path}' holds checkpoints of an earlier run (up to step-4): a fresh start would overwrite them"
+    for options in (dict(resume_from="none"), dict(resume_from="none", init_from=str(tmp_path / "step-4"))):
+        with pytest.raises(CheckpointError, match=re.escape(expected)):
+            source(**options)
+    assert [p.name for p in committed_steps(tmp_path)] == ["step-4"]
 
 
 def test_keep_last_prunes_older_only_and_keeps_an_abandoned_future(tmp_path):

@@ -46,6 +46,17 @@ def resolve_source(folder: Path, options: CheckpointConfig) -> tuple[Path, bool]
     """What a start loads, as (path, model_only): checkpoint.resume_from's checkpoint, else the model weights
     of checkpoint.init_from, else nothing (a fresh start)."""
     wanted = options.resume_from
+    if wanted == "":  # an unset shell variable: --checkpoint.resume_from=$RESUME
+        raise CheckpointError(
+            "checkpoint.resume_from: expected 'auto', 'latest', 'none' or a step-N checkpoint folder, "
+            "got an empty value"
+        )
+    if wanted == "none" and (earlier := layout.latest_checkpoint(folder)) is not None:
+        raise CheckpointError(
+            f"checkpoint.resume_from='none' but '{folder}' holds checkpoints of an earlier run (up to {earlier.name}): "
+            "a fresh start would overwrite them; resume it (checkpoint.resume_from=auto), or give this run another "
+            "job.name or checkpoint.dir"
+        )
     if wanted in ("auto", "latest"):
         found = layout.latest_checkpoint(folder)
         if found is None and wanted == "latest":
@@ -55,7 +66,7 @@ def resolve_source(folder: Path, options: CheckpointConfig) -> tuple[Path, bool]
             )
         if found is not None:
             return found, False
-    elif wanted not in ("none", ""):
+    elif wanted != "none":
         if not layout.is_committed(Path(wanted)):
             raise CheckpointError(
                 f"checkpoint.resume_from: '{wanted}' is not a committed checkpoint dir "
