@@ -835,3 +835,20 @@ def test_the_watcher_marks_an_incident_as_handled_before_it_gathers_evidence(tmp
     assert marked == [True]
     assert json.loads((folder / watcher.VERDICT).read_text())["exit_code"] == NodeFaultError.exit_code
     assert rank.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("world", range(1, 10))
+def test_the_doctors_link_rounds_pair_ranks_both_ways_and_cover_every_ring_link(world):
+    """Each round pairs ranks with each other (a rank exchanging with one that exchanges with a third waits for
+    good: an odd ring's last rank did, the doctor hung at 3 ranks), both ranks of a pair take the same CPU turn,
+    and the rounds together measure every link of the ring."""
+    covered = set()
+    turns = max(world // 2, 1)
+    for round_ in doctor.ring_rounds(world):
+        peers = {rank: doctor.ring_peer(rank, world, round_) for rank in range(world)}
+        for rank, peer in peers.items():
+            if peer is not None:
+                assert peers[peer] == rank, (round_, peers)
+                covered.add(frozenset((rank, peer)))
+                assert doctor.ring_turn(rank, world, round_, turns) == doctor.ring_turn(peer, world, round_, turns)
+    assert covered == {frozenset((rank, (rank + 1) % world)) for rank in range(world)} - {frozenset((0,))}

@@ -131,18 +131,37 @@ def bus_bandwidth(ctx: ParallelContext, fault: Fault | None) -> dict[str, float]
     return figures
 
 
+def ring_rounds(world: int) -> range:
+    """The rounds in which every link of the ring of `world` ranks is measured once: 2 for an even ring (even
+    pairs, then odd), 3 for an odd one (its last link, back to rank 0, has a round of its own)."""
+    return range(0 if world < 2 else 2 if world % 2 == 0 else 3)
+
+
+def ring_peer(rank: int, world: int, round_: int) -> int | None:
+    """The ring neighbour `rank` exchanges with in `round_` of `ring_rounds(world)`, or None (it sits out)."""
+    if round_ == 2:  # odd rings only: the link between the last rank and rank 0
+        return {0: world - 1, world - 1: 0}.get(rank)
+    if world % 2 and rank == (world - 1 if round_ == 0 else 0):
+        return None  # an odd ring's rank left without a partner in this round
+    return (rank + 1) % world if (rank - round_) % 2 == 0 else (rank - 1) % world
+
+
+def ring_turn(rank: int, world: int, round_: int, turns: int) -> int:
+    """Which of `turns` turns `rank`'s pair of `round_` exchanges in (the same for both ranks of the pair)."""
+    return 0 if round_ == 2 else ((rank - round_) % world) // 2 % turns
+
+
 def pairwise(ctx: ParallelContext, fault: Fault | None) -> dict[int, float]:
-    """GB/s of an exchange with each ring neighbour (two rounds: even pairs, then odd), keyed by the neighbour.
-    On CPU the pairs of a round take turns (one barrier each), as the matmuls do: pairs exchanging together on
-    shared cores time-slice, and a starved pair looked like a slow link. GPUs' pairs exchange together."""
+    """GB/s of an exchange with each ring neighbour (`ring_rounds`: even pairs, then odd, then an odd ring's last
+    link), keyed by the neighbour. On CPU the pairs of a round take turns (one barrier each), as the matmuls do:
+    pairs exchanging together on shared cores time-slice, and a starved pair looked like a slow link. GPUs' pairs
+    exchange together."""
     world, rank = ctx.world_size, ctx.rank
     figures = {}
     send, receive = torch.ones(COMM_BYTES // 4, device=ctx.device), torch.empty(COMM_BYTES // 4, device=ctx.device)
     turns = max(world // 2, 1) if ctx.device.type == "cpu" else 1
-    for offset in (0, 1):
-        if world < 2 or (world % 2 and offset):
-            continue
-        peer = (rank + 1) % world if (rank - offset) % 2 == 0 else (rank - 1) % world
+    for round_ in ring_rounds(world):
+        peer = ring_peer(rank, world, round_)
 
         def exchange(peer: int = peer) -> None:
             operations = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)]
@@ -150,7 +169,7 @@ def pairwise(ctx: ParallelContext, fault: Fault | None) -> dict[int, float]:
                 request.wait()
 
         for turn in range(turns):
-            if peer != rank and turn == ((rank - offset) % world) // 2 % turns:
+            if peer is not None and peer != rank and turn == ring_turn(rank, world, round_, turns):
                 _, elapsed = best_of(until_done(exchange, ctx.device), fault, rank)
                 figures[peer] = 2 * COMM_BYTES / elapsed / 1e9
             if turns > 1:
