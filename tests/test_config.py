@@ -412,6 +412,37 @@ def test_distributed_timeouts_are_keys_with_bounds():
             load_config(None, [(f"distributed.{key}", "0")])
 
 
+def test_the_timeouts_reach_every_group_the_mesh_made(tmp_path):
+    """Every communicator the layout creates gets the startup, then the steady, timeout, the flattened ones too
+    (HSDP with cp's FSDP group "dp_shard_cp", Muon's "stage" at pp > 1): NCCL gives a group it is not told of
+    10 minutes. The fake process group plays rank 0 of a pp2 x HSDP (2 x 2) x cp2 world with Muon."""
+    import torch
+    import torch.distributed as dist
+
+    from nanotron.parallel.mesh import ParallelContext, build_mesh, expert_mesh
+    from nanotron.parallel.torch_private import fake_process_group, submesh
+
+    layout = {"pp": "2", "dp": "4", "dp_shard": "2", "zero_stage": "3", "cp": "2", "ep": "2"}
+    keys = [*((f"parallelism.{k}", v) for k, v in layout.items()), ("model.moe.num_experts", "4")]
+    keys += [
+        ("model.num_layers", "4"),
+        ("training.global_batch_size", "64"),
+        ("training.grad_accum_steps", "0"),
+        ("optimizer.name", "muon"),
+    ]
+    cfg = load_config(None, keys)
+    fake_process_group(rank=0, world_size=cfg.world_size)
+    try:
+        mesh = build_mesh(cfg, "cpu")
+        ctx = ParallelContext(mesh, torch.device("cpu"), 0, cfg.world_size, 0, 0, 0, expert_mesh=expert_mesh(mesh, 2))
+        wanted = {"dp", "dp_cp", "dp_shard_cp", "stage", *mesh.mesh_dim_names}
+        covered = {id(group) for group in ctx.groups()}
+        missing = [name for name in sorted(wanted) if id(submesh(mesh, name).get_group()) not in covered]
+        assert missing == []
+    finally:
+        dist.destroy_process_group()
+
+
 def _timeouts_of_every_group(rank: int, port: int, out: str) -> None:
     """One rank of a dp=2 world: the startup timeout on every group from init, the steady one after end_startup."""
     import json

@@ -24,6 +24,7 @@ from nanotron.errors import ConfigError
 from nanotron.parallel.torch_private import (
     concatenate_meshes,
     flatten_mesh,
+    flattened_meshes,
     set_group_timeout,
     submesh,
     unflatten_mesh,
@@ -58,12 +59,13 @@ class ParallelContext:
     in_startup: bool = True
 
     def groups(self) -> list[dist.ProcessGroup]:
-        """The world and every mesh dimension's group (the flattened dp one of HSDP included)."""
+        """The world, every mesh dimension's group and every flattened one's (HSDP's dp, dp x cp, FSDP's dp_shard x
+        cp, Muon's stage), and the expert mesh's."""
         groups = [
             dist.group.WORLD,
             *(self.mesh.get_group(n) for n in self.mesh.mesh_dim_names),
             submesh(self.mesh, "dp").get_group(),
-            *([submesh(self.mesh, "dp_cp").get_group()] if "cp" in (self.mesh.mesh_dim_names or ()) else []),
+            *(flat.get_group() for flat in flattened_meshes(self.mesh)),
             *([self.expert_mesh.get_group(n) for n in ("edp", "ep")] if self.expert_mesh is not None else []),
         ]
         return list({id(group): group for group in groups}.values())

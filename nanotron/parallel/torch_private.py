@@ -35,6 +35,7 @@ __all__ = [
     "enable_inductor_async_tp",
     "fake_process_group",
     "flatten_mesh",
+    "flattened_meshes",
     "flight_recorder_dump",
     "fsdp_param_groups",
     "grouped_mm",
@@ -101,6 +102,11 @@ def flatten_mesh(root: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMe
     flat = root[dims]._flatten(name)
     root.__dict__.setdefault(_FLATTENED, {})[name] = flat
     return flat
+
+
+def flattened_meshes(root: DeviceMesh) -> list[DeviceMesh]:
+    """Every mesh `flatten_mesh` made of `root`'s dims (each has a communicator of its own)."""
+    return list(root.__dict__.get(_FLATTENED, {}).values())
 
 
 def submesh(root: DeviceMesh, *names: str) -> DeviceMesh:
