@@ -38,6 +38,7 @@ def defaults_of(*overrides: str, environ: dict[str, str]) -> dict[str, str]:
         (["--parallelism.dp=2"], "32"),  # FSDP2 all-gathers / reduce-scatters must overlap compute
         (["--parallelism.dp=2", "--parallelism.tp=2"], "32"),
         (["--parallelism.pp=2", "--parallelism.tp=2"], "32"),  # pipeline send/recv
+        (["--parallelism.cp=2", "--parallelism.tp=2"], "32"),  # the ring's send/recv, FSDP over dp x cp
         (["--parallelism.tp=2", "--parallelism.tp_linear_async_communication=true", "--training.compile=true"], "32"),
         # async TP requested where it can't run (all_reduce) leaves plain TP: the seed's setting again
         (

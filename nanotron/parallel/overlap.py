@@ -33,13 +33,14 @@ def max_connections(cfg: Config) -> str | None:
 
     1 (one hardware queue: kernels start in launch order) is Megatron's trick so TP collectives start
     before the compute queued after them; it helps only where TP is the only traffic. With data-parallel
-    (FSDP2 all-gathers, reduce-scatters), pipeline (send/recv) or async-TP streams it serialises their
+    (FSDP2 all-gathers, reduce-scatters), context-parallel (the ring's send/recv; FSDP over dp x cp), pipeline
+    (send/recv) or async-TP streams it serialises their
     communication with compute, so those layouts get 32, the number of streams FSDP2's authors advise.
     """
     p = cfg.parallelism
     if cfg.world_size == 1:
         return None
     async_tp = p.tp_linear_async_communication and async_tp_unavailable(cfg, "cuda") is None
-    if p.tp > 1 and p.dp == 1 and p.pp == 1 and not async_tp:
+    if p.tp > 1 and p.dp == 1 and p.cp == 1 and p.pp == 1 and not async_tp:
         return "1"
     return "32"
