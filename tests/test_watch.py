@@ -140,6 +140,23 @@ def test_a_stopped_or_silent_rank_is_named_before_any_sequence_number():
     assert attribute([*waiting, silent]).line.startswith("hang: rank 2 (node n2) does not answer")
 
 
+def test_the_collectives_evidence_reads_nccls_flight_recorder_too(monkeypatch):
+    """NCCL's groups record into a flight recorder of their own (a CUDA build's `_dump_nccl_trace`), not gloo's
+    (`_dump_fr_trace`): a GPU run's collectives, the evidence the hang verdicts lean on, are all there. A stand-in
+    NCCL recorder holding one blocked all-reduce (enqueued 7, completed 6) must reach the rank's evidence."""
+    import pickle
+
+    from nanotron.watch.heartbeat import last_collectives
+
+    c10d = torch._C._distributed_c10d
+    entry = {"process_group": ("3", "dp"), "collective_seq_id": 7, "profiling_name": "nccl:all_reduce",
+             "input_sizes": [[1024]], "time_created_ns": 1, "record_id": 0, "is_p2p": False}  # fmt: skip
+    nccl = {"entries": [entry], "pg_status": {"3": {"last_enqueued_collective": 7, "last_completed_collective": 6}}}
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda **kwargs: pickle.dumps(nccl), raising=False)
+    group = last_collectives()["groups"]["3"]
+    assert (group["desc"], group["op"], group["enqueued"], group["completed"]) == ("dp", "all_reduce", 7, 6)
+
+
 def test_a_heartbeat_slot_carries_phase_step_longest_phase_and_answers_dump_requests(tmp_path):
     heartbeat = Heartbeat(tmp_path, rank=3, info={"run_dir": "r", "watch": SETTINGS})
     heartbeat.beat("data", 5)

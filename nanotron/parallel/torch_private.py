@@ -7,6 +7,7 @@ moves or changes one of them fails its canary in `tests/test_torch_private.py`, 
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ __all__ = [
     "fake_process_group",
     "flatten_mesh",
     "flattened_meshes",
-    "flight_recorder_dump",
+    "flight_recorder_trace",
     "fsdp_param_groups",
     "grouped_mm",
     "in_backward_pass",
@@ -292,9 +293,23 @@ def stage_backward(stage_output, output_grads, input_values) -> list[torch.Tenso
     return backward(stage_output, output_grads, input_values)
 
 
-def flight_recorder_dump() -> bytes:
-    """torch's flight recorder (the last collectives of every process group, gloo included) as pickled bytes."""
-    return torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
+def flight_recorder_trace() -> dict:
+    """torch's flight recorders (the last collectives of every process group) as one trace: "entries" and
+    "pg_status". gloo's groups record into one recorder (`_dump_fr_trace`), NCCL's into another that only a CUDA
+    build has (`_dump_nccl_trace`); a GPU run's collectives are all in the second."""
+    c10d = torch._C._distributed_c10d
+    dumps = [c10d._dump_fr_trace(includeStackTraces=False)]
+    if hasattr(c10d, "_dump_nccl_trace"):
+        dumps.append(c10d._dump_nccl_trace(includeStackTraces=False))
+    return merge_traces([pickle.loads(dump) for dump in dumps])
+
+
+def merge_traces(traces: list[dict]) -> dict:
+    """One flight-recorder trace of several recorders' (their entries, and each group's status)."""
+    return {
+        "entries": [entry for trace in traces for entry in trace.get("entries", [])],
+        "pg_status": {name: status for trace in traces for name, status in trace.get("pg_status", {}).items()},
+    }
 
 
 def fake_process_group(rank: int, world_size: int) -> None:

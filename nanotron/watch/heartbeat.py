@@ -14,7 +14,6 @@ import faulthandler
 import json
 import mmap
 import os
-import pickle
 import signal
 import struct
 import threading
@@ -150,9 +149,9 @@ def last_collectives(recent: int = 16) -> dict:
     enqueued and the last one that completed (a rank blocked in a collective has enqueued > completed), and the
     `recent` last collectives as [seq, op, input sizes], from torch's flight recorder. On gloo the entries' state
     stays `scheduled` whether done or not: the sequence numbers are what tell."""
-    from nanotron.parallel.torch_private import flight_recorder_dump
+    from nanotron.parallel.torch_private import flight_recorder_trace
 
-    trace = pickle.loads(flight_recorder_dump())
+    trace = flight_recorder_trace()
     status = trace.get("pg_status", {})
     groups: dict[str, dict] = {}
     for entry in trace.get("entries", []):
