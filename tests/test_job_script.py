@@ -7,8 +7,10 @@ process group of its own and forwards signals to that group only, as a cluster t
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
 import socket
 import stat
@@ -306,3 +308,37 @@ def test_a_node_fault_requeues_the_job_without_the_suspect_nodes_until_restarts_
         proc.stderr
     )
     assert "node fault: requeueing" not in proc.stdout
+
+
+def test_the_suspects_file_gives_well_formed_node_names_or_one_line(tmp_path):
+    """`nanotron suspects` feeds `--exclude`/`ExcNodeList` from suspect_nodes.txt: a line holding several names
+    (commas, spaces) gives each once (not `node1,node2,,node3`), and a file that is not text, or names no node,
+    is one line naming it (it was a traceback, and the job silently not requeued)."""
+    from nanotron.errors import UserError
+    from nanotron.watch.suspects import SUSPECTS_FILE, read_suspects
+
+    suspects = tmp_path / SUSPECTS_FILE
+    suspects.write_text("node1\n\n node2 ,node3\nnode1\n")
+    assert read_suspects(tmp_path) == ["node1", "node2", "node3"]
+    for content, expected in ((b"\xff\xfe", "is not text"), (b"node1\nnode;rm\n", "'node;rm' is not a node name")):
+        suspects.write_bytes(content)
+        with pytest.raises(UserError, match=re.escape(expected)) as error:
+            read_suspects(tmp_path)
+        assert str(suspects) in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("history", ["[1,2", '{"faults": 5}', "[5]"])
+def test_an_unreadable_fault_history_is_set_aside_and_the_fault_still_recorded(tmp_path, history, capsys):
+    """node_faults.json holds the requeues' no-progress count: a corrupt or foreign one was a traceback in the
+    requeue path (no requeue, a traceback in the job log). It is moved aside (kept, named in one warning line) and
+    the fault recorded in a new one, so the requeue goes on."""
+    from nanotron.watch.suspects import record_fault
+
+    (tmp_path / "node_faults.json").write_text(history)
+    record_fault(tmp_path, tmp_path / "checkpoints", 3, job="7", nodes=["node2"], action="requeue")
+    kept = sorted(tmp_path.glob("node_faults.json.unreadable*"))
+    assert len(kept) == 1 and kept[0].read_text() == history
+    faults = json.loads((tmp_path / "node_faults.json").read_text())
+    assert [(f["job"], f["nodes"]) for f in faults] == [("7", ["node2"])]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and str(kept[0]) in warnings[0], warnings

@@ -6,6 +6,8 @@ names them: the watcher, the doctor, the trainer carrying out a stability or str
 from __future__ import annotations
 
 import json
+import re
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,9 +24,41 @@ def write_suspects(run_dir: Path, nodes: Iterable[str]) -> None:
     write_atomic(run_dir / SUSPECTS_FILE, "".join(f"{node}\n" for node in sorted(set(nodes))))
 
 
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a host name: what --exclude and ExcNodeList take
+
+
 def read_suspects(run_dir: Path) -> list[str]:
+    """The suspect nodes, each once, in the file's order (one per line; commas and spaces also separate)."""
     path = run_dir / SUSPECTS_FILE
-    return path.read_text().split() if path.is_file() else []
+    if not path.is_file():
+        return []
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"'{path}' is not text (node names, one per line); fix or move it aside") from None
+    nodes = [name for name in re.split(r"[\s,]+", text) if name]
+    for name in nodes:
+        if not NODE_NAME.fullmatch(name):
+            raise ConfigError(f"'{path}': {name!r} is not a node name (letters, digits, '.', '_', '-'); fix it")
+    return list(dict.fromkeys(nodes))
+
+
+def _fault_history(history_file: Path) -> list[dict]:
+    """The recorded faults; a file that is not a JSON list of faults is moved aside (kept, named in a warning)
+    and the history starts again: the requeue it decides must not fail on it."""
+    if not history_file.is_file():
+        return []
+    try:
+        history = json.loads(history_file.read_bytes())
+        if isinstance(history, list) and all(isinstance(fault, dict) for fault in history):
+            return history
+        reason = "not a JSON list of faults"
+    except (ValueError, UnicodeDecodeError) as error:
+        reason = f"not JSON: {error}"
+    aside = history_file.with_name(f"{history_file.name}.unreadable-{time.time_ns()}")
+    history_file.rename(aside)
+    print(f"warning: {history_file} was {reason}; moved to {aside}, the fault history starts again", file=sys.stderr)
+    return []
 
 
 def record_fault(run_dir: Path, checkpoint_dir: Path, limit: int, **details: object) -> None:
@@ -32,7 +66,7 @@ def record_fault(run_dir: Path, checkpoint_dir: Path, limit: int, **details: obj
     found the same latest committed checkpoint: restarting is not helping, a person should look."""
     latest = latest_checkpoint(checkpoint_dir)
     history_file = run_dir / "node_faults.json"
-    history = json.loads(history_file.read_text()) if history_file.is_file() else []
+    history = _fault_history(history_file)
     history.append({**details, "latest": latest.name if latest else None, "time": time.time()})
     write_atomic(history_file, json.dumps(history, indent=1))
     recent = history[-limit:]
