@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from nanotron.errors import StorageError
@@ -27,6 +28,26 @@ def check_writable_file(key: str, path: Path) -> None:
     if path.is_dir():
         raise StorageError(f"{key}: '{path}' is a folder; give the path of a file to write")
     check_writable(key, path.parent)
+
+
+def check_new_folder(out: Path, key: str = "") -> None:
+    """Refuses a folder output that exists and holds anything, or is a file: its files are not the command's to
+    replace (a tokenizer that tokenized data was built with, an export)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        prefix = f"{key}: " if key else ""
+        raise StorageError(f"{prefix}output '{out}' already exists and is not an empty folder; choose a new path")
+
+
+def check_not_input(key: str, out: Path, inputs: Iterable[Path]) -> None:
+    """Refuses an output that would replace one of the command's inputs: the same file (by any name or link), or a
+    file inside an input folder."""
+    if not out.exists():
+        return
+    for source in inputs:
+        if source.exists() and os.path.samefile(out, source):
+            raise StorageError(f"{key}: '{out}' is also an input; choose a new path")
+        if source.is_dir() and source.resolve() in out.resolve().parents:
+            raise StorageError(f"{key}: '{out}' is a file of the input '{source}'; choose a path outside it")
 
 
 def write_atomic(path: Path, content: str | bytes, durable: bool = True) -> None:

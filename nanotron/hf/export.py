@@ -18,6 +18,7 @@ from nanotron.config import read_model_config
 from nanotron.errors import CheckpointError, UserError
 from nanotron.hf import deepseek_v3, mixtral, qwen3, smollm3
 from nanotron.hf.llama import hf_config
+from nanotron.io import check_new_folder
 from nanotron.models.parametrization import fold_multipliers, is_mup
 from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
 
@@ -49,11 +50,6 @@ def shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
         shards[-1][name] = tensor
         size += nbytes
     return shards
-
-
-def _empty_output(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"output '{out}' already exists and is not an empty folder; choose a new path")
 
 
 def to_hf(
@@ -93,7 +89,7 @@ def to_hf(
         mixtral.check_exportable(model, tensors, names)
         tensors = mixtral.to_hf(tensors, model.moe.num_experts, names)
     tensors = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in tensors.items()}
-    _empty_output(out)
+    check_new_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     source_tokenizer = tokenizer or (step_dir / "tokenizer")
     eos_id = _export_tokenizer(source_tokenizer, out, tokenizer_source(step_dir, tokenizer))

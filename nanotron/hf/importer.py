@@ -20,8 +20,8 @@ from nanotron.checkpoint.layout import publish
 from nanotron.config import ModelConfig, toml_text
 from nanotron.errors import CheckpointError
 from nanotron.hf import deepseek_v3, mixtral, qwen3
-from nanotron.hf.export import _empty_output
 from nanotron.hf.llama import model_config_from_hf
+from nanotron.io import check_new_folder
 from nanotron.tokenize.tokenizer import copy_tokenizer
 
 
@@ -116,7 +116,7 @@ def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     state = {name: weights[name].to(torch.float32) for name in stored}
     if model.tie_word_embeddings:  # a trainer's state dict lists the tied head too: keep the keys the same
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    _empty_output(out)
+    check_new_folder(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # ours alone to remove
     try:
