@@ -458,14 +458,57 @@ def test_a_converted_config_trains(tiny_data, tmp_path, capsys):
             "parallelism.tp, model.model_config.num_key_value_heads: refused by this project: parallelism.tp=4 "
             "must divide model.num_kv_heads=2",
         ),
+        (
+            "parallelism: {dp: 1, tp: 1, pp: 1}\nmodel: {make_vocab_size_divisible_by: 0, model_config: {}}\n",
+            "model.make_vocab_size_divisible_by: expected an integer >= 1, got 0",
+        ),
+        (
+            "parallelism: {dp: 1, tp: 1, pp: 1}\nmodel: {make_vocab_size_divisible_by: -3, model_config: {}}\n",
+            "model.make_vocab_size_divisible_by: expected an integer >= 1, got -3",
+        ),
+        ("parallelism: {dp: 1, tp: 0, pp: 1}\n" + MODEL, "parallelism.tp: refused by this project: parallelism.tp"),
     ],
-    ids=["not-yaml", "not-a-mapping", "wrong-type", "not-a-table", "unknown-engine", "refused-here"],
+    ids=[
+        "not-yaml",
+        "not-a-mapping",
+        "wrong-type",
+        "not-a-table",
+        "unknown-engine",
+        "refused-here",
+        "vocab-multiple-zero",
+        "vocab-multiple-negative",
+        "tp-zero",
+    ],
 )
 def test_bad_input_is_one_error_line_naming_the_file_and_key(tmp_path, capsys, yaml, error):
     code, text, err = convert(tmp_path, capsys, yaml)
     assert (code, text) == (2, "")
     assert err.startswith(f"error: {tmp_path / 'old.yaml'}: ") and err.count("\n") == 1
     assert error in err
+
+
+@pytest.mark.parametrize(
+    ("out", "error"),
+    [
+        ("old.yaml", "--out: 'old.yaml' is also an input; choose a new path"),
+        ("link.yaml", "--out: 'link.yaml' is also an input; choose a new path"),
+        ("", "--out: '.' is a folder; give the path of a file to write"),
+        ("sub", "--out: 'sub' is a folder; give the path of a file to write"),
+    ],
+    ids=["the-input", "a-link-to-it", "empty", "a-folder"],
+)
+def test_an_out_that_is_the_input_or_a_folder_is_one_line_and_keeps_the_yaml(tmp_path, capsys, monkeypatch, out, error):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.yaml").write_text(TINY)
+    (tmp_path / "link.yaml").symlink_to("old.yaml")
+    (tmp_path / "sub").mkdir()
+    assert main(["from-nanotron", "old.yaml", "--out", out]) == 2
+    assert capsys.readouterr().err == f"error: {error}\n"
+    assert (tmp_path / "old.yaml").read_text() == TINY and sorted(p.name for p in tmp_path.iterdir()) == [
+        "link.yaml",
+        "old.yaml",
+        "sub",
+    ]
 
 
 def test_a_yaml_config_given_to_training_names_the_converter(tmp_path):

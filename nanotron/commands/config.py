@@ -18,7 +18,7 @@ from pathlib import Path
 from nanotron.commands.args import Parser
 from nanotron.config.from_nanotron import convert
 from nanotron.errors import run_command, storage_errors
-from nanotron.io import write_atomic
+from nanotron.io import check_not_input, check_writable_file, write_atomic
 
 
 def _main(argv: list[str]) -> int:
@@ -28,6 +28,9 @@ def _main(argv: list[str]) -> int:
     original.add_argument("yaml", type=Path, help="the original's config file, e.g. config_tiny_llama.yaml")
     original.add_argument("--out", type=Path, help="write the TOML to this file instead of printing it")
     args = parser.parse_args(argv)
+    if args.out is not None:  # before the work, and never over the YAML it reads
+        check_writable_file("--out", args.out)
+        check_not_input("--out", args.out, [args.yaml])
     text, notes = convert(args.yaml)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

@@ -172,7 +172,14 @@ def _model(c: Conversion) -> None:
         c.copy(f"{MODEL}.{name}", f"model.{ours}", kind, default)
     c.copy(f"{MODEL}.num_key_value_heads", "model.num_kv_heads", int, c.tables["model"]["num_heads"])
     vocab = c.src.get(f"{MODEL}.vocab_size", int, 32000)
-    multiple = c.src.get("model.make_vocab_size_divisible_by", int, 1) * c.src.get("parallelism.tp", int, 1)
+    divisible_by = c.src.get("model.make_vocab_size_divisible_by", int, 1)
+    if divisible_by < 1:
+        raise ConfigError(
+            f"{c.file}: model.make_vocab_size_divisible_by: expected an integer >= 1, got {show(divisible_by)}; "
+            "set 1 to keep the vocab size as it is"
+        )
+    # a tp below 1 is refused, naming parallelism.tp, when the result is loaded (`Conversion.check`)
+    multiple = divisible_by * max(c.src.get("parallelism.tp", int, 1), 1)
     padded = -(-vocab // multiple) * multiple if vocab > 0 else vocab  # the original pads to tp x this multiple
     c.set("model.vocab_size", padded, f"{MODEL}.vocab_size", "model.make_vocab_size_divisible_by")
     mask = c.src.get(f"{MODEL}.flex_attention_mask", str)
