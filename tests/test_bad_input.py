@@ -431,3 +431,60 @@ def test_tokenizer_errors_name_the_option_the_caller_passes(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(DataError, match=r"^--tokenizer: .*tokenizer_config.json' is not valid JSON"):
         load_tokenizer(tmp_path, what="--tokenizer")
+
+
+# ---- nanotron prepare: the demo's set-up steps ----------------------------------------------------
+
+
+@pytest.fixture
+def prepare_inputs(tiny_data, tmp_path, monkeypatch) -> Path:
+    """A folder (the working directory) holding a JSONL corpus, a text document, a tokenizer folder, a task file, a
+    file that is not JSON lines and an empty folder: what `prepare` reads, and outputs it must not destroy."""
+    shutil.copy(tiny_data.corpus / "docs.jsonl", tmp_path / "corpus.jsonl")
+    shutil.copytree(tiny_data.tokenizer, tmp_path / "tok")
+    (tmp_path / "doc.txt").write_text("A PLAY.\nSpoken words of the play.\n")
+    (tmp_path / "garbage.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    (tmp_path / "task.jsonl").write_text('{"context": "a", "choices": ["b", "c"], "gold": 0}\n')
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def contents(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` with its bytes (None for a folder)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ("corpus folder --out c.jsonl", "TEXT_FILE: 'folder' is a folder; expected a text file"),
+        ("corpus missing.txt --out c.jsonl", "TEXT_FILE: 'missing.txt' does not exist; expected a text file"),
+        ("corpus doc.txt --out folder", "--out: 'folder' is a folder; give the path of a file to write"),
+        ("corpus doc.txt --out=", "--out: '.' is a folder; give the path of a file to write"),
+        ("corpus doc.txt task.jsonl --out task.jsonl", "--out: 'task.jsonl' is also an input; choose a new path"),
+        ("tokenizer folder --out t2", "CORPUS: 'folder' is a folder; expected a JSONL corpus"),
+        ("tokenizer missing.jsonl --out t2", "CORPUS: 'missing.jsonl' does not exist; expected a JSONL corpus"),
+        ("tokenizer garbage.jsonl --out t2", "'garbage.jsonl' line 2 is not valid JSON"),
+        ("tokenizer task.jsonl --out t2", "'text' is not a field of 'task.jsonl' line 1"),
+        ("tokenizer corpus.jsonl --out corpus.jsonl", "--out: 'corpus.jsonl' is also an input; choose a new path"),
+        ("tokenizer corpus.jsonl --out doc.txt", "--out: output 'doc.txt' already exists and is not an empty folder"),
+        ("tokenizer corpus.jsonl --out tok", "--out: output 'tok' already exists and is not an empty folder"),
+        ("tokenizer corpus.jsonl --out t2 --vocab-size -5", "--vocab-size: expected an integer from 257 to "),
+        ("tokenizer corpus.jsonl --out t2 --vocab-size 10", "--vocab-size: expected an integer from 257 to "),
+        ("tokenizer corpus.jsonl --out t2 --vocab-size 100000000000", "--vocab-size: expected an integer from 257"),
+        ("task corpus.jsonl --tokenized folder --out t.jsonl", "--tokenized: 'folder' is not a tokenized dir"),
+        ("task corpus.jsonl --tokenized missing --out t.jsonl", "--tokenized: 'missing' does not exist"),
+        ("task corpus.jsonl --tokenized {tokens} --out folder", "--out: 'folder' is a folder"),
+        ("task corpus.jsonl --tokenized {tokens} --out corpus.jsonl", "--out: 'corpus.jsonl' is also an input"),
+        ("task folder --tokenized {tokens} --out t.jsonl", "CORPUS: 'folder' is a folder; expected a JSONL corpus"),
+        ("task corpus.jsonl --tokenized {tokens} --out t.jsonl --items -3", "--items: expected an integer >= 1"),
+    ],
+)
+def test_bad_prepare_input_is_one_line_and_changes_no_file(prepare_inputs, tiny_data, capsys, args, expected):
+    from nanotron.commands.prepare import main
+
+    before = contents(prepare_inputs)
+    assert main(args.format(tokens=tiny_data.tokenized).split(" ")) == 2
+    assert expected in one_line(capsys)
+    assert contents(prepare_inputs) == before

@@ -3,15 +3,23 @@ plays → JSONL corpus → byte-level BPE tokenizer dir, and the held-out plays 
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
-from nanotron.commands.args import Parser
+from nanotron.commands.args import Parser, int_at_least
+from nanotron.data.corpus import tokenized_dir
 from nanotron.data.demo import held_out_texts, next_words_items, read_jsonl_texts, write_corpus
-from nanotron.errors import run_command
-from nanotron.io import write_atomic
+from nanotron.errors import ConfigError, DataError, run_command
+from nanotron.io import check_new_folder, check_not_input, check_writable_file, write_atomic
 from nanotron.tokenize.bpe import EOS_TOKEN, train_tokenizer
+
+# A byte-level BPE holds the 256 bytes and EOS at least (a smaller --vocab-size silently gave 257). The tokenizers
+# trainer allocates per requested entry up front (1e11 aborted the process); 2**20 is four times the largest
+# vocabularies in use (~256k).
+VOCAB_SIZES = (257, 1 << 20)
+JSONL_CORPUS = 'a JSONL corpus, one {"text": ...} object a line (`nanotron prepare corpus` writes one)'
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,18 +30,19 @@ def _main(argv: list[str]) -> int:
     parser = Parser(prog="nanotron prepare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     corpus = sub.add_parser("corpus", help="text files (one document each) -> JSONL corpus")
-    corpus.add_argument("text_files", type=Path, nargs="+")
-    corpus.add_argument("--out", type=Path, required=True)
+    corpus.add_argument("text_files", type=Path, nargs="+", metavar="TEXT_FILE")
+    corpus.add_argument("--out", type=Path, required=True, help="the JSONL file to write (replaced if it exists)")
     tok = sub.add_parser("tokenizer", help="JSONL corpus -> byte-level BPE tokenizer dir")
-    tok.add_argument("corpus", type=Path)
-    tok.add_argument("--out", type=Path, required=True)
-    tok.add_argument("--vocab-size", type=int, default=8192)
+    tok.add_argument("corpus", type=Path, metavar="CORPUS")
+    tok.add_argument("--out", type=Path, required=True, help="a new or empty folder for the tokenizer")
+    tok.add_argument("--vocab-size", type=int, default=8192, help=f"from {VOCAB_SIZES[0]} to {VOCAB_SIZES[1]}")
     task = sub.add_parser("task", help="held-out plays -> a multiple-choice JSONL task (the demo evaluation)")
-    task.add_argument("corpus", type=Path)
+    task.add_argument("corpus", type=Path, metavar="CORPUS")
     task.add_argument("--tokenized", type=Path, required=True, help="its `nanotron tokenize` output dir")
-    task.add_argument("--out", type=Path, required=True)
-    task.add_argument("--items", type=int, default=400)
+    task.add_argument("--out", type=Path, required=True, help="the JSONL task to write (replaced if it exists)")
+    task.add_argument("--items", type=int_at_least(1), default=400)
     args = parser.parse_args(argv)
+    _check(args)
     start = time.perf_counter()
     if args.command == "task":
         texts = held_out_texts(args.corpus, args.tokenized)
@@ -53,3 +62,34 @@ def _main(argv: list[str]) -> int:
             f"on {len(texts)} documents, saved to {args.out}/ in {time.perf_counter() - start:.1f} s"
         )
     return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Inputs that exist and outputs that replace none of them, before any work. A file output (corpus, task) is
+    replaced, as re-running the command means; a folder output (tokenizer) must be new or empty: it may hold the
+    tokenizer that tokenized data was built with."""
+    if args.command == "corpus":
+        inputs = [_input_file("TEXT_FILE", path, "a text file (one document)") for path in args.text_files]
+    else:
+        inputs = [_input_file("CORPUS", args.corpus, JSONL_CORPUS)]
+    if args.command == "task":
+        inputs.append(tokenized_dir("--tokenized", str(args.tokenized), "TOKENIZER"))
+    if args.command == "tokenizer":
+        low, high = VOCAB_SIZES
+        if not low <= args.vocab_size <= high:
+            raise ConfigError(
+                f"--vocab-size: expected an integer from {low} to {high} (a byte-level BPE holds the 256 bytes and "
+                f"EOS), got {args.vocab_size}"
+            )
+    else:
+        check_writable_file("--out", args.out)
+    check_not_input("--out", args.out, inputs)
+    if args.command == "tokenizer":
+        check_new_folder(args.out, "--out")
+
+
+def _input_file(name: str, path: Path, expected: str) -> Path:
+    if not path.is_file():
+        problem = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+        raise DataError(f"{name}: '{path}' {problem}; expected {expected}")
+    return path

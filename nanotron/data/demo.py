@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from nanotron.errors import DataError
 from nanotron.io import write_atomic
 
 _GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THIS|THE) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
@@ -35,9 +36,11 @@ def write_corpus(text_files: Iterable[Path], out: Path) -> int:
 
 
 def read_jsonl_texts(path: Path, text_column: str = "text") -> list[str]:
-    """Documents of a JSONL corpus, for training the tokenizer on the very text the model will read."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)[text_column] for line in f if line.strip()]
+    """Documents of a JSONL corpus, for training the tokenizer on the very text the model will read: read as
+    `nanotron tokenize` reads it (a bad line is one error naming the file and line)."""
+    from nanotron.tokenize.sources import jsonl_documents
+
+    return list(jsonl_documents(path, text_column))
 
 
 _SPEAKER = re.compile(r"^[A-Z][A-Z .,'&-]*\.$")  # "CAESAR." or "FIRST CITIZEN."
@@ -87,11 +90,15 @@ def next_words_items(texts: list[str], n_items: int, seed: int = 0) -> list[dict
     return items
 
 
-def held_out_texts(corpus: Path, tokenized: Path) -> list[str]:
+def held_out_texts(corpus: Path, tokenized: Path, what: str = "--tokenized") -> list[str]:
     """The documents of `corpus` that `nanotron tokenize` put in the validation split of `tokenized` (never
-    trained on): the same keyed choice, read from its meta.json."""
+    trained on): the same keyed choice, read from its meta.json; `what` names `tokenized` in errors."""
+    from nanotron.tokenize.format import RETOKENIZE, read_meta
     from nanotron.tokenize.writer import ValidationSplit
 
-    meta = json.loads((tokenized / "meta.json").read_text())
+    meta = read_meta(tokenized, what)
+    for field, kind in (("validation_split", (int, float)), ("seed", int), ("text_column", str)):
+        if not isinstance(meta.get(field), kind) or isinstance(meta.get(field), bool):
+            raise DataError(f"{what}: '{tokenized / 'meta.json'}' has no valid '{field}'; {RETOKENIZE}")
     held_out = ValidationSplit(meta["validation_split"], meta["seed"])
     return [text for index, text in enumerate(read_jsonl_texts(corpus, meta["text_column"])) if held_out(index)]

@@ -159,7 +159,7 @@ def _text(value: Any, where: str, column: str) -> str:
 
 def _field(row: Any, where: str, column: str) -> str:
     if not isinstance(row, dict):
-        raise DataError(f"SOURCE: {where} is a JSON {type(row).__name__}, expected an object with '{column}'")
+        raise DataError(f"{where} is a JSON {type(row).__name__}, expected an object with '{column}'")
     if column not in row:
         raise DataError(
             f"--text_column: '{column}' is not a field of {where} (its fields: {sorted(row)}); "
@@ -176,8 +176,8 @@ def _text_documents(path: Path, column: str, skip: int) -> Iterator[str]:
         raise DataError(f"SOURCE: '{path}' is not UTF-8 text (byte {e.start}); re-encode it") from None
 
 
-def _jsonl_documents(path: Path, column: str, skip: int) -> Iterator[str]:
-    """One JSON object per non-blank line."""
+def jsonl_documents(path: Path, column: str, skip: int = 0) -> Iterator[str]:
+    """One JSON object per non-blank line (also how `nanotron prepare` reads a JSONL corpus)."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -188,8 +188,8 @@ def _jsonl_documents(path: Path, column: str, skip: int) -> Iterator[str]:
             where = f"'{path}' line {number}"
             try:
                 row = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"SOURCE: {where} is not valid JSON ({e})") from None
+            except (ValueError, RecursionError) as e:  # also bytes that are not UTF-8, or nesting too deep
+                raise DataError(f"{where} is not valid JSON ({e})") from None
             yield _field(row, where, column)
 
 
@@ -198,7 +198,7 @@ def _json_documents(path: Path, column: str, skip: int) -> Iterator[str]:
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
     if not head.startswith(b"["):
-        yield from _jsonl_documents(path, column, skip)
+        yield from jsonl_documents(path, column, skip)
         return
     try:
         rows = json.loads(path.read_bytes())
@@ -281,4 +281,4 @@ def _hub_documents(source: Source, column: str, skip: int) -> Iterator[str]:
     return max(0, skip - number)
 
 
-_READERS = {"text": _text_documents, "jsonl": _jsonl_documents, "json": _json_documents, "parquet": _parquet_documents}
+_READERS = {"text": _text_documents, "jsonl": jsonl_documents, "json": _json_documents, "parquet": _parquet_documents}
