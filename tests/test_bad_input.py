@@ -488,3 +488,26 @@ def test_bad_prepare_input_is_one_line_and_changes_no_file(prepare_inputs, tiny_
     assert main(args.format(tokens=tiny_data.tokenized).split(" ")) == 2
     assert expected in one_line(capsys)
     assert contents(prepare_inputs) == before
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ("--items task.jsonl", "--items: 'task.jsonl' is also an input; choose a new path"),
+        ("--out task.jsonl", "--out: 'task.jsonl' is also an input; choose a new path"),
+        ("--items ck/step-2/config.toml", "--items: 'ck/step-2/config.toml' is a file of the input 'ck/step-2'"),
+    ],
+)
+def test_eval_refuses_to_write_over_a_task_or_checkpoint_file(tmp_path, monkeypatch, capsys, flags, expected):
+    """Checked before any weight is read: a step dir with a .metadata and a config is all it takes here."""
+    import nanotron.commands.eval
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck" / "step-2").mkdir(parents=True)
+    (tmp_path / "ck" / "step-2" / ".metadata").write_text("original")
+    shutil.copy(REPO / "configs" / "tiny.toml", tmp_path / "ck" / "step-2" / "config.toml")
+    (tmp_path / "task.jsonl").write_text('{"context": "a", "choices": ["b", "c"], "gold": 0}\n')
+    before = contents(tmp_path)
+    assert nanotron.commands.eval.main(["ck/step-2", "--tasks", "mine=task.jsonl", *flags.split(" ")]) == 2
+    assert expected in one_line(capsys)
+    assert contents(tmp_path) == before

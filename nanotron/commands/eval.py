@@ -23,7 +23,7 @@ from nanotron.commands.args import Parser
 from nanotron.config import Config, load_config, parse_overrides
 from nanotron.errors import ConfigError, run_as_main, run_command
 from nanotron.evaluation.tasks import Task, load_tasks
-from nanotron.io import check_writable_file, write_atomic
+from nanotron.io import check_not_input, check_writable_file, write_atomic
 from nanotron.launch.torchrun import launched_world_size, pop_nproc, spawn_local
 from nanotron.parallel.layout import layout_sizes
 
@@ -71,6 +71,9 @@ def _main(argv: list[str]) -> int:
         pairs.append(("data.tokenizer", str(step_dir / "tokenizer")))
     cfg = load_config(step_dir / "config.toml", pairs, world_size=nproc or launched_world_size(), saved=True)
     tasks = load_tasks(cfg)  # bad task files: one line, before any process starts
+    for flag, file in (("--out", out), ("--items", args.items)):
+        if file is not None:  # e.g. --items naming a task file: scoring would end by replacing it
+            check_not_input(flag, file, [step_dir, *(task.path for task in tasks)])
     if nproc:
         return spawn_local(nproc, ["-m", "nanotron", "eval", *argv])
     return _score(cfg, tasks, step_dir, out, args)
