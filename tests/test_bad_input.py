@@ -490,6 +490,23 @@ def test_bad_prepare_input_is_one_line_and_changes_no_file(prepare_inputs, tiny_
     assert contents(prepare_inputs) == before
 
 
+def test_prepare_tokenizer_finishes_a_folder_an_interrupted_run_left(prepare_inputs, capsys):
+    """The tokenizer's files are written one by one, tokenizer.json last: a run stopped between them leaves a
+    folder without it, which `make data` (scripts/prepare_data.sh) trains again. That folder is no tokenizer that
+    data was built with, so it is not refused as one; a folder holding anything else still is."""
+    from nanotron.commands.prepare import main
+
+    partial = prepare_inputs / "partial"
+    partial.mkdir()
+    (partial / "tokenizer_config.json").write_text("{}")
+    (partial / ".special_tokens_map.json.tmp123").write_text("")  # write_atomic's temporary file, cut short
+    assert main(["tokenizer", "corpus.jsonl", "--out", "partial", "--vocab-size", "300"]) == 0
+    assert (partial / "tokenizer.json").is_file()
+    (prepare_inputs / "folder" / "notes.txt").write_text("mine")
+    assert main(["tokenizer", "corpus.jsonl", "--out", "folder", "--vocab-size", "300"]) == 2
+    assert "--out: output 'folder' already exists and is not an empty folder" in one_line(capsys)
+
+
 @pytest.mark.parametrize(
     "flags, expected",
     [

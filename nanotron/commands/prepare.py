@@ -84,8 +84,17 @@ def _check(args: argparse.Namespace) -> None:
     else:
         check_writable_file("--out", args.out)
     check_not_input("--out", args.out, inputs)
-    if args.command == "tokenizer":
+    if args.command == "tokenizer" and not _unfinished_tokenizer(args.out):
         check_new_folder(args.out, "--out")
+
+
+def _unfinished_tokenizer(folder: Path) -> bool:
+    """A folder an interrupted `prepare tokenizer` left: some of the tokenizer's files (tokenizer.json, written
+    last, not among them) and write_atomic's temporary files, nothing else. Training again finishes it."""
+    if not folder.is_dir() or (folder / "tokenizer.json").exists():
+        return False
+    side_files = {"tokenizer_config.json", "special_tokens_map.json"}
+    return all(path.name in side_files or path.name.startswith(".") for path in folder.iterdir())
 
 
 def _input_file(name: str, path: Path, expected: str) -> Path:
