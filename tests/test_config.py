@@ -410,6 +410,16 @@ def test_distributed_timeouts_are_keys_with_bounds():
     for key in ("timeout_minutes", "startup_timeout_minutes"):
         with pytest.raises(ConfigError, match=rf"distributed.{key}: expected a value >= 0.1, got 0.0"):
             load_config(None, [(f"distributed.{key}", "0")])
+        # a timedelta ends at 999999999 days (1.4e12 minutes): beyond, init_process_group's was a traceback
+        with pytest.raises(ConfigError, match=rf"distributed.{key}: expected a value <= 1000000.0, got 1"):
+            load_config(None, [(f"distributed.{key}", "1e13")])
+
+
+def test_muons_momentum_is_below_one():
+    """A momentum of 1 or more makes Muon's running average grow without bound (it was accepted)."""
+    with pytest.raises(ConfigError, match=r"optimizer.muon_momentum: expected a value < 1.0, got 1.0"):
+        load_config(None, [("optimizer.name", "muon"), ("optimizer.muon_momentum", "1")])
+    assert load_config(None, [("optimizer.muon_momentum", "0.99")]).optimizer.muon_momentum == 0.99
 
 
 def test_the_timeouts_reach_every_group_the_mesh_made(tmp_path):

@@ -92,13 +92,17 @@ class ParallelismConfig:
 @dataclass
 class DistributedConfig:
     timeout_minutes: float = opt(
-        30.0, "a collective waiting longer than this fails the job (NCCL watchdog, gloo), once training runs", min=0.1
+        30.0,
+        "a collective waiting longer than this fails the job (NCCL watchdog, gloo), once training runs",
+        min=0.1,
+        max=1e6,
     )
     startup_timeout_minutes: float = opt(
         120.0,
         "the same limit until the first step is done: checkpoint loading, compilation and the first step's "
         "collectives may keep the other ranks waiting that long",
         min=0.1,
+        max=1e6,
     )
 
 

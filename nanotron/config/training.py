@@ -100,7 +100,7 @@ class OptimizerConfig:
         ("scaled", "fixed"),
     )
     fused: bool = opt(True, "fused AdamW kernel where the device has one")
-    muon_momentum: float = opt(0.95, "Muon: momentum of the gradient's running average", min=0.0)
+    muon_momentum: float = opt(0.95, "Muon: momentum of the gradient's running average", min=0.0, below=1.0)
     muon_nesterov: bool = opt(True, "Muon: orthogonalise the Nesterov look-ahead g + momentum x buffer")
     muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per matrix and step", min=1)
     muon_ns_dtype: str = opt(

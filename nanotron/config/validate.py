@@ -20,7 +20,7 @@ RUN_NAME_RULE = "up to 100 letters, digits, '.', '_' and '-', starting with a le
 
 
 def check_ranges(section_name: str, section: object) -> None:
-    """Every field's choices and lower bound, as the schema declares them."""
+    """Every field's choices and bounds, as the schema declares them."""
     for f in fields(section):
         value, meta = getattr(section, f.name), f.metadata
         key = f"{section_name}.{f.name}"
@@ -31,6 +31,10 @@ def check_ranges(section_name: str, section: object) -> None:
             raise ConfigError(f"{key}: expected one of {opts}, got {value!r}")
         if meta.get("min") is not None and value < meta["min"]:
             raise ConfigError(f"{key}: expected a value >= {meta['min']}, got {value!r}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise ConfigError(f"{key}: expected a value <= {meta['max']}, got {value!r}")
+        if meta.get("below") is not None and value >= meta["below"]:
+            raise ConfigError(f"{key}: expected a value < {meta['below']}, got {value!r}")
 
 
 def resolve_model(model: ModelConfig) -> None:
