@@ -177,6 +177,19 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"error: checkpoint.dir: cannot write to '{blocker}/ckpt'")
 
 
+def test_a_profiler_export_path_that_is_a_file_fails_before_training(tmp_path, capsys):
+    """It was a traceback when the trace was written, after the profiled steps had run."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("kept")
+    args = ["--config", f"{REPO}/configs/tiny.toml", f"--job.out_dir={tmp_path}"]
+    assert main([*args, f"--profiler.export_path={blocker}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: profiler.export_path: cannot write to '{blocker}' (a file is there); choose a writable folder"
+    ]
+    assert blocker.read_text() == "kept"
+
+
 def test_a_hub_dataset_is_one_line_naming_nanotron_tokenize(tmp_path, tiny_data, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 from nanotron.config import Config, help_text, load_config, parse_overrides
 from nanotron.console import say
@@ -31,6 +32,8 @@ def _main(argv: list[str]) -> int:
     os.environ[RUN_DIR_VARIABLE] = str(cfg.run_dir.absolute())  # where a rank files what the console must not show
     check_writable("job.out_dir", cfg.run_dir)
     check_writable("checkpoint.dir", cfg.checkpoint_dir)
+    if cfg.profiler.export_path:
+        check_writable("profiler.export_path", Path(cfg.profiler.export_path))
     apply_env_defaults(cfg.run_dir, max_connections(cfg))  # before CUDA or NCCL start; local ranks inherit them
     if nproc:
         open_corpus(cfg)  # data errors surface here as one line, before the processes start
