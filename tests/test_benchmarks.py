@@ -306,6 +306,7 @@ def test_gpu_check_with_one_gpu_skips_the_two_gpu_part_in_one_line(tmp_path, cap
     rows = [Check("kernels", 1, [], cost=fixed, action=lambda: True)]
     rows += [Check(name, 2, [], cost=fixed, action=lambda: True, part=3) for name in ("ep2 layer", "hang")]
     settings = argparse.Namespace(budget_minutes=None, quick=True, steps=12, global_batch=8, out=tmp_path, timeout=60)
+    settings.started = time.monotonic()
     assert run_rows(rows, settings, [], "one test GPU", None, n_devices=1) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if "two-GPU" in line] == ["two-GPU part: skipped (1 GPU visible): ep2 layer, hang"]
@@ -328,6 +329,7 @@ def test_gpu_check_kernel_row_is_stopped_at_its_time_limit_and_the_rows_after_it
         Check("passing kernel", 1, [], cost=fixed, kernel=("operator", "truth", (1,))),
     ]
     settings = argparse.Namespace(budget_minutes=None, quick=True, steps=12, global_batch=8, out=tmp_path, timeout=3)
+    settings.started = time.monotonic()
     started = time.perf_counter()
     assert run_rows(rows, settings, [], "one test GPU", None, n_devices=1) == 1
     assert time.perf_counter() - started < 30
