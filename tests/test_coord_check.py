@@ -18,6 +18,9 @@ from nanotron.commands.coord_check import main
 from nanotron.coord_check import runs
 from nanotron.coord_check.report import slope, verdicts
 
+GOOD_JSON = '{"steps": 3, "caption": "c"}'
+GOOD_CSV = "sweep,parametrization,size,seed,step,statistic,value\nwidth,mup,64,0,3,size/logits,0.5\n"
+
 
 def rows_for(values: dict[int, float], parametrization: str, statistic: str = "update/q_proj") -> list[dict]:
     return [
@@ -50,6 +53,14 @@ def test_the_verdict_is_the_log_log_slope_over_the_sweep():
         (["--parametrizations", "sp"], "--parametrizations='sp': expected standard, mup or standard,mup"),
         (["--model.hidden_sise=3"], "hidden_sise"),
         (["--replot"], "--replot: "),
+        (["--steps", "abc"], "argument --steps: expected an integer >= 1, got 'abc'"),
+        (["--seeds", "0"], "argument --seeds: expected an integer >= 1, got '0'"),
+        (["--bogus"], "unrecognized arguments: --bogus (config overrides are --section.key=value)"),
+        (["--widths", "-64,128"], "argument --widths: expected one argument"),
+        (["--probe-tokens", "0"], "argument --probe-tokens: expected an integer >= 1, got '0'"),
+        (["--probe-tokens", "-5"], "argument --probe-tokens: expected an integer >= 1, got '-5'"),
+        (["--tolerance", "nan"], "argument --tolerance: expected a finite number >= 0, got 'nan'"),
+        (["--tolerance", "-1"], "argument --tolerance: expected a finite number >= 0, got '-1'"),
     ],
 )
 def test_bad_flags_are_one_line_and_nothing_runs(flags, expected, tmp_path, capsys):
@@ -109,3 +120,30 @@ def test_coord_check_passes_mup_and_fails_standard_at_tp2(tiny_data, tmp_path, c
     if importlib.util.find_spec("matplotlib"):
         for sweep in ("width", "depth"):
             assert all((out / f"coord-check-{sweep}-{s}.png").stat().st_size > 0 for s in ("size", "change", "update"))
+
+
+@pytest.mark.parametrize(
+    "saved, table, expected",
+    [
+        ("{", GOOD_CSV, "coord_check.json' is not valid JSON"),
+        ("{}", GOOD_CSV, "coord_check.json': steps: missing"),
+        ('{"steps": 0, "caption": "c"}', GOOD_CSV, "coord_check.json': steps: expected an integer >= 1, got 0"),
+        ('{"steps": 3, "caption": 5}', GOOD_CSV, "coord_check.json': caption: expected a caption (a string), got 5"),
+        (GOOD_JSON, "a,b\n", "coord_check.csv' has no column sweep, parametrization, size"),
+        (GOOD_JSON, "sweep,parametrization,size,seed,step,statistic,value\n", "coord_check.csv' has no rows"),
+        (GOOD_JSON, GOOD_CSV.replace(",3,size/logits,0.5", ",3,size/logits,nan"), "coord_check.csv' line 2: expected"),
+        (GOOD_JSON, GOOD_CSV.replace("width,mup,64", "width,mup,x"), "coord_check.csv' line 2: expected"),
+        (GOOD_JSON, b"\xff\xfe", "coord_check.csv' is not a coord-check CSV"),
+    ],
+)
+def test_replot_of_a_corrupt_record_is_one_line_and_keeps_it(saved, table, expected, tmp_path, capsys):
+    """--replot reads back what a check wrote: a corrupt or wrongly shaped file is named, not a traceback, and
+    left as it was."""
+    for name, text in (("coord_check.json", saved), ("coord_check.csv", table)):
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert main(["--replot", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and expected in err, err
+    assert "--out" in err  # the hint: how to write it again
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

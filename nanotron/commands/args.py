@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 from nanotron.errors import ConfigError
@@ -24,6 +25,21 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         value = int(text) if text.lstrip("-").isdigit() else minimum - 1
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def number_at_least(minimum: float) -> Callable[[str], float]:
+    """An argparse type for a finite float: "argument --tolerance: expected a finite number >= 0, got 'nan'"."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= minimum):
+            raise argparse.ArgumentTypeError(f"expected a finite number >= {minimum:g}, got {text!r}")
         return value
 
     return parse

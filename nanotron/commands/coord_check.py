@@ -37,11 +37,12 @@ import sys
 import time
 from pathlib import Path
 
-from nanotron.commands.args import Parser
+from nanotron import records
+from nanotron.commands.args import Parser, int_at_least, number_at_least
 from nanotron.config import load_config, parse_overrides
 from nanotron.coord_check.report import LABEL, PARAMETRIZATIONS, markdown, plot, read_rows, verdicts, write_csv
 from nanotron.coord_check.runs import family, measure, parametrization_overrides, probe_batch, run_overrides, train
-from nanotron.errors import ConfigError, UserError
+from nanotron.errors import ConfigError, DataError, run_command
 from nanotron.parallel.layout import layout_line
 
 
@@ -52,13 +53,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", type=Path, help="the TOML config whose model family and layout are checked")
     parser.add_argument("--widths", help="hidden sizes, comma-separated; the first is µP's base (default: h/2,h,2h)")
     parser.add_argument("--depths", help="layer counts; the first is µP's base (default: L/2,L,2L)")
-    parser.add_argument("--steps", type=int, default=4, help="training steps per run (statistics every step)")
-    parser.add_argument("--seeds", type=int, default=1, help="runs per point (error bars, mean for the slopes)")
+    parser.add_argument(
+        "--steps", type=int_at_least(1), default=4, help="training steps per run (statistics every step)"
+    )
+    parser.add_argument(
+        "--seeds", type=int_at_least(1), default=1, help="runs per point (error bars, mean for the slopes)"
+    )
     parser.add_argument("--parametrizations", default="standard,mup", help="which to run: standard, mup or both")
     parser.add_argument("--fixed-head-dim", action="store_true", help="grow by adding heads of the config's dim")
-    parser.add_argument("--kv-heads", type=int, default=0, help="K/V heads of every member (0: the config's group)")
-    parser.add_argument("--tolerance", type=float, default=0.35, help="a |log-log slope| up to this is flat")
-    parser.add_argument("--probe-tokens", type=int, default=1024, help="validation tokens in the probe batch")
+    parser.add_argument(
+        "--kv-heads", type=int_at_least(0), default=0, help="K/V heads of every member (0: the config's group)"
+    )
+    parser.add_argument(
+        "--tolerance", type=number_at_least(0), default=0.35, help="a |log-log slope| up to this is flat"
+    )
+    parser.add_argument(
+        "--probe-tokens", type=int_at_least(1), default=1024, help="validation tokens in the probe batch"
+    )
     parser.add_argument("--out", type=Path, default=Path("coord-check"), help="directory for the table and figures")
     parser.add_argument("--work-dir", type=Path, help="where the runs go (default: OUT/runs)")
     parser.add_argument("--replot", action="store_true", help="redraw OUT's figures from its coord_check.csv/.json")
@@ -80,24 +91,28 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
     if args.replot:
         if not (args.out / "coord_check.json").is_file() or not (args.out / "coord_check.csv").is_file():
-            hint = f"run the check with --out {args.out} first"
-            print(f"error: --replot: {args.out} has no coord_check.csv/.json; {hint}", file=sys.stderr)
-            return 2
+            raise DataError(
+                f"--replot: {args.out} has no coord_check.csv/.json; run the check with --out {args.out} first"
+            )
         return 0 if draw(args.out) else 1
-    try:
-        return check(args, overrides)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
+    return check(args, overrides)
+
+
+SAVED = {"steps": records.POSITIVE, "caption": records.Text("a caption (a string)")}  # coord_check.json
 
 
 def draw(out: Path) -> bool:
     """coord-check-{width,depth}-{size,change,update}.png from OUT's coord_check.csv and .json."""
-    meta = json.loads((out / "coord_check.json").read_text())
-    rows = read_rows(out / "coord_check.csv")
+    hint = f"rerun the check with --out {out} to write it again"
+    meta = records.read(out / "coord_check.json", SAVED, DataError, hint)
+    rows = read_rows(out / "coord_check.csv", hint)
     drawn = [
         plot(rows, sweep, stat, meta["steps"], out / f"coord-check-{sweep}-{stat}.png", meta["caption"])
         for sweep in ("width", "depth")
@@ -125,8 +140,6 @@ def check(args: argparse.Namespace, overrides: list[str]) -> int:
     chosen = [p.strip() for p in args.parametrizations.split(",")]
     if not chosen or any(p not in PARAMETRIZATIONS for p in chosen):
         raise ConfigError(f"--parametrizations={args.parametrizations!r}: expected standard, mup or standard,mup")
-    if args.steps < 1 or args.seeds < 1:
-        raise ConfigError("--steps and --seeds: expected positive integers")
     base = family(cfg, widths[0], depths[0], args.fixed_head_dim, args.kv_heads)
     points = [("width", family(cfg, w, depths[0], args.fixed_head_dim, args.kv_heads)) for w in widths]
     points += [("depth", family(cfg, widths[0], d, args.fixed_head_dim, args.kv_heads)) for d in depths]

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from nanotron.coord_check.runs import ACTIVATIONS, MATRICES
+from nanotron.errors import DataError
 
 PARAMETRIZATIONS = ("standard", "mup")
 LABEL = {"standard": "standard", "mup": "µP"}
@@ -119,12 +120,31 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def read_rows(path: Path) -> list[dict]:
-    """coord_check.csv's rows with their numbers back."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        r.update(size=int(r["size"]), seed=int(r["seed"]), step=int(r["step"]), value=float(r["value"]))
+COLUMNS = ("sweep", "parametrization", "size", "seed", "step", "statistic", "value")
+
+
+def read_rows(path: Path, hint: str) -> list[dict]:
+    """coord_check.csv's rows with their numbers back; a row no check writes is a DataError naming its line."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows, header = list(reader), reader.fieldnames or []
+    except (UnicodeDecodeError, csv.Error) as error:
+        raise DataError(f"'{path}' is not a coord-check CSV ({error}); {hint}") from None
+    if (missing := [c for c in COLUMNS if c not in header]) or not rows:
+        what = f"no column {', '.join(missing)}" if missing else "no rows"
+        raise DataError(f"'{path}' has {what}: expected the columns {', '.join(COLUMNS)} and a row per value; {hint}")
+    for line, r in enumerate(rows, start=2):
+        try:
+            r.update(size=int(r["size"]), seed=int(r["seed"]), step=int(r["step"]), value=float(r["value"]))
+            if r["size"] < 1 or r["seed"] < 0 or r["step"] < 1 or not 0 <= r["value"] < math.inf:
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            expected = ", ".join(COLUMNS)
+            raise DataError(
+                f"'{path}' line {line}: expected the columns {expected} (sizes and steps >= 1, values finite and "
+                f">= 0); {hint}"
+            ) from None
     return rows
 
 
