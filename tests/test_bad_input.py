@@ -267,6 +267,27 @@ def test_a_fifo_in_an_hf_index_is_refused_without_hanging(hf_export, tmp_path):
     assert proc.returncode == 2 and "is not a regular file" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize(
+    "index, expected",
+    [
+        ({"weight_map": [1, 2]}, "weight_map: expected an object mapping tensor names to shard file names, got [1, 2]"),
+        ([1], "expected a JSON object, got [1]"),
+        ({"weight_map": {"model.embed_tokens.weight": 5}}, "weight_map: expected an object mapping tensor names"),
+        ({"weight_map": None}, "weight_map: expected an object mapping tensor names to shard file names, got None"),
+        ({}, "weight_map: missing"),
+    ],
+)
+def test_a_malformed_safetensors_index_is_one_line_naming_it(tmp_path, capsys, index, expected):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(own_hf_config()))
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert nanotron.commands.convert.main(["from-hf", str(hf), str(tmp_path / "imported")]) == 2
+    line = one_line(capsys)
+    assert f"'{hf / 'model.safetensors.index.json'}'" in line and expected in line, line
+    assert not (tmp_path / "imported").exists()
+
+
 def own_hf_config(**changes) -> dict:
     """config.json as the project's own `to-hf` writes it for TINY_MODEL's shape, with `changes` on top."""
     import torch

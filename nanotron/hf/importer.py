@@ -7,13 +7,15 @@ import json
 import shutil
 import tempfile
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 
+from nanotron import records
 from nanotron.checkpoint import integrity
 from nanotron.checkpoint.full_model import expected_shapes
 from nanotron.checkpoint.layout import publish
@@ -25,20 +27,31 @@ from nanotron.io import check_new_folder
 from nanotron.tokenize.tokenizer import copy_tokenizer
 
 
+@dataclass(frozen=True)
+class _WeightMap(records.Check):
+    """An index's weight_map: tensor name -> the shard's file name."""
+
+    expected: str = "an object mapping tensor names to shard file names"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, dict) and all(isinstance(file, str) for file in value.values())
+
+
+SAFETENSORS_INDEX = {"weight_map": _WeightMap()}
+
+
 def read_hf_weights(hf_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors from model.safetensors or its shards (via the index)."""
     index = hf_dir / "model.safetensors.index.json"
-    try:
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (hf_dir / "model.safetensors").is_file():
-            weight_map = None
-        else:
-            raise CheckpointError(
-                f"'{hf_dir}' has no model.safetensors or model.safetensors.index.json (only safetensors weights import)"
-            )
-    except (ValueError, KeyError) as error:
-        raise CheckpointError(f"'{index}' is not a safetensors index ({error})") from None
+    if index.is_file():
+        hint = "save the model again (transformers' save_pretrained writes a valid one)"
+        weight_map = records.read(index, SAFETENSORS_INDEX, CheckpointError, hint)["weight_map"]
+    elif (hf_dir / "model.safetensors").is_file():
+        weight_map = None
+    else:
+        raise CheckpointError(
+            f"'{hf_dir}' has no model.safetensors or model.safetensors.index.json (only safetensors weights import)"
+        )
     by_file: dict[str, list[str]] = {}
     for name in names:
         file = "model.safetensors" if weight_map is None else weight_map.get(name)
