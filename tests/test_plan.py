@@ -223,6 +223,39 @@ def test_bad_gpu_and_layout_larger_than_the_cluster_are_one_line_errors(capsys):
     assert err.count("\n") == 1 and "16 GPUs but --nodes 1" in err
 
 
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--gpu", "80,inf"], "--gpu '80,inf': expected h100, h200, a100 or '<memory GiB>,<peak bf16 TFLOP/s>'"),
+        (["--gpu", "80,nan"], "with memory in [1, 10000] GiB and peak in [1, 100000] TFLOP/s"),
+        (["--gpu", "80,1e-300"], "--gpu '80,1e-300': expected"),
+        (["--gpu", "1e400,100"], "--gpu '1e400,100': expected"),
+        (["--nvlink_gbps", "nan", "--parallelism.tp=2"], "--nvlink_gbps: expected GB/s in [0.1, 10000], got nan"),
+        (["--nvlink_gbps", "0", "--parallelism.tp=2"], "--nvlink_gbps: expected GB/s in [0.1, 10000], got 0"),
+        (["--ib_gbps", "inf"], "--ib_gbps: expected GB/s in [0.1, 10000], got inf"),
+        (
+            ["--ib_gbps", "-5", "--nodes", "2", "--gpus_per_node", "1"],
+            "--ib_gbps: expected GB/s in [0.1, 10000], got -5",
+        ),
+    ],
+)
+def test_gpu_figures_that_are_not_finite_or_out_of_range_are_one_line(flags, expected, capsys):
+    """A custom GPU's memory and peak and the link speeds are finite and in a sane range: inf was a
+    ZeroDivisionError, nan, a negative or 1e-300 printed nonsense, and an explicit 0 GB/s became the default."""
+    assert plan_main(flags) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and expected in captured.err, captured.err
+
+
+def test_launch_refuses_an_infinite_gpu_peak_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--run_name", "g", "--nodes", "1", "--gpus_per_node", "1", "--dp", "1", "--dry_run", "--gpu", "80,inf"]
+    assert launch.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: --gpu '80,inf': expected"), captured
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.fixture
 def no_data_check(monkeypatch):
     """These tests are about the memory plan: the launcher's data check (tested in test_launch.py) is skipped."""

@@ -78,6 +78,15 @@ class Gpu:
     efficiency: Efficiency = Efficiency(UNCALIBRATED_EFFICIENCY)
 
 
+# What a GPU's stated figures may be: wide enough for any part, narrow enough to catch a unit slip or a typo
+# (inf, nan, 0 or 1e-300 make every estimate a division by zero or nonsense).
+MEMORY_GIB, PEAK_TFLOPS, LINK_GBPS = (1, 10_000), (1, 100_000), (0.1, 10_000)
+
+
+def _within(value: float, bounds: tuple[float, float]) -> bool:
+    return bounds[0] <= value <= bounds[1]  # False for nan
+
+
 def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None = None) -> Gpu:
     """`h100`, `h200`, `a100`, or `<memory GiB>,<peak bf16 TFLOP/s>` (TF32 at half of it, float8 at twice it as on
     every NVIDIA part with float8 tensor cores, no fp32 peak, the H100's links and HBM unless given)."""
@@ -87,16 +96,25 @@ def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None
     else:
         try:
             memory, peak = (float(x) for x in text.split(","))
-            if memory <= 0 or peak <= 0:
+            if not (_within(memory, MEMORY_GIB) and _within(peak, PEAK_TFLOPS)):
                 raise ValueError
         except ValueError:
             raise ConfigError(
-                f"--gpu {text!r}: expected {', '.join(PLANNED)} or '<memory GiB>,<peak bf16 TFLOP/s>' such as '80,989'"
+                f"--gpu {text!r}: expected {', '.join(PLANNED)} or '<memory GiB>,<peak bf16 TFLOP/s>' such as "
+                f"'80,989', with memory in [{MEMORY_GIB[0]}, {MEMORY_GIB[1]}] GiB and peak in [{PEAK_TFLOPS[0]}, "
+                f"{PEAK_TFLOPS[1]}] TFLOP/s"
             ) from None
         device = replace(GPUS["H100", ""], bf16=peak, tf32=peak / 2, fp32=None, fp8=2 * peak, memory_gib=memory)
         gpu = Gpu(f"{memory:g}GiB/{peak:g}TF", device)
-    links = {"nvlink_gbps": nvlink_gbps or gpu.device.nvlink_gbps, "ib_gbps": ib_gbps or gpu.device.ib_gbps}
-    return replace(gpu, device=replace(gpu.device, **links))
+    links = {"nvlink_gbps": nvlink_gbps, "ib_gbps": ib_gbps}
+    for name, gbps in links.items():
+        if gbps is not None and not _within(gbps, LINK_GBPS):
+            raise ConfigError(
+                f"--{name}: expected GB/s in [{LINK_GBPS[0]:g}, {LINK_GBPS[1]:g}], got {gbps:g} (per GPU, e.g. "
+                f"{getattr(GPUS['H100', ''], name):g} on an H100; leave it out for the --gpu default)"
+            )
+    chosen = {name: getattr(gpu.device, name) if gbps is None else gbps for name, gbps in links.items()}
+    return replace(gpu, device=replace(gpu.device, **chosen))
 
 
 def peak_tflops(cfg: Config, gpu: Gpu) -> tuple[str, float]:
