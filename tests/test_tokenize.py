@@ -115,6 +115,17 @@ def test_a_folder_of_other_files_is_not_written_into(corpus, tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["notes.txt"]
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["a file", "a path inside a file"])
+def test_an_out_that_is_a_file_is_one_line_and_the_file_is_kept(corpus, tmp_path, capsys, inside):
+    (tmp_path / "corpus.jsonl").write_text('{"text": "mine"}\n')
+    out = tmp_path / "corpus.jsonl" / "tokens" if inside else tmp_path / "corpus.jsonl"
+    assert tokenize(corpus, out, "--workers", "1") == 2
+    err = capsys.readouterr().err.strip()
+    expected = f"error: --out: '{out}' " + ("is inside a file" if inside else "is a file")
+    assert len(err.splitlines()) == 1 and err.startswith(expected) and "new or empty folder" in err, err
+    assert (tmp_path / "corpus.jsonl").read_text() == '{"text": "mine"}\n'
+
+
 @pytest.mark.slow
 def test_killed_after_a_shard_commit_resumes_and_ends_identical(corpus, tmp_path):
     """SIGKILL once the first shards are committed, then the same command finishes the job (at another worker

@@ -168,7 +168,11 @@ def tokenize(
         if (out / PROGRESS).exists():  # a run killed between writing meta.json and removing this (read-only: no-op)
             (out / PROGRESS).unlink()
         return meta, "reused"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        where = "is a file" if out.exists() or out.is_symlink() else "is inside a file"
+        raise DataError(f"--out: '{out}' {where}, not a folder; tokenize into a new or empty folder") from None
     with _locked(out):
         for path in out.iterdir():
             if _TEMPORARY.fullmatch(path.name) or (overwrite and _OUR_FILES.fullmatch(path.name) and path.name != LOCK):
