@@ -205,6 +205,13 @@ def test_generate_refuses_a_temperature_that_is_not_a_number(saved, capsys):
         assert "--temperature: expected a finite number >= 0" in one_line(capsys)
 
 
+@pytest.mark.parametrize("seed", [str(2**64), "99999999999999999999999", "-1"])
+def test_generate_refuses_a_seed_outside_64_bits_before_loading_anything(seed, capsys):
+    argv = ["--checkpoint", "/nonexistent/run", "--temperature", "1", "--seed", seed]
+    assert nanotron.commands.generate.main(argv) == 2
+    assert f"--seed: expected an integer in [0, 2**64), got {seed}" in one_line(capsys)
+
+
 # ---- Hugging Face folders ------------------------------------------------------------------------
 
 

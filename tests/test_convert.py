@@ -335,6 +335,17 @@ def test_sampling_flags_are_seeded_and_restrict_the_choice(trained, capsys):
 
 
 @pytest.mark.parametrize(
+    "temperature, top_p", [(1e-45, 1.0), (1e-300, 1.0), (5e-324, 1.0), (1.0, 1e-45), (1.0, 1e-300)]
+)
+def test_a_vanishing_temperature_or_nucleus_samples_the_most_likely_token(temperature, top_p):
+    """What float32 rounds to 0 or overflows (logits / 1e-45, top_p 1e-300) is the limit it approaches, the greedy
+    choice, not a multinomial error on inf or nan probabilities."""
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9, -1.0])
+    draws = {sample_next(logits, temperature, 0, top_p, torch.Generator().manual_seed(i)) for i in range(10)}
+    assert draws == {1}
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--checkpoint", "/nonexistent/run"], "error: checkpoint '/nonexistent/run' does not exist"),

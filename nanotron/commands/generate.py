@@ -32,6 +32,8 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise UserError(f"--top_k: expected >= 0 (0 = off), got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top_p: expected a value in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes, without its wrap of negatives
+        raise UserError(f"--seed: expected an integer in [0, 2**64), got {args.seed}")
     if args.temperature == 0 and (args.top_k or args.top_p < 1):
         raise UserError("--top_k/--top_p only apply when sampling: add --temperature (e.g. 0.8)")
 

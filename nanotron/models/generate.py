@@ -10,10 +10,13 @@ from nanotron.models.llama import LlamaForCausalLM
 def sample_next(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
 ) -> int:
-    """Greedy at temperature 0; otherwise a draw from the softmax restricted to the top-k / nucleus."""
+    """Greedy at temperature 0; otherwise a draw from the softmax restricted to the top-k / nucleus. A vanishing
+    temperature or top_p tends to the greedy choice and stays finite: float64 holds any positive float the flags take
+    (float32 rounds 1e-300 to 0: no token left in the nucleus), and the logits shifted to a maximum of 0 can only
+    underflow to -inf when divided by it, never overflow to inf."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits.float() / temperature
+    logits = (logits.double() - logits.max()) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
