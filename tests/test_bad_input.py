@@ -53,11 +53,12 @@ def test_unreadable_toml_files_are_one_line(tmp_path, capsys, content, expected)
     [
         ("--job.seed=18446744073709551616", "job.seed: expected a value below 2**64"),
         ("--nproc_per_node=²", "--nproc_per_node: expected a positive integer, got '²'"),
+        ("--nproc_per_node=1 --nproc_per_node 2", "--nproc_per_node: given twice (1, then 2); give it once"),
         ("--training.steps=1e999", "training.steps: expected int, got '1e999'"),
     ],
 )
 def test_out_of_range_and_odd_numbers_are_one_line(capsys, flag, expected):
-    assert nanotron.train.main(["--config", f"{REPO}/configs/tiny.toml", flag]) == 2
+    assert nanotron.train.main(["--config", f"{REPO}/configs/tiny.toml", *flag.split(" ")]) == 2
     assert expected in one_line(capsys)
 
 

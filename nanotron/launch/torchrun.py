@@ -56,7 +56,15 @@ QUIET_EXIT_CODES = {
 
 
 def pop_nproc(argv: list[str]) -> int:
-    """Removes `--nproc_per_node N` (or `=N`) from argv and returns N (0 when absent)."""
+    """Removes `--nproc_per_node N` (or `=N`) from argv and returns N (0 when absent); given twice, one line."""
+    found = _pop_nproc_once(argv)
+    again = _pop_nproc_once(argv) if found else 0
+    if again:
+        raise ConfigError(f"--nproc_per_node: given twice ({found}, then {again}); give it once")
+    return found
+
+
+def _pop_nproc_once(argv: list[str]) -> int:
     for i, arg in enumerate(argv):
         if arg == "--nproc_per_node" or arg.startswith("--nproc_per_node="):
             value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
