@@ -126,6 +126,20 @@ def test_an_out_that_is_a_file_is_one_line_and_the_file_is_kept(corpus, tmp_path
     assert (tmp_path / "corpus.jsonl").read_text() == '{"text": "mine"}\n'
 
 
+@pytest.mark.parametrize("progress", [b"{", b"[]", b'{"shards": []}', b"\xff"])
+def test_an_unreadable_progress_file_is_one_line_and_kept(corpus, tmp_path, capsys, progress):
+    """An interrupted run's progress.json says which shards to keep; one that is not what tokenize writes (bit rot,
+    a hand edit) was a traceback. It is one line naming it and the way out, and nothing in the folder changes."""
+    out = tmp_path / "tokens"
+    out.mkdir()
+    (out / "progress.json").write_bytes(progress)
+    assert tokenize(corpus, out, "--workers", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --out: '{out / 'progress.json'}' is not"), err
+    assert "--overwrite" in err and sorted(p.name for p in out.iterdir()) == [".lock", "progress.json"]  # the lock
+    assert (out / "progress.json").read_bytes() == progress
+
+
 @pytest.mark.slow
 def test_killed_after_a_shard_commit_resumes_and_ends_identical(corpus, tmp_path):
     """SIGKILL once the first shards are committed, then the same command finishes the job (at another worker

@@ -244,7 +244,7 @@ def _meta(job, shards, sources, tokenizer, dtype, text_column, validation_split,
 def _committed_shards(out: Path, job: dict) -> list[dict]:
     """The shards a previous run of the same job committed and that are still intact, in order."""
     progress = out / PROGRESS
-    state = json.loads(progress.read_text()) if progress.is_file() else None
+    state = _progress(progress) if progress.is_file() else None
     if state is not None:
         _refuse_another_job(out, state["job"], job)
     else:
@@ -263,6 +263,21 @@ def _committed_shards(out: Path, job: dict) -> list[dict]:
             break  # from here on the shards are redone
         shards.append(shard)
     return shards
+
+
+def _progress(path: Path) -> dict:
+    """An interrupted run's progress file: {"job": {...}, "shards": [{"files": ...}, ...]}, or one line naming it."""
+    try:
+        state = json.loads(path.read_bytes())
+        if isinstance(state, dict) and isinstance(state.get("job"), dict) and isinstance(state.get("shards"), list):
+            if all(isinstance(shard, dict) and "files" in shard for shard in state["shards"]):
+                return state
+    except (ValueError, UnicodeDecodeError):
+        pass
+    raise DataError(
+        f"--out: '{path}' is not the progress file an interrupted tokenize writes; pass --overwrite to rebuild the "
+        "folder, or another --out"
+    )
 
 
 def _refuse_another_job(out: Path, before: dict, now: dict) -> None:
