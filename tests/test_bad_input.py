@@ -542,6 +542,7 @@ def test_prepare_tokenizer_finishes_a_folder_an_interrupted_run_left(prepare_inp
         ("--items task.jsonl", "--items: 'task.jsonl' is also an input; choose a new path"),
         ("--out task.jsonl", "--out: 'task.jsonl' is also an input; choose a new path"),
         ("--items ck/step-2/config.toml", "--items: 'ck/step-2/config.toml' is a file of the input 'ck/step-2'"),
+        ("--out scores.json --items scores.json", "--items: 'scores.json' is also --out; give each its own file"),
     ],
 )
 def test_eval_refuses_to_write_over_a_task_or_checkpoint_file(tmp_path, monkeypatch, capsys, flags, expected):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def _main(argv: list[str]) -> int:
     for flag, file in (("--out", out), ("--items", args.items)):
         if file is not None:  # before the work: a file that can't be written would fail only after scoring
             check_writable_file(flag, file)
+    if args.items is not None and os.path.abspath(args.items) == os.path.abspath(out):
+        raise ConfigError(f"--items: '{args.items}' is also --out; give each its own file")
     if args.max_items < 0:
         raise ConfigError(f"--max_items: expected a non-negative integer, got {args.max_items}")
     path, overrides = parse_overrides(rest)
