@@ -352,10 +352,13 @@ def test_auto_picks_the_latest_committed_dir_never_a_tmp_one(tmp_path):
     assert [p.name for p in committed_steps(tmp_path)] == ["step-2", "step-4"]
 
 
-def test_resume_from_choices(tmp_path):
-    def source(**options: str) -> tuple[Path, bool] | None:
-        return resolve_source(tmp_path, CheckpointConfig(**options))
+def source_in(folder: Path):
+    """resolve_source of `folder` under the checkpoint options given as keywords."""
+    return lambda **options: resolve_source(folder, CheckpointConfig(**options))
 
+
+def test_resume_from_choices(tmp_path):
+    source = source_in(tmp_path)
     assert source() is None  # auto, nothing saved: start fresh
     with pytest.raises(CheckpointError, match="holds no committed checkpoint"):
         source(resume_from="latest")
@@ -376,9 +379,7 @@ def test_a_fresh_start_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
     overwrite them step by step and prune the rest (found by a bad-input probe). An empty value (an unset shell
     variable: --checkpoint.resume_from=$RESUME) was taken as 'none'; it is refused too."""
 
-    def source(**options: str) -> tuple[Path, bool] | None:
-        return resolve_source(tmp_path, CheckpointConfig(**options))
-
+    source = source_in(tmp_path)
     assert source(resume_from="none") is None  # nothing saved yet: a fresh start
     with pytest.raises(CheckpointError, match="expected 'auto', 'latest', 'none' or a step-N checkpoint folder"):
         source(resume_from="")

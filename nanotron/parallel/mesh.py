@@ -64,7 +64,6 @@ class ParallelContext:
         groups = [
             dist.group.WORLD,
             *(self.mesh.get_group(n) for n in self.mesh.mesh_dim_names),
-            submesh(self.mesh, "dp").get_group(),
             *(flat.get_group() for flat in flattened_meshes(self.mesh)),
             *([self.expert_mesh.get_group(n) for n in ("edp", "ep")] if self.expert_mesh is not None else []),
         ]

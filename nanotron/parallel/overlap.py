@@ -34,8 +34,8 @@ def max_connections(cfg: Config) -> str | None:
     1 (one hardware queue: kernels start in launch order) is Megatron's trick so TP collectives start
     before the compute queued after them; it helps only where TP is the only traffic. With data-parallel
     (FSDP2 all-gathers, reduce-scatters), context-parallel (the ring's send/recv; FSDP over dp x cp), pipeline
-    (send/recv) or async-TP streams it serialises their
-    communication with compute, so those layouts get 32, the number of streams FSDP2's authors advise.
+    (send/recv) or async-TP streams it serialises their communication with compute, so those layouts get 32, the
+    number of streams FSDP2's authors advise.
     """
     p = cfg.parallelism
     if cfg.world_size == 1:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from nanotron import records
 from nanotron.console import format_count, say
 from nanotron.errors import DataError
 from nanotron.hashing import mix64
@@ -265,15 +266,17 @@ def _committed_shards(out: Path, job: dict) -> list[dict]:
     return shards
 
 
+PROGRESS_RECORD = {"job": {}, "shards": [{"files": {}}]}  # what `save` writes: objects where {} stands
+
+
 def _progress(path: Path) -> dict:
-    """An interrupted run's progress file: {"job": {...}, "shards": [{"files": ...}, ...]}, or one line naming it."""
+    """An interrupted run's progress file (`PROGRESS_RECORD`), or one line naming it."""
     try:
         state = json.loads(path.read_bytes())
-        if isinstance(state, dict) and isinstance(state.get("job"), dict) and isinstance(state.get("shards"), list):
-            if all(isinstance(shard, dict) and "files" in shard for shard in state["shards"]):
-                return state
-    except (ValueError, UnicodeDecodeError):
-        pass
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        state = None
+    if state is not None and records.problem(state, PROGRESS_RECORD) is None:
+        return state
     raise DataError(
         f"--out: '{path}' is not the progress file an interrupted tokenize writes; pass --overwrite to rebuild the "
         "folder, or another --out"

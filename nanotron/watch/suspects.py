@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from nanotron import records
 from nanotron.checkpoint.layout import latest_checkpoint
 from nanotron.errors import ConfigError
 from nanotron.io import write_atomic
@@ -50,10 +51,10 @@ def _fault_history(history_file: Path) -> list[dict]:
         return []
     try:
         history = json.loads(history_file.read_bytes())
-        if isinstance(history, list) and all(isinstance(fault, dict) for fault in history):
+        if records.problem(history, [{}]) is None:  # a list of JSON objects
             return history
         reason = "not a JSON list of faults"
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
         reason = f"not JSON: {error}"
     aside = history_file.with_name(f"{history_file.name}.unreadable-{time.time_ns()}")
     history_file.rename(aside)
