@@ -4,9 +4,10 @@ and "cp" before "tp" when context parallelism is on; nccl on CUDA, gloo on CPU.
 A process group exists even for one plain process (`python -m nanotron.train`, no launcher): a world of
 one over an in-memory store, so every layout, dp=1 included, runs the same parallel code.
 
-Collective timeouts come from `[distributed]`: every group (the world and each mesh dimension's, which torch
-would otherwise create with its own default, 10 min on NCCL) waits up to `startup_timeout_minutes` until the
-first step is done (rank 0 tokenizing a small corpus, checkpoint loading, compilation), then `timeout_minutes`.
+Collective timeouts come from `[distributed]`: every group (the world's, each mesh dimension's and each flattened
+one's, which torch would otherwise create with its own default, 10 min on NCCL) waits up to
+`startup_timeout_minutes` until the first step is done (rank 0 tokenizing a small corpus, checkpoint loading,
+compilation), then `timeout_minutes`.
 """
 
 from __future__ import annotations
