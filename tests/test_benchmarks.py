@@ -367,6 +367,7 @@ def test_gpu_check_sh_runs_the_first_of_python3_and_python_that_has_torch(tmp_pa
         (tmp_path / name).write_text(f'#!/bin/sh\nexec {sys.executable}{site} "$@"\n')
         (tmp_path / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # on a GPU machine too the script must stop at its CUDA check, not run the rows
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     expected = "gpu_check: no CUDA device is visible" if with_torch else "has no torch; set PYTHON to the interpreter"
     assert proc.returncode == 1 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
