@@ -72,6 +72,27 @@ def test_checkpoint_in_place_keeps_names_and_recomputes_in_backward(selective):
     assert forwards == [False, True]  # the forward, then its recomputation inside backward
 
 
+@pytest.mark.parametrize("selective", [False, True])
+def test_a_copy_of_a_checkpointed_layer_runs_its_own_forward(selective):
+    """A deep copy of a checkpointed layer (what a pipeline split or an EMA copy makes) recomputes with its own
+    weights: a forward kept as a closure over the original module would run the original's."""
+    import copy
+
+    from nanotron.parallel.recompute import selective_contexts
+
+    layer = nn.Linear(4, 4)
+    door.checkpoint_in_place(layer, selective_contexts("all") if selective else None)
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.fill_(1.0)
+    assert door.is_checkpointed(twin)
+    out = twin(torch.ones(2, 4))
+    torch.testing.assert_close(out, torch.ones(2, 4))
+    out.sum().backward()
+    assert layer.weight.grad is None and twin.weight.grad is not None
+
+
 def test_a_compiled_selective_layer_keeps_what_the_policy_keeps():
     """torch.compile applies selective recompute's policy inside the compiled layer: the layer keeps for backward
     fewer activations than without recompute (its matmul outputs, not the SiLUs' inputs), fewer still when only

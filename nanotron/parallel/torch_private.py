@@ -6,6 +6,7 @@ moves or changes one of them fails its canary in `tests/test_torch_private.py`, 
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import threading
@@ -183,13 +184,14 @@ def checkpoint_in_place(module: nn.Module, context_fn: Callable | None = None) -
 
         checkpoint(module)
         return
-    forward = module.forward
+    # A partial over the bound forward, not a closure: a deep copy of the module (a bound method copies to one bound
+    # to the copy) then recomputes with the copy's weights, not the original's.
+    module.forward = functools.partial(_checkpointed, module.forward, context_fn)
+    module.forward.checkpointed = True
 
-    def checkpointed_forward(*args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-    checkpointed_forward.checkpointed = forward
-    module.forward = checkpointed_forward
+def _checkpointed(forward: Callable, context_fn: Callable, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
