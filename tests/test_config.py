@@ -169,6 +169,31 @@ def test_bad_toml_files_name_the_file(tmp_path, capsys):
         load_config(str(typo))
 
 
+@pytest.mark.parametrize(
+    "table, expected",
+    [
+        ('[training]\nsteps = "3"', "training.steps: expected int, got '3' (a quoted TOML string: drop the quotes)"),
+        ('[optimizer]\nlr = "3e-3"', "optimizer.lr: expected float, got '3e-3' (a quoted TOML string: drop the"),
+        ('[training]\ncompile = "false"', "training.compile: expected bool, got 'false' (a quoted TOML string"),
+        ('[optimizer]\nbetas = "0.9,0.95"', "optimizer.betas: expected list, got '0.9,0.95'"),
+        ('[model.moe]\nnum_experts = "4"', "model.moe.num_experts: expected int, got '4' (a quoted TOML string"),
+        ('[[data.datasets]]\npath = "a"\nweight = "2"', "data.datasets[0].weight: expected float, got '2' (a"),
+    ],
+)
+def test_a_toml_string_where_the_schema_wants_a_number_bool_or_list_is_one_line_naming_the_key(
+    tmp_path, capsys, table, expected
+):
+    """TOML values are typed: a quoted "3" for an int key was parsed as the command line's text is (it was
+    accepted); the command line's values stay text, parsed by the key's type."""
+    file = tmp_path / "job.toml"
+    file.write_text(table + "\n")
+    assert main(["--config", str(file)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {expected}"), err
+    cfg = load_config(None, [("training.steps", "3"), ("optimizer.lr", "3e-3"), ("training.compile", "false")])
+    assert (cfg.training.steps, cfg.optimizer.lr, cfg.training.compile) == (3, 3e-3, False)
+
+
 def test_unwritable_checkpoint_dir_fails_before_training(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")

@@ -45,24 +45,30 @@ def _suggest(name: str, options: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(options))}"
 
 
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Converts a TOML or command-line value to the field's type, or explains why it can't."""
+def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
+    """Converts a TOML value (typed: a quoted "3" is no int) or a command-line one (text, parsed by the field's
+    type) to the field's type, or explains why it can't."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if args and type(None) in args:  # Optional[T]
         if value is None:
             return None
         hint = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(hint), typing.get_args(hint)
-    from_cli = isinstance(value, str)
+    quoted = not from_cli and isinstance(value, str) and hint in (bool, int, float)
     try:
         if origin is list:
             items = [v.strip() for v in value.strip("[]").split(",") if v.strip()] if from_cli else value
             if not isinstance(items, list):
                 raise ValueError
-            return [_coerce(f"{key}[{i}]" if is_dataclass(args[0]) else key, v, args[0]) for i, v in enumerate(items)]
+            return [
+                _coerce(f"{key}[{i}]" if is_dataclass(args[0]) else key, v, args[0], from_cli)
+                for i, v in enumerate(items)
+            ]
         if is_dataclass(hint):
             spelled = from_cli and hasattr(hint, "from_text")  # a [[data.datasets]] entry as `path:weight`
-            return _table(key, hint.from_text(value) if spelled else value, hint)
+            return _table(key, hint.from_text(value) if spelled else value, hint, from_cli)
+        if quoted:
+            raise ValueError
         if hint is bool:
             if isinstance(value, bool):
                 return value
@@ -89,10 +95,12 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     else:
         raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - schema bug
     name = getattr(hint, "__name__", str(hint))
-    raise ConfigError(f"{key}: expected {name}, got {value!r}")
+    raise ConfigError(
+        f"{key}: expected {name}, got {value!r}" + (" (a quoted TOML string: drop the quotes)" if quoted else "")
+    )
 
 
-def _table(key: str, value: Any, hint: type) -> Any:
+def _table(key: str, value: Any, hint: type, from_cli: bool) -> Any:
     """A TOML table (e.g. one [[data.datasets]] entry) as its dataclass, every key checked like a section's."""
     hints = typing.get_type_hints(hint)
     if not isinstance(value, dict):
@@ -101,11 +109,11 @@ def _table(key: str, value: Any, hint: type) -> Any:
     for name, item in value.items():
         if name not in hints:
             raise ConfigError(f"unknown key {name!r} in {key}{_suggest(name, list(hints))}")
-        setattr(table, name, _coerce(f"{key}.{name}", item, hints[name]))
+        setattr(table, name, _coerce(f"{key}.{name}", item, hints[name], from_cli))
     return table
 
 
-def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
+def _set(cfg: Config, dotted: str, value: Any, where: str, from_cli: bool = False) -> None:
     section, _, key = dotted.partition(".")
     if section not in SECTIONS:
         raise ConfigError(f"unknown section {section!r} in {where}{_suggest(section, list(SECTIONS))}")
@@ -126,7 +134,7 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
         for name, item in value.items():
             _set(cfg, f"{dotted}.{name}", item, where)
         return
-    setattr(obj, key, _coerce(dotted, value, hints[key]))
+    setattr(obj, key, _coerce(dotted, value, hints[key], from_cli))
 
 
 def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -201,7 +209,7 @@ def load_config(
     if path is not None:
         _set_file(cfg, _read_tables(Path(path), "--config"), Path(path), saved)
     for key, value in overrides:
-        _set(cfg, key, value, "command line")
+        _set(cfg, key, value, "command line", from_cli=True)
     validate(cfg, world_size)
     return cfg
 
