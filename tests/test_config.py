@@ -9,6 +9,7 @@ import sys
 import pytest
 from conftest import REPO, train_env
 
+from nanotron import commands
 from nanotron.config import PRESETS, DatasetConfig, load_config, parse_overrides, to_toml
 from nanotron.errors import ConfigError
 from nanotron.train import main
@@ -295,6 +296,15 @@ def test_a_resolved_config_runs_at_another_layout_with_the_same_global_batch(tmp
     for dp, accum in ((1, 4), (2, 2), (4, 1)):
         training = load_config(str(saved), [("parallelism.dp", str(dp))]).training
         assert (training.global_batch_size, training.grad_accum_steps) == (16, accum)
+
+
+@pytest.mark.parametrize("command", ["train", "doctor", "plan", "launch", "coord-check"])
+def test_a_second_config_flag_is_one_line_naming_it(command, capsys):
+    """Every command reading --config refuses a second one (the last one won without a word)."""
+    tiny, small = f"{REPO}/configs/tiny.toml", f"{REPO}/configs/small.toml"
+    extra = ["--run_name", "x"] if command == "launch" else []
+    assert commands.main([command, *extra, "--config", tiny, "--config", small]) == 2
+    assert capsys.readouterr().err == f"error: --config given twice ({tiny!r}, then {small!r}): give it once\n"
 
 
 def test_nanotrons_config_file_spelling_and_yaml_get_a_one_line_hint(tmp_path, capsys):

@@ -18,6 +18,16 @@ class Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+class Once(argparse.Action):
+    """A flag's second value is refused, not kept in place of the first without a word (argparse's way)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest) is not None:
+            first = str(getattr(namespace, self.dest))
+            raise ConfigError(f"{option_string} given twice ({first!r}, then {str(values)!r}): give it once")
+        setattr(namespace, self.dest, values)
+
+
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type whose error names the bound: "argument --nodes: expected an integer >= 1, got '0'"."""
 

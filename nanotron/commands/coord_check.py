@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from nanotron import records
-from nanotron.commands.args import Parser, int_at_least, number_at_least
+from nanotron.commands.args import Once, Parser, int_at_least, number_at_least
 from nanotron.config import load_config, parse_overrides
 from nanotron.coord_check.report import LABEL, PARAMETRIZATIONS, markdown, plot, read_rows, verdicts, write_csv
 from nanotron.coord_check.runs import family, measure, parametrization_overrides, probe_batch, run_overrides, train
@@ -50,7 +50,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = Parser(
         prog="nanotron coord-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", type=Path, help="the TOML config whose model family and layout are checked")
+    parser.add_argument(
+        "--config", type=Path, action=Once, help="the TOML config whose model family and layout are checked"
+    )
     parser.add_argument("--widths", help="hidden sizes, comma-separated; the first is µP's base (default: h/2,h,2h)")
     parser.add_argument("--depths", help="layer counts; the first is µP's base (default: L/2,L,2L)")
     parser.add_argument(

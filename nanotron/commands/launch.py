@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import nanotron.launch.checks as checks
-from nanotron.commands.args import Parser, int_at_least
+from nanotron.commands.args import Once, Parser, int_at_least
 from nanotron.config import parse_overrides, to_toml
 from nanotron.errors import ConfigError, LaunchError, run_command
 from nanotron.launch.cluster import (
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run_name", required=True, help="run dir name and Slurm job name (letters, digits, . _ -)")
     p.add_argument(
         "--config",
+        action=Once,
         help="TOML config to start from (default: configs/<model_size>.toml; without --model_size, the preset "
         "nearest --hidden_size, else tiny)",
     )

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import sys
 
-from nanotron.commands.args import Parser
+from nanotron.commands.args import Once, Parser
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
 from nanotron.parallel.layout import layout_product
@@ -24,7 +24,11 @@ from nanotron.plan.timing import PLANNED, UNCALIBRATED_EFFICIENCY, Efficiency, p
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="nanotron plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="TOML config (default: built-in defaults); overrides follow as --section.key=value")
+    p.add_argument(
+        "--config",
+        action=Once,
+        help="TOML config (default: built-in defaults); overrides follow as --section.key=value",
+    )
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
     p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument(

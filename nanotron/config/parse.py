@@ -155,6 +155,8 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
         if name == "config-file":
             raise ConfigError("--config-file is the original nanotron's spelling: use --config FILE (a TOML file)")
         if name == "config":
+            if config_path is not None:  # the last one would win without a word
+                raise ConfigError(f"--config given twice ({config_path!r}, then {value!r}): give it once")
             config_path = value
         else:
             pairs.append((name, value))
