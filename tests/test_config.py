@@ -463,6 +463,13 @@ def test_distributed_timeouts_are_keys_with_bounds():
             load_config(None, [(f"distributed.{key}", "1e13")])
 
 
+def test_data_workers_are_bounded_by_what_a_node_runs():
+    """Each worker is one more process per rank: any count was accepted (10**6 included), a fork storm."""
+    assert load_config(None, [("data.num_workers", "32")]).data.num_workers == 32
+    with pytest.raises(ConfigError, match=r"^data.num_workers: expected a value <= 32, got 33$"):
+        load_config(None, [("data.num_workers", "33")])
+
+
 def test_muons_momentum_is_below_one():
     """A momentum of 1 or more makes Muon's running average grow without bound (it was accepted)."""
     with pytest.raises(ConfigError, match=r"optimizer.muon_momentum: expected a value < 1.0, got 1.0"):

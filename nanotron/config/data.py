@@ -28,7 +28,13 @@ class DataConfig:
         [], "weighted blend of datasets, [[data.datasets]] tables with path and weight; when given, replaces path"
     )
     tokenizer: str = opt("data/tokenizer", "tokenizer.json file or Hugging Face tokenizer dir")
-    num_workers: int = opt(0, "DataLoader worker processes per rank", min=0)
+    num_workers: int = opt(
+        0,
+        "DataLoader worker processes per rank; at most 32: each is a process (8 ranks x 32 = 256 per node, more than "
+        "its cores), and a sample is a read of memory-mapped tokens, whose latency a few workers hide",
+        min=0,
+        max=32,
+    )
     skip_samples: list[str] = opt(
         [],
         "windows of the global sample order never trained on, START:END (end excluded), e.g. 4096:8192; rollbacks "
