@@ -5,6 +5,7 @@ layouts are held to one process in tests/test_parallel.py (the MUON family)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanotron.train
 from nanotron.config import load_config, parse_overrides
+from nanotron.errors import ConfigError
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.optim import build_optimizer, set_lr
 from nanotron.optim.muon import (
@@ -148,6 +150,26 @@ def test_a_rule_leaving_muon_nothing_is_one_line(tiny_data, tmp_path, capsys):
     assert nanotron.train.main(flags) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(errors) == 1 and "optimizer.muon_adamw_names=['layers'] leaves no decoder-layer matrix" in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("names", "hint"),
+    [
+        ("mlp.gate.weigth", "did you mean 'mlp.gate.weight'?"),
+        ("mlp.gate.weight,o_prj", "the decoder layers' parameters are input_layernorm.weight, mlp.down_proj.weight, "),
+    ],
+)
+def test_a_muon_adamw_name_matching_no_parameter_is_one_line_naming_it(names, hint):
+    """A typo matched nothing and left its matrices (here the routers) to Muon without a word. The default's routers
+    are absent from a dense model, which is no typo."""
+    cfg, model = muon_model(f"--optimizer.muon_adamw_names={names}")
+    entry = names.split(",")[-1]
+    message = f"optimizer.muon_adamw_names: {entry!r} is part of no parameter's name; {hint}"
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        build_optimizer(model, cfg.optimizer, torch.device("cpu"), cfg.model)
+    dense = load_config(*parse_overrides([*TINY_MODEL, "--optimizer.name=muon"]))
+    assert dense.optimizer.muon_adamw_names == ["mlp.gate.weight"]
+    build_optimizer(LlamaForCausalLM(dense.model), dense.optimizer, torch.device("cpu"), dense.model)
 
 
 @pytest.mark.parametrize(

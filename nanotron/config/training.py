@@ -124,5 +124,6 @@ class OptimizerConfig:
     )
     muon_adamw_names: list[str] = opt(
         ["mlp.gate.weight"],
-        "Muon: decoder-layer matrices left to AdamW, by a part of their name (default: the MoE routers)",
+        "Muon: decoder-layer matrices left to AdamW, by a part of their name (default: the MoE routers); an entry "
+        "that is part of no parameter's name is refused at start-up",
     )

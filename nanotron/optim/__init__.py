@@ -19,7 +19,7 @@ from nanotron.models.parametrization import (
     param_muon_weight_decay_scale,
     param_weight_decay_scale,
 )
-from nanotron.optim.muon import build_muon
+from nanotron.optim.muon import build_muon, check_adamw_names
 from nanotron.parallel.torch_private import scale_in_place
 
 
@@ -62,6 +62,7 @@ def build_optimizer(
         return decay, param_muon_lr_scale(model, name)
 
     if cfg.name == "muon":
+        check_adamw_names(cfg.muon_adamw_names, model)
         optimizer = build_muon(module, cfg, groups, adamw, group, muon_settings)
     else:
         optimizer = adamw(groups.items())

@@ -25,6 +25,7 @@ and rank, gathered then); a step touches only this rank's pieces.
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import math
 from collections import defaultdict
@@ -35,8 +36,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from nanotron.config import OptimizerConfig
+from nanotron.config import ModelConfig, OptimizerConfig
 from nanotron.errors import ConfigError
+from nanotron.models.shapes import all_shapes
 from nanotron.parallel.torch_private import local_block
 
 COEFFICIENTS = {"jordan": (3.4445, -4.7750, 2.0315), "cubic": (1.5, -0.5, 0.0)}
@@ -45,6 +47,20 @@ COEFFICIENTS = {"jordan": (3.4445, -4.7750, 2.0315), "cubic": (1.5, -0.5, 0.0)}
 def is_muon_matrix(name: str, ndim: int, adamw_names: list[str]) -> bool:
     """The stated rule: hidden matrices (2-D, or stacked experts) of the decoder layers, minus the named ones."""
     return name.startswith("model.layers.") and ndim >= 2 and not any(part in name for part in adamw_names)
+
+
+def check_adamw_names(adamw_names: list[str], model: ModelConfig) -> None:
+    """Each entry must be part of some parameter's name of the whole model (every pipeline stage's): a typo would
+    leave its matrices to Muon without a word. The default's routers are absent from a dense model: no typo."""
+    params = all_shapes(model)
+    default = OptimizerConfig().muon_adamw_names
+    for entry in adamw_names:
+        if entry in default or any(entry in name for name in params):
+            continue
+        inner = sorted({name.split(".", 3)[-1] for name in params if name.startswith("model.layers.")})
+        close = difflib.get_close_matches(entry, inner, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}?" if close else f"the decoder layers' parameters are {', '.join(inner)}"
+        raise ConfigError(f"optimizer.muon_adamw_names: {entry!r} is part of no parameter's name; {hint}")
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
