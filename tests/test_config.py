@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, train_env
 
 from nanotron import commands
@@ -468,6 +469,16 @@ def test_data_workers_are_bounded_by_what_a_node_runs():
     assert load_config(None, [("data.num_workers", "32")]).data.num_workers == 32
     with pytest.raises(ConfigError, match=r"^data.num_workers: expected a value <= 32, got 33$"):
         load_config(None, [("data.num_workers", "33")])
+
+
+def test_max_seq_len_is_bounded_where_the_rope_tables_float32_positions_stay_exact():
+    """Any length was accepted, then failed to allocate its RoPE table at start (10**12 rows: a traceback). The table
+    counts positions in float32, exact up to 2**24 (16M tokens, 16x the ~1M long-context runs train at today)."""
+    assert torch.arange(2**24, dtype=torch.float32)[-1].item() == 2**24 - 1
+    assert torch.tensor(2**24 + 1, dtype=torch.float32).item() == 2**24  # one more position is no longer its own
+    assert load_config(None, [("model.max_seq_len", str(2**24))]).model.max_seq_len == 2**24
+    with pytest.raises(ConfigError, match=r"^model.max_seq_len: expected a value <= 16777216, got 16777217$"):
+        load_config(None, [("model.max_seq_len", str(2**24 + 1))])
 
 
 def test_muons_momentum_is_below_one():

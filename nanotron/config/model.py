@@ -118,7 +118,13 @@ class ModelConfig:
     )
     v_head_dim: int = opt(0, "MLA: width of each value head (o_proj reads num_heads x v_head_dim)", min=0)
     vocab_size: int | None = opt(None, "embedding rows; at least the tokenizer's vocab", min=1)
-    max_seq_len: int | None = opt(None, "longest sequence RoPE is precomputed for", min=1)
+    max_seq_len: int | None = opt(
+        None,
+        "longest sequence RoPE is precomputed for; at most 2**24 = 16,777,216, where the table's float32 positions "
+        "stop being exact (16x the ~1M tokens long-context models train at)",
+        min=1,
+        max=2**24,
+    )
     rope_theta: float | None = opt(None, "RoPE base", min=1.0)
     rms_norm_eps: float | None = opt(None, "RMSNorm epsilon", min=0.0)
     tie_word_embeddings: bool | None = opt(None, "share embedding and lm_head weights")
