@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import ZYGOTE
 
 from nanotron.commands import launch
@@ -21,6 +22,9 @@ from nanotron.commands.plan import main as plan_main
 from nanotron.config import load_config
 from nanotron.errors import ConfigError
 from nanotron.launch import checks
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.context import apply_context_parallel
+from nanotron.parallel.pipeline import split_model
 from nanotron.plan.memory import GIB, stage_memory, worst_stage
 from nanotron.plan.search import usable_bytes
 from nanotron.plan.timing import estimate_step, parse_gpu, peak_tflops
@@ -412,6 +416,26 @@ def test_cp_divides_activations_and_adds_the_kv_ring_to_the_step():
     kv = 2 * 8192 * m.num_kv_heads * m.head_dim  # K and V of one rank's 8192 tokens, elements
     # cp 2, fp32, per layer and microbatch: K/V sent once forward, once backward, and dK/dV twice (home included)
     assert step[2].comm["cp"].gb == pytest.approx(n_micro * m.num_layers * (4 * kv + 4 * kv + 2 * 4 * kv) / 1e9)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [[], [("parallelism.cp", "2")], [("parallelism.pp", "2"), ("parallelism.pp_engine", "interleaved_1f1b")]],
+    ids=["one_rank", "cp2", "pp2_interleaved"],
+)
+def test_the_plan_counts_the_rope_tables_the_model_allocates(layout):
+    """The fp32 cos/sin tables were not counted: a model.max_seq_len of 10**12 planned as 0.1 GiB and failed to
+    allocate at start. Each stage holds one, of max_seq_len rows, or under cp only this rank's seq_len / cp."""
+    cfg = load_config("configs/tiny.toml", [("training.seq_len", "64"), *layout])
+    model = LlamaForCausalLM(cfg.model)
+    stages = [module for _, module in split_model(model, cfg, 0)] if cfg.parallelism.pp > 1 else [model]
+    for module in stages:  # as `parallelize` then `build_model` do
+        if cfg.parallelism.cp > 1:
+            apply_context_parallel(module, None, cfg.parallelism.cp, 0, cfg.training.seq_len)
+        module.init_buffers()
+    built = [b for module in stages for name, b in module.named_buffers() if name.endswith("rope")]
+    assert len(built) == len(stages) and built[0].dtype == torch.float32
+    assert stage_memory(cfg, 0)["rope"] == sum(b.numel() * b.element_size() for b in built)
 
 
 @pytest.mark.slow

@@ -174,7 +174,11 @@ LONG_FILE_LINES = 500
 # A file over LONG_FILE_LINES is a smell to discuss, not a wall to pack code under: one that stays long names here
 # why it is still one concept (path from the repository root -> reason). The list stays true: an entry whose file
 # has shrunk under the mark fails too.
-LONG_FILES: dict[str, str] = {}
+LONG_FILES: dict[str, str] = {
+    "nanotron/plan/memory.py": "the per-rank memory model: each function is one part of one sum over the same stage "
+    "shapes (parameter shards, optimizer state, working copies, activations, logits, buffers, RoPE tables), which "
+    "the report, the search and --check read together",
+}
 
 
 def long_functions(path: Path, root: Path) -> list[str]:

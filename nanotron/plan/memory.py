@@ -44,6 +44,7 @@ PARTS = (
     ("activations", "activations"),
     ("logits", "logits/loss"),
     ("buffers", "communication buffers"),
+    ("rope", "RoPE tables"),
 )
 
 
@@ -461,6 +462,14 @@ def pipeline_buffer_bytes(cfg: Config, stages: list[StageShape], tokens: int) ->
     return receives * cfg.training.grad_accum_steps * tokens / sp * m.hidden_size * (1 + m.mtp_depth) * e
 
 
+def rope_bytes(cfg: Config, stages: list[StageShape]) -> int:
+    """The RoPE cos and sin tables, fp32 [2, rows, rope_dim], one per stage module: max_seq_len rows, or under cp
+    only this rank's positions (seq_len / cp: `apply_context_parallel`)."""
+    m, p = cfg.model, cfg.parallelism
+    rows = cfg.training.seq_len // p.cp if p.cp > 1 else m.max_seq_len
+    return len(stages) * 2 * rows * m.rope_dim * FP32
+
+
 def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
     """Bytes per part for the worst rank of pipeline rank `pp_rank` (tp and dp coordinate 0: the largest
     chunks), plus "activations_saved" (what autograd holds: the measured quantity) and "total"."""
@@ -483,6 +492,7 @@ def stage_memory(cfg: Config, pp_rank: int) -> dict[str, float]:
         "activations": activations_saved + recompute_transient,
         "logits": logits_saved + logits_transient,
         "buffers": buffers + pipeline_buffers,
+        "rope": rope_bytes(cfg, stages),
     }
     return {
         **parts,

@@ -171,6 +171,7 @@ HINTS = {
     "activations": "parallelism.recompute='selective' (or 'full'), a smaller micro_batch_size, or more tp/pp",
     "logits": "a smaller micro_batch_size or more tp",
     "buffers": "fewer microbatches (global_batch_size) or a larger micro_batch_size",
+    "rope": "a smaller model.max_seq_len (the tables' rows), or cp > 1 (a rank keeps its seq_len / cp rows)",
 }
 
 
