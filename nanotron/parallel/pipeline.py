@@ -158,7 +158,7 @@ def stage_shapes(cfg: Config, index: int, mesh: DeviceMesh) -> dict[str, tuple[t
     return shapes | {"input_grads": (input_grad,), "output_grads": (logits(False),)}
 
 
-_FORWARD_ACTIONS = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
+_FORWARD_ACTIONS = {"F", "SEND_F", "WAIT_SEND_F", "RECV_F", "UNSHARD", "RESHARD"}  # WAIT_SEND_F: torch 2.15
 
 
 @contextmanager
