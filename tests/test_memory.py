@@ -21,7 +21,7 @@ from nanotron.parallel.mesh import ParallelContext, build_mesh
 from nanotron.parallel.parallelize import build_model
 from nanotron.parallel.recompute import POLICY_SEES_OUTPUTS, recompute_mode
 from nanotron.parallel.runner import MicrobatchRunner
-from nanotron.parallel.torch_private import fake_process_group
+from nanotron.parallel.torch_private import fake_process_group, pipeline_keeps_receive_buffers
 from nanotron.plan.memory import (
     communication_buffer_bytes,
     element_bytes,
@@ -138,6 +138,9 @@ def test_zero_1_reduces_gradients_once_per_step_and_zero_2_after_every_microbatc
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not pipeline_keeps_receive_buffers(), reason="torch >= 2.15 keeps no receive buffers: a received tensor is an input"
+)
 def test_the_plan_counts_pipeline_boundaries_at_the_sequence_parallel_shard(tiny_data, tmp_path):
     """Under sequence parallelism a stage sends and receives its seq_len / tp part of every microbatch: the plan's
     receive buffers equal those torch allocated (checked exactly in `measure`).

@@ -29,6 +29,7 @@ from nanotron.models.llama import LlamaForCausalLM, decoder_layers
 from nanotron.parallel.expert import expert_shard_dim
 from nanotron.parallel.torch_private import (
     PortablePipelineStage,
+    fsdp_ends_backward,
     reduce_accumulated_gradients,
     replicate,
     stage_backward,
@@ -142,7 +143,10 @@ class ZeroPipelineStage(PortablePipelineStage):
         if backward_type == "full":
             self.submod.set_is_last_backward(True)
             self.sync.before_backward(self.submod, last_microbatch=False)
-            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+            with fsdp_ends_backward(self.submod):
+                grads = stage_backward(
+                    bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+                )
             return grads, None
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if backward_type == "weight":

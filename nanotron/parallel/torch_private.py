@@ -7,11 +7,13 @@ moves or changes one of them fails its canary in `tests/test_torch_private.py`, 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -45,6 +47,8 @@ __all__ = [
     "is_checkpointed",
     "local_block",
     "pytree_logger",
+    "fsdp_ends_backward",
+    "pipeline_keeps_receive_buffers",
     "reduce_accumulated_gradients",
     "replicate",
     "scale_in_place",
@@ -235,7 +239,34 @@ def reduce_accumulated_gradients(module: FSDPModule, reshard: bool) -> None:
     for each in state._state_ctx.all_states:
         for group in fsdp_param_groups(each):
             group.post_backward()
+    if hasattr(state._state_ctx, "manual_backward_finalization_active"):  # torch 2.15: the callback asks which mode
+        state._state_ctx.manual_backward_finalization_active = False  # the backward ran in (set when it was queued)
     state._root_post_backward_final_callback()
+
+
+@contextmanager
+def fsdp_ends_backward(module: FSDPModule) -> Iterator[None]:
+    """A backward whose end FSDP's final callback handles, as before torch 2.15: it reduces the groups its hooks
+    did not reach (the root's embedding) and ends the iteration inside backward. From 2.15 on a pipeline stage's
+    forward turns on manual finalization (one reduction at the step's end), under which ZeRO-2/3's per-microbatch
+    reductions left the root's unsharded gradients and the reduce-scatters' buffers alive across microbatches."""
+    from torch.distributed.fsdp import fully_shard
+
+    manual = getattr(fully_shard.state(module)._state_ctx, "manual_backward_finalization", False)
+    if manual:
+        module.set_manual_backward_finalization(False)
+    try:
+        yield
+    finally:
+        if manual:  # the stage's step-end reduction (`finalize_backward`) asks for it
+            module.set_manual_backward_finalization(True)
+
+
+def pipeline_keeps_receive_buffers() -> bool:
+    """Whether torch's pipeline stage allocates every microbatch's receive buffers up front and keeps them across
+    steps (torch 2.11-2.14). From 2.15 on (`pipelining._recv_buffers`) a receive allocates its buffer and hands it
+    to the computation, which frees it with the microbatch's activations."""
+    return importlib.util.find_spec("torch.distributed.pipelining._recv_buffers") is None
 
 
 def fsdp_param_groups(state) -> list:

@@ -31,6 +31,7 @@ from nanotron.parallel.pipeline import split_layers, stage_costs, stage_indices
 from nanotron.parallel.recompute import recompute_mode
 from nanotron.parallel.regather import regathers
 from nanotron.parallel.tensor import tp_shard_dim
+from nanotron.parallel.torch_private import pipeline_keeps_receive_buffers
 
 GIB = 2**30
 FP32 = 4
@@ -452,9 +453,10 @@ def communication_buffer_bytes(cfg: Config, tokens: int, largest_layer: int, emb
 
 
 def pipeline_buffer_bytes(cfg: Config, stages: list[StageShape], tokens: int) -> float:
-    """torch's pipeline stage allocates receive buffers for every microbatch up front."""
+    """torch's pipeline stage allocates receive buffers for every microbatch up front (before torch 2.15; from
+    2.15 on a received tensor is the microbatch's input, counted with its activations)."""
     m, p = cfg.model, cfg.parallelism
-    if p.pp == 1:
+    if p.pp == 1 or not pipeline_keeps_receive_buffers():
         return 0.0
     e = element_bytes(cfg.training.dtype)
     sp = sequence_shards(cfg)
