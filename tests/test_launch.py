@@ -346,6 +346,9 @@ def test_unsafe_run_names_are_refused_before_anything_is_written(tmp_path, name)
         (["--dp", "0"], "error: parallelism.dp: expected a value >= 1, got 0"),
         (["--pp_engine", "gpipe"], "error: parallelism.pp_engine: expected one of"),
         (["--training.stepz=3"], "error: unknown key 'training.stepz' in command line; did you mean 'steps'?"),
+        (["--max_epochs", "nan"], "error: argument --max_epochs: expected a finite number >= 0, got 'nan'"),
+        (["--max_epochs", "inf"], "error: argument --max_epochs: expected a finite number >= 0, got 'inf'"),
+        (["--max_epochs", "-1"], "error: argument --max_epochs: expected a finite number >= 0, got '-1'"),
     ],
 )
 def test_bad_flags_are_one_error_line_with_exit_code_2(in_tmp, checked_data, capsys, flags, message):

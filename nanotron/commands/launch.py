@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import nanotron.launch.checks as checks
-from nanotron.commands.args import Once, Parser, int_at_least
+from nanotron.commands.args import Once, Parser, int_at_least, number_at_least
 from nanotron.config import parse_overrides, to_toml
 from nanotron.errors import ConfigError, LaunchError, run_command
 from nanotron.launch.cluster import (
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="submit even if the plan says the layout does not fit")
     run.add_argument(
         "--max_epochs",
-        type=float,
+        type=number_at_least(0),
         default=4.0,
         help="warn when the run passes over its corpus more often (default 4: Muennighoff et al. 2023 found up to "
         "~4 repeated epochs cost little)",
