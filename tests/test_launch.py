@@ -357,6 +357,24 @@ def test_bad_flags_are_one_error_line_with_exit_code_2(in_tmp, checked_data, cap
     assert err.startswith(message) and err.count("\n") == 1 and out == ""
 
 
+def test_a_resume_checkpoint_the_job_would_refuse_is_one_line_on_the_login_node(in_tmp, checked_data, capsys):
+    """Checkpoints live on the shared filesystem the login node mounts: a --resume_from_checkpoint that is no
+    committed step dir (missing, or a run dir: the trainer resumes from a step dir) was accepted, and the job failed
+    only once it had nodes. It is refused by the trainer's own resolver, with a hint, and nothing is written."""
+    step = in_tmp / "old" / "checkpoints" / "step-4"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    for path, expected in [
+        ("missing", f"'{in_tmp}/missing' does not exist"),
+        ("old", f"'{in_tmp}/old' is a folder of checkpoints: give one, e.g. its latest '{step}'"),
+    ]:
+        assert launch.main(["--run_name", "r", "--resume_from_checkpoint", path, "--dry_run"]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith(f"error: checkpoint.resume_from: {expected}; ") and err.count("\n") == 1, err
+        assert out == "" and not (in_tmp / "runs").exists()
+    assert launch.main(["--run_name", "r", "--resume_from_checkpoint", str(step), "--dry_run"]) == 0
+
+
 @pytest.mark.slow
 def test_missing_sbatch_is_a_clear_error_pointing_to_dry_run(tmp_path):
     empty_bin = tmp_path / "bin"

@@ -67,12 +67,15 @@ def resolve_source(folder: Path, options: CheckpointConfig) -> tuple[Path, bool]
         if found is not None:
             return found, False
     elif wanted != "none":
-        if not layout.is_committed(Path(wanted)):
-            raise CheckpointError(
-                f"checkpoint.resume_from: '{wanted}' is not a committed checkpoint dir "
-                f"(expected a step-N folder with {layout.COMMIT_FILE}); use 'auto', 'latest' or 'none'"
-            )
-        return Path(wanted), False
+        path = Path(wanted)
+        if not layout.is_committed(path):
+            problem = f"is not a committed checkpoint dir (expected a step-N folder with {layout.COMMIT_FILE})"
+            if not path.exists():
+                problem = "does not exist"
+            elif latest := layout.latest_checkpoint(path) or layout.latest_checkpoint(path / "checkpoints"):
+                problem = f"is a folder of checkpoints: give one, e.g. its latest '{latest}'"
+            raise CheckpointError(f"checkpoint.resume_from: '{wanted}' {problem}; or use 'auto', 'latest' or 'none'")
+        return path, False
     if options.init_from:
         if not Path(options.init_from).is_dir():
             raise CheckpointError(f"checkpoint.init_from: '{options.init_from}' does not exist")

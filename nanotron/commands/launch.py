@@ -139,6 +139,9 @@ def _launch(argv: list[str]) -> int:
             raise ConfigError("--job.name: set the run name with --run_name")
     check_slurm_flags(args)
     cfg, notes = resolve_config(args, passthrough)
+    from nanotron.checkpoint.manager import resolve_source  # torch: only once the flags are good
+
+    resolve_source(cfg.checkpoint_dir, cfg.checkpoint)  # what the job would refuse at start, on the shared filesystem
     nodes, procs, layout_notes = plan_nodes(cfg, args)
     plan = plan_before_submit(cfg, args, procs)
     python = "python" if args.container_image or args.container_exec else checks.job_python()  # the image's
