@@ -18,6 +18,7 @@ import torch
 from conftest import ZYGOTE
 
 from nanotron.commands import launch
+from nanotron.commands.plan import MAX_GPUS_PER_NODE, MAX_NODES
 from nanotron.commands.plan import main as plan_main
 from nanotron.config import load_config
 from nanotron.errors import ConfigError
@@ -25,6 +26,7 @@ from nanotron.launch import checks
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
 from nanotron.parallel.pipeline import split_model
+from nanotron.plan import search
 from nanotron.plan.memory import GIB, stage_memory, worst_stage
 from nanotron.plan.search import usable_bytes
 from nanotron.plan.timing import estimate_step, parse_gpu, peak_tflops
@@ -131,6 +133,32 @@ def test_search_works_when_the_configs_own_layout_is_larger_than_the_cluster():
     assert rows and all(int(r[1]) * int(r[3]) * int(r[5]) * int(r[6]) == 8 for r in rows)
     without_search = plan("--config", "configs/large.toml", "--nodes", "1", "--gpus_per_node", "8")
     assert without_search.returncode == 2 and "raise --nodes" in without_search.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--nodes", "10000000"], f"--nodes: expected an integer from 1 to {MAX_NODES}, got 10000000"),
+        (["--gpus_per_node", "100000"], f"--gpus_per_node: expected an integer from 1 to {MAX_GPUS_PER_NODE}, got"),
+        (["--gpus_per_node", "0"], f"--gpus_per_node: expected an integer from 1 to {MAX_GPUS_PER_NODE}, got 0"),
+    ],
+)
+def test_cluster_sizes_beyond_any_built_are_one_line_before_any_search(flags, expected, capsys):
+    """--search on 10**7 nodes (or 10**5 GPUs a node) ran for minutes without a word: the flags are bounded."""
+    assert plan_main([*flags, "--search"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and expected in captured.err, captured.err
+
+
+def test_search_validates_only_layouts_whose_dp_divides_the_global_batch(monkeypatch):
+    """Every other dp fails validate in each of its ~100 variants (ZeRO x recompute x micro batch): at the largest
+    cluster the flags allow, those were 10**5 validations and half a minute per search."""
+    base = load_config(str(REPO / "configs/large.toml"))
+    seen = []
+    monkeypatch.setattr(search, "validate", lambda cfg, world: seen.append(cfg.parallelism.dp))
+    world = MAX_NODES * 8
+    assert sum(1 for _ in search.layouts(base, world, 8)) == len(seen) > 0
+    assert all(base.training.global_batch_size % dp == 0 for dp in seen)
 
 
 def test_search_keeps_each_layout_with_the_least_recompute_that_fits():

@@ -21,6 +21,11 @@ from nanotron.parallel.layout import layout_product
 from nanotron.plan.report import check_table, describe, search_table
 from nanotron.plan.timing import PLANNED, UNCALIBRATED_EFFICIENCY, Efficiency, parse_gpu
 
+# A node is one NVLink domain to the planner (tp and HSDP shard groups stay inside it): 1024 GPUs is above the largest
+# announced (NVL576); 2**17 nodes of 8 GPUs are 1M GPUs, five times the largest clusters built (~200k). Unbounded,
+# a --search of 10**7 nodes ran for minutes without a word; at these bounds it takes seconds.
+MAX_NODES, MAX_GPUS_PER_NODE = 2**17, 1024
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="nanotron plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,8 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=Once,
         help="TOML config (default: built-in defaults); overrides follow as --section.key=value",
     )
-    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
-    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, default=1, help=f"nodes in the cluster, 1 to {MAX_NODES} (default 1)")
+    p.add_argument(
+        "--gpus_per_node",
+        type=int,
+        default=8,
+        help=f"GPUs per node (NVLink domain), 1 to {MAX_GPUS_PER_NODE} (default 8)",
+    )
     p.add_argument(
         "--gpu",
         default="h100",
@@ -56,9 +66,14 @@ def _plan(argv: list[str]) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     _, overrides = parse_overrides(extra)
-    for flag, value in (("--nodes", args.nodes), ("--gpus_per_node", args.gpus_per_node), ("--top", args.top)):
-        if value < 1:
-            raise ConfigError(f"{flag}: expected an integer >= 1, got {value}")
+    for flag, value, most in (
+        ("--nodes", args.nodes, MAX_NODES),
+        ("--gpus_per_node", args.gpus_per_node, MAX_GPUS_PER_NODE),
+    ):
+        if not 1 <= value <= most:
+            raise ConfigError(f"{flag}: expected an integer from 1 to {most}, got {value}")
+    if args.top < 1:
+        raise ConfigError(f"--top: expected an integer >= 1, got {args.top}")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency: expected a fraction in (0, 1], got {args.efficiency}")
     gpu = parse_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
