@@ -134,6 +134,7 @@ def test_coord_check_passes_mup_and_fails_standard_at_tp2(tiny_data, tmp_path, c
         (GOOD_JSON, GOOD_CSV.replace(",3,size/logits,0.5", ",3,size/logits,nan"), "coord_check.csv' line 2: expected"),
         (GOOD_JSON, GOOD_CSV.replace("width,mup,64", "width,mup,x"), "coord_check.csv' line 2: expected"),
         (GOOD_JSON, b"\xff\xfe", "coord_check.csv' is not a coord-check CSV"),
+        (GOOD_JSON, GOOD_CSV, "coord_check.csv' has no rows of width change, width update, depth size, depth change"),
     ],
 )
 def test_replot_of_a_corrupt_record_is_one_line_and_keeps_it(saved, table, expected, tmp_path, capsys):

@@ -115,10 +115,16 @@ def draw(out: Path) -> bool:
     hint = f"rerun the check with --out {out} to write it again"
     meta = records.read(out / "coord_check.json", SAVED, DataError, hint)
     rows = read_rows(out / "coord_check.csv", hint)
+    figures = [(sweep, stat) for sweep in ("width", "depth") for stat in ("size", "change", "update")]
+    have = {(r["sweep"], r["statistic"].split("/")[0]) for r in rows}
+    if missing := [f"{sweep} {stat}" for sweep, stat in figures if (sweep, stat) not in have]:  # before any figure
+        raise DataError(
+            f"'{out / 'coord_check.csv'}' has no rows of {', '.join(missing)}: a check writes the size, change and "
+            f"update statistics of both sweeps; {hint}"
+        )
     drawn = [
         plot(rows, sweep, stat, meta["steps"], out / f"coord-check-{sweep}-{stat}.png", meta["caption"])
-        for sweep in ("width", "depth")
-        for stat in ("size", "change", "update")
+        for sweep, stat in figures
     ]
     if not all(drawn):
         print("matplotlib missing (pip install -e '.[bench]'): no figures written")

@@ -46,9 +46,10 @@ def verdicts(rows: list[dict], steps: int, tolerance: float) -> list[dict]:
 
 
 def plot(rows: list[dict], sweep: str, family: str, steps: int, out: Path, caption: str) -> bool:
-    """One figure per sweep and statistic family: a column per quantity, a row per parametrization (standard
-    above µP, each column on one shared y-axis), x the size and y the value (both log), a line per step coloured
-    by the step (colour bar), error bars ±1 s.d. over seeds, and the last step's slope in each panel."""
+    """One figure per sweep and statistic family (`rows` holds some; False without matplotlib): a column per
+    quantity, a row per parametrization (standard above µP, each column on one shared y-axis), x the size and y the
+    value (both log), a line per step coloured by the step (colour bar), error bars ±1 s.d. over seeds, and the last
+    step's slope in each panel."""
     try:
         import matplotlib
 
@@ -58,8 +59,6 @@ def plot(rows: list[dict], sweep: str, family: str, steps: int, out: Path, capti
         return False
     kinds = sorted({r["statistic"] for r in rows if r["statistic"].startswith(family + "/")}, key=_order)
     labels = [p for p in PARAMETRIZATIONS if any(r["parametrization"] == p for r in rows)]
-    if not kinds or not labels:
-        return False
     fig, axes = plt.subplots(
         len(labels), len(kinds), figsize=(2.6 * len(kinds) + 1.2, 2.5 * len(labels) + 0.9), sharey="col",
         squeeze=False, layout="constrained",
