@@ -86,6 +86,15 @@ GPUS: dict[tuple[str, str], Device] = {
     ("MI325X", ""): Device(1307.4, None, 163.4, 2614.9),
 }
 _VENDOR_WORDS = {"NVIDIA", "TESLA", "AMD", "INSTINCT"}
+# What `nanotron plan` and `launch` take for --gpu: a GPU with memory and links above, or a custom one's figures, whose
+# ranges are wide enough for any part and narrow enough to catch a unit slip or a typo (inf, nan, 0 or 1e-300 make
+# every estimate a division by zero or nonsense). Here, not in the planner, for the flags' help: no torch to load.
+PLANNED = [model.lower() for (model, form), device in GPUS.items() if not form and device.memory_gib]
+MEMORY_GIB, PEAK_TFLOPS, LINK_GBPS = (1, 10_000), (1, 100_000), (0.1, 10_000)
+GPU_FORMS = (
+    f"{', '.join(PLANNED)} or '<memory GiB>,<peak bf16 TFLOP/s>' with memory in [{MEMORY_GIB[0]}, {MEMORY_GIB[1]}] "
+    f"GiB and peak in [{PEAK_TFLOPS[0]}, {PEAK_TFLOPS[1]}] TFLOP/s"
+)
 
 
 def device_model(name: str) -> tuple[str, str]:

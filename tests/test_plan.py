@@ -18,10 +18,11 @@ import torch
 from conftest import ZYGOTE
 
 from nanotron.commands import launch
-from nanotron.commands.plan import MAX_GPUS_PER_NODE, MAX_NODES
+from nanotron.commands.plan import MAX_GPUS_PER_NODE, MAX_NODES, build_parser
 from nanotron.commands.plan import main as plan_main
 from nanotron.config import load_config
 from nanotron.errors import ConfigError
+from nanotron.gpu import MEMORY_GIB, PEAK_TFLOPS, PLANNED
 from nanotron.launch import checks
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
@@ -277,6 +278,16 @@ def test_gpu_figures_that_are_not_finite_or_out_of_range_are_one_line(flags, exp
     assert plan_main(flags) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and expected in captured.err, captured.err
+
+
+def test_the_gpu_flags_help_states_the_ranges_it_is_checked_against():
+    """plan's and launch's --gpu: the GPU names and the custom figures' ranges, from the constants the check uses."""
+    for parser in (build_parser(), launch.build_parser()):
+        help = next(a.help for a in parser._actions if "--gpu" in a.option_strings)
+        assert ", ".join(PLANNED) in help
+        assert (
+            f"memory in [{MEMORY_GIB[0]}, {MEMORY_GIB[1]}] GiB and peak in [{PEAK_TFLOPS[0]}, {PEAK_TFLOPS[1]}]" in help
+        )
 
 
 def test_launch_refuses_an_infinite_gpu_peak_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):

@@ -24,6 +24,7 @@ import nanotron.launch.checks as checks
 from nanotron.commands.args import Once, Parser, int_at_least, number_at_least
 from nanotron.config import parse_overrides, to_toml
 from nanotron.errors import ConfigError, LaunchError, run_command
+from nanotron.gpu import GPU_FORMS
 from nanotron.launch.cluster import (
     JOB_SCRIPT,
     check_slurm_flags,
@@ -96,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--gpu",
         default="h100",
-        help="GPU type the plan checks memory against: h100, h200, a100, or '<memory GiB>,<peak TFLOP/s>' "
-        "(default h100)",
+        help=f"GPU the plan checks memory against: {GPU_FORMS} (default h100)",
     )
     run.add_argument("--force", action="store_true", help="submit even if the plan says the layout does not fit")
     run.add_argument(

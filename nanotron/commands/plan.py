@@ -17,9 +17,10 @@ import sys
 from nanotron.commands.args import Once, Parser
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
+from nanotron.gpu import GPU_FORMS, PLANNED
 from nanotron.parallel.layout import layout_product
 from nanotron.plan.report import check_table, describe, search_table
-from nanotron.plan.timing import PLANNED, UNCALIBRATED_EFFICIENCY, Efficiency, parse_gpu
+from nanotron.plan.timing import UNCALIBRATED_EFFICIENCY, Efficiency, parse_gpu
 
 # A node is one NVLink domain to the planner (tp and HSDP shard groups stay inside it): 1024 GPUs is above the largest
 # announced (NVL576); 2**17 nodes of 8 GPUs are 1M GPUs, five times the largest clusters built (~200k). Unbounded,
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu",
         default="h100",
-        help=f"{', '.join(PLANNED)}, or '<memory GiB>,<peak bf16 TFLOP/s>' (float8 at twice it; default h100)",
+        help=f"{GPU_FORMS} (float8 at twice it; default h100)",
     )
     p.add_argument(
         "--efficiency",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from nanotron.config import PP_ENGINES, Config
 from nanotron.errors import ConfigError
-from nanotron.gpu import GPUS, Device, math_mode
+from nanotron.gpu import GPU_FORMS, GPUS, LINK_GBPS, MEMORY_GIB, PEAK_TFLOPS, PLANNED, Device, math_mode
 from nanotron.models.shapes import (
     element_bytes,
     flops_per_token,
@@ -66,7 +66,6 @@ A100_EFFICIENCY = Efficiency(
 
 # GPU (the model in nanotron.gpu.GPUS) -> its efficiency; a GPU the planner plans for has memory and links there.
 EFFICIENCIES = {"H100": H100_EFFICIENCY, "H200": H100_EFFICIENCY, "A100": A100_EFFICIENCY}
-PLANNED = [model.lower() for (model, form), device in GPUS.items() if not form and device.memory_gib]
 
 
 @dataclass(frozen=True)
@@ -76,11 +75,6 @@ class Gpu:
     name: str
     device: Device
     efficiency: Efficiency = Efficiency(UNCALIBRATED_EFFICIENCY)
-
-
-# What a GPU's stated figures may be: wide enough for any part, narrow enough to catch a unit slip or a typo
-# (inf, nan, 0 or 1e-300 make every estimate a division by zero or nonsense).
-MEMORY_GIB, PEAK_TFLOPS, LINK_GBPS = (1, 10_000), (1, 100_000), (0.1, 10_000)
 
 
 def _within(value: float, bounds: tuple[float, float]) -> bool:
@@ -99,11 +93,7 @@ def parse_gpu(text: str, nvlink_gbps: float | None = None, ib_gbps: float | None
             if not (_within(memory, MEMORY_GIB) and _within(peak, PEAK_TFLOPS)):
                 raise ValueError
         except ValueError:
-            raise ConfigError(
-                f"--gpu {text!r}: expected {', '.join(PLANNED)} or '<memory GiB>,<peak bf16 TFLOP/s>' such as "
-                f"'80,989', with memory in [{MEMORY_GIB[0]}, {MEMORY_GIB[1]}] GiB and peak in [{PEAK_TFLOPS[0]}, "
-                f"{PEAK_TFLOPS[1]}] TFLOP/s"
-            ) from None
+            raise ConfigError(f"--gpu {text!r}: expected {GPU_FORMS}, such as '80,989'") from None
         device = replace(GPUS["H100", ""], bf16=peak, tf32=peak / 2, fp32=None, fp8=2 * peak, memory_gib=memory)
         gpu = Gpu(f"{memory:g}GiB/{peak:g}TF", device)
     links = {"nvlink_gbps": nvlink_gbps, "ib_gbps": ib_gbps}
