@@ -62,6 +62,39 @@ def test_out_of_range_and_odd_numbers_are_one_line(capsys, flag, expected):
     assert expected in one_line(capsys)
 
 
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            "--nproc_per_node abc",
+            "--nproc_per_node: expected a positive integer, or auto, cpu or gpu (where there are GPUs), got 'abc'",
+        ),
+        (
+            "--nproc_per_node 0",
+            "--nproc_per_node: expected a positive integer, or auto, cpu or gpu (where there are GPUs), got '0'",
+        ),
+        ("--nnodes 2:1", "--nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX, got '2:1'"),
+        ("--nnodes 1:", "--nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX, got '1:'"),
+        ("--max_restarts -1", "--max_restarts: expected an integer >= 0, got -1"),
+        ("--monitor_interval nan", "--monitor_interval: expected a positive number of seconds, got nan"),
+        (
+            "--nproc_per_node 1 missing.py",
+            "training_script 'missing.py': no such file; give a Python script, or -m MODULE (-m nanotron.train)",
+        ),
+    ],
+)
+def test_bad_torchrun_flags_are_one_line_before_torchrun_starts(argv, expected, capsys, monkeypatch):
+    """torchrun raised these as tracebacks (an AssertionError for --nproc_per_node 0 or --nnodes 2:1), or started
+    workers that each failed on the missing script; `nanotron torchrun` checks them before it starts anything."""
+    import nanotron.commands.torchrun
+    import nanotron.launch.torchrun
+
+    monkeypatch.setattr(nanotron.launch.torchrun, "_run_once", lambda config: pytest.fail("torchrun was started"))
+    args = argv.split() if argv.endswith(".py") else [*argv.split(), "-m", "nanotron.train"]
+    assert nanotron.commands.torchrun.main(args) == 2
+    assert one_line(capsys) == f"error: {expected}"
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 
+from nanotron.errors import run_command
 from nanotron.launch.torchrun import run_torchrun
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_torchrun(list(sys.argv[1:] if argv is None else argv))
+    return run_command(run_torchrun, list(sys.argv[1:] if argv is None else argv))

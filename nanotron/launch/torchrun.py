@@ -92,12 +92,13 @@ def run_torchrun(args: list[str]) -> int:
     "restart") restarts the ranks in place until restarts stop bringing new checkpoints."""
     from torch.distributed.run import parse_args
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _forward_to_workers)
-    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # workers stop when this process dies
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
     # torchrun's own handlers would replace ours when it starts the workers: leave it the other signals only.
     config = parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *args])
+    check_torchrun_args(config)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _forward_to_workers)
+    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # workers stop when this process dies
     for attempt in itertools.count():
         os.environ[ATTEMPT_VARIABLE] = str(attempt)
         code, verdict = _run_once(config)
@@ -109,6 +110,34 @@ def run_torchrun(args: list[str]) -> int:
             print(f"error: {error}", file=sys.stderr, flush=True)
             return error.exit_code
         say(f"restarting the ranks in place (attempt {attempt + 1}) after: {verdict['line']}")
+
+
+def check_torchrun_args(config: argparse.Namespace) -> None:
+    """One line each, before anything starts, for the flags torchrun raises a traceback for (an AssertionError for
+    --nproc_per_node 0 or --nnodes 2:1) and for a missing script (every worker failed on it)."""
+    from torch.distributed.run import determine_local_world_size
+
+    nodes = config.nnodes.split(":")
+    if len(nodes) > 2 or not all(n.isascii() and n.isdigit() for n in nodes) or not 0 < int(nodes[0]) <= int(nodes[-1]):
+        raise ConfigError(f"--nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX, got {config.nnodes!r}")
+    try:
+        nproc = determine_local_world_size(config.nproc_per_node)  # torchrun's reading: a number, auto, cpu, gpu
+    except ValueError:  # anything else, or gpu without one
+        nproc = 0
+    if nproc < 1:
+        raise ConfigError(
+            "--nproc_per_node: expected a positive integer, or auto, cpu or gpu (where there are GPUs), got "
+            f"{config.nproc_per_node!r}"
+        )
+    if config.max_restarts < 0:
+        raise ConfigError(f"--max_restarts: expected an integer >= 0, got {config.max_restarts}")
+    if not 0 < config.monitor_interval < float("inf"):
+        raise ConfigError(f"--monitor_interval: expected a positive number of seconds, got {config.monitor_interval}")
+    script = config.training_script
+    if not (config.module or config.no_python or Path(script).is_file()):
+        raise ConfigError(
+            f"training_script '{script}': no such file; give a Python script, or -m MODULE (-m nanotron.train)"
+        )
 
 
 def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
