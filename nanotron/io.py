@@ -39,15 +39,14 @@ def check_new_folder(out: Path, key: str = "") -> None:
 
 
 def check_not_input(key: str, out: Path, inputs: Iterable[Path]) -> None:
-    """Refuses an output that would replace one of the command's inputs: the same file (by any name or link), or a
-    file inside an input folder."""
-    if not out.exists():
-        return
+    """Refuses an output that would replace one of the command's inputs, the same file (by any name or link), or
+    lie inside an input folder, whether it exists yet or not (a checkpoint's manifest would not list it, a corpus
+    folder would be read with it). Every command with outputs calls it first, before it makes any folder."""
     for source in inputs:
-        if source.exists() and os.path.samefile(out, source):
+        if out.exists() and source.exists() and os.path.samefile(out, source):
             raise StorageError(f"{key}: '{out}' is also an input; choose a new path")
         if source.is_dir() and source.resolve() in out.resolve().parents:
-            raise StorageError(f"{key}: '{out}' is a file of the input '{source}'; choose a path outside it")
+            raise StorageError(f"{key}: '{out}' lies inside the input '{source}'; choose a path outside it")
 
 
 def write_atomic(path: Path, content: str | bytes, durable: bool = True) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -574,7 +575,7 @@ def test_prepare_tokenizer_finishes_a_folder_an_interrupted_run_left(prepare_inp
     [
         ("--items task.jsonl", "--items: 'task.jsonl' is also an input; choose a new path"),
         ("--out task.jsonl", "--out: 'task.jsonl' is also an input; choose a new path"),
-        ("--items ck/step-2/config.toml", "--items: 'ck/step-2/config.toml' is a file of the input 'ck/step-2'"),
+        ("--items ck/step-2/config.toml", "--items: 'ck/step-2/config.toml' lies inside the input 'ck/step-2'"),
         ("--out scores.json --items scores.json", "--items: 'scores.json' is also --out; give each its own file"),
     ],
 )
@@ -590,4 +591,40 @@ def test_eval_refuses_to_write_over_a_task_or_checkpoint_file(tmp_path, monkeypa
     before = contents(tmp_path)
     assert nanotron.commands.eval.main(["ck/step-2", "--tasks", "mine=task.jsonl", *flags.split(" ")]) == 2
     assert expected in one_line(capsys)
+    assert contents(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "command, argv, out, source",
+    [
+        ("eval", "ck/step-2 --tasks mine=task.jsonl --out {out}", "ck/step-2/new/scores.json", "ck/step-2"),
+        ("convert", "to-hf ck/step-2 {out}", "ck/step-2/hf", "ck/step-2"),
+        ("convert", "from-hf hf {out}", "hf/ckpt", "hf"),
+        ("tokenize", "corpus --tokenizer tok --quiet --out {out}", "corpus/tokens", "corpus"),
+        ("tokenize", "corpus --tokenizer tok --quiet --out {out}", "tok/tokens", "tok"),
+        ("prepare", "task corpus.jsonl --tokenized tokens --out {out}", "tokens/task.jsonl", "tokens"),
+    ],
+)
+def test_an_output_inside_an_input_folder_is_refused_before_it_is_made(
+    command, argv, out, source, tiny_data, tmp_path, monkeypatch, capsys
+):
+    """A new file or folder inside an input folder was accepted (only an output that existed was compared with the
+    inputs): the tokenized dir inside the corpus it tokenizes, an export inside the step dir it reads, scores
+    inside a checkpoint, whose manifest then holds a file it does not list. Every command checks it with
+    `io.check_not_input`, before it writes anything, even a folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck" / "step-2").mkdir(parents=True)
+    (tmp_path / "ck" / "step-2" / ".metadata").write_text("original")
+    shutil.copy(REPO / "configs" / "tiny.toml", tmp_path / "ck" / "step-2" / "config.toml")
+    (tmp_path / "task.jsonl").write_text('{"context": "a", "choices": ["b", "c"], "gold": 0}\n')
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    shutil.copytree(tiny_data.corpus, tmp_path / "corpus")
+    shutil.copy(tiny_data.corpus / "docs.jsonl", tmp_path / "corpus.jsonl")
+    shutil.copytree(tiny_data.tokenizer, tmp_path / "tok")
+    shutil.copytree(tiny_data.tokenized, tmp_path / "tokens")
+    before = contents(tmp_path)
+    main = importlib.import_module(f"nanotron.commands.{command}").main
+    assert main(argv.format(out=out).split(" ")) == 2
+    assert f"'{out}' lies inside the input '{source}'; choose a path outside it" in one_line(capsys)
     assert contents(tmp_path) == before

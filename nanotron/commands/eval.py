@@ -59,6 +59,7 @@ def _main(argv: list[str]) -> int:
     out = args.out or Path(f"eval-{step_dir.name}.json")
     for flag, file in (("--out", out), ("--items", args.items)):
         if file is not None:  # before the work: a file that can't be written would fail only after scoring
+            check_not_input(flag, file, [step_dir])  # before the next line makes its folder
             check_writable_file(flag, file)
     if args.items is not None and os.path.abspath(args.items) == os.path.abspath(out):
         raise ConfigError(f"--items: '{args.items}' is also --out; give each its own file")
@@ -76,7 +77,7 @@ def _main(argv: list[str]) -> int:
     tasks = load_tasks(cfg)  # bad task files: one line, before any process starts
     for flag, file in (("--out", out), ("--items", args.items)):
         if file is not None:  # e.g. --items naming a task file: scoring would end by replacing it
-            check_not_input(flag, file, [step_dir, *(task.path for task in tasks)])
+            check_not_input(flag, file, [task.path for task in tasks])
     if nproc:
         return spawn_local(nproc, ["-m", "nanotron", "eval", *argv])
     return _score(cfg, tasks, step_dir, out, args)

@@ -81,9 +81,9 @@ def _check(args: argparse.Namespace) -> None:
                 f"--vocab-size: expected an integer from {low} to {high} (a byte-level BPE holds the 256 bytes and "
                 f"EOS), got {args.vocab_size}"
             )
-    else:
+    check_not_input("--out", args.out, inputs)  # before check_writable_file makes its folder
+    if args.command != "tokenizer":
         check_writable_file("--out", args.out)
-    check_not_input("--out", args.out, inputs)
     if args.command == "tokenizer" and not _unfinished_tokenizer(args.out):
         check_new_folder(args.out, "--out")
 

@@ -13,12 +13,13 @@ import torch
 from safetensors.torch import save_file
 
 from nanotron.checkpoint.full_model import check_tokenizer_flag, expected_shapes, tokenizer_source
+from nanotron.checkpoint.layout import find_checkpoint
 from nanotron.checkpoint.safe_io import read_model_weights, verified_checkpoint
 from nanotron.config import read_model_config
 from nanotron.errors import CheckpointError, UserError
 from nanotron.hf import deepseek_v3, mixtral, qwen3, smollm3
 from nanotron.hf.llama import hf_config
-from nanotron.io import check_new_folder
+from nanotron.io import check_new_folder, check_not_input
 from nanotron.models.parametrization import fold_multipliers, is_mup
 from nanotron.tokenize.tokenizer import copy_tokenizer, load_tokenizer
 
@@ -63,7 +64,9 @@ def to_hf(
     """Writes the HF folder `out` from a nanotron checkpoint; returns the step dir that was exported."""
     max_bytes = parse_size(max_shard_size)
     check_tokenizer_flag(tokenizer)
-    step_dir = verified_checkpoint(checkpoint, allow_unverified)
+    step_dir = find_checkpoint(checkpoint)
+    check_not_input("OUT_DIR", out, [step_dir, *([tokenizer] if tokenizer else [])])
+    step_dir = verified_checkpoint(step_dir, allow_unverified)
     model = read_model_config(step_dir / "config.toml")
     expected = expected_shapes(model)
     weights = read_model_weights(step_dir, expected)

@@ -23,7 +23,7 @@ from nanotron.config import ModelConfig, toml_text
 from nanotron.errors import CheckpointError
 from nanotron.hf import deepseek_v3, mixtral, qwen3
 from nanotron.hf.llama import model_config_from_hf
-from nanotron.io import check_new_folder
+from nanotron.io import check_new_folder, check_not_input
 from nanotron.tokenize.tokenizer import copy_tokenizer
 
 
@@ -90,6 +90,7 @@ def stored_names(hf_dir: Path) -> set[str]:
 
 def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     """Writes a weights-only DCP checkpoint (fp32, for training) plus config.toml and the tokenizer."""
+    check_not_input("CKPT_DIR", out, [hf_dir])
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"'{config_file}' not found: '{hf_dir}' is not a Hugging Face model dir")

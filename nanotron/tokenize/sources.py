@@ -49,26 +49,18 @@ class Source:
         return sum(f.stat().st_size for f in self.files)
 
 
-def resolve_sources(
-    specs: list[str],
-    exclude: Path | None = None,
-    hub_config: str | None = None,
-    hub_split: str = "train",
-) -> list[Source]:
-    """Local files (a folder's, sorted, hidden ones and `exclude` skipped) or hub names checked to be reachable."""
+def resolve_sources(specs: list[str], hub_config: str | None = None, hub_split: str = "train") -> list[Source]:
+    """Local files (a folder's, sorted, hidden ones skipped) or hub names checked to be reachable."""
     sources = []
     for spec in specs:
         root = Path(spec).expanduser()
         if root.is_file():
             files = [root]
         elif root.is_dir():
-            skip = exclude.resolve() if exclude else None
             files = sorted(
                 f
                 for f in root.rglob("*")
-                if f.is_file()
-                and not any(part.startswith(".") for part in f.relative_to(root).parts)
-                and (skip is None or skip not in f.resolve().parents)
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts)
             )
         elif is_hub_name(spec):
             check_hub_reachable(spec)

@@ -27,7 +27,7 @@ from nanotron import records
 from nanotron.console import format_count, say
 from nanotron.errors import DataError
 from nanotron.hashing import mix64
-from nanotron.io import fsync_dir, write_atomic
+from nanotron.io import check_not_input, fsync_dir, write_atomic
 from nanotron.tokenize.encode import batches, encode_batches
 from nanotron.tokenize.format import (
     FORMAT,
@@ -209,7 +209,9 @@ def tokenize_paths(
 ) -> tuple[dict[str, Any], str]:
     """`nanotron tokenize SOURCE... --tokenizer T --out DIR` as a function (the command, tests and benchmarks make
     their tokenized dirs with it); `options` are `tokenize`'s."""
-    sources = resolve_sources(specs, exclude=Path(out), hub_config=hub_config, hub_split=hub_split)
+    inputs = [Path(spec).expanduser() for spec in specs] + [Path(tokenizer).expanduser()]
+    check_not_input("--out", Path(out), inputs)  # tokens written into a source would be read back as one
+    sources = resolve_sources(specs, hub_config=hub_config, hub_split=hub_split)
     return tokenize(sources, load_tokenizer(tokenizer, what="--tokenizer"), Path(out), **options)
 
 
