@@ -632,3 +632,19 @@ def test_every_documented_by_hand_command_starts_as_many_processes_as_its_config
         cfg = load_config(str(REPO / words[script + 1]), parse_overrides(words[script + 2 :])[1])
         per_node = int(env.get("NPROC_PER_NODE", options.get("--gpus-per-node", 1)))
         assert int(options["--nodes"]) * per_node == cfg.world_size, (doc, line)
+
+
+def test_plan_and_launch_refuse_a_muon_adamw_name_that_matches_no_parameter(in_tmp, checked_data, capsys):
+    """The login node says what the job would refuse at its start: a typo in optimizer.muon_adamw_names (it would
+    also plan the typo's matrices with Muon's optimizer state)."""
+    from nanotron.commands import plan
+
+    typo = ["--optimizer.name=muon", "--optimizer.muon_adamw_names=mlp.gate_prj"]
+    message = "optimizer.muon_adamw_names: 'mlp.gate_prj' is part of no parameter's name; did you mean 'mlp.gate_proj"
+    for command in (
+        lambda: plan.main(["--config", f"{REPO}/configs/small.toml", *typo]),
+        lambda: launch.main(["--run_name", "typo", "--model_size", "small", "--dry_run", *typo]),
+    ):
+        assert command() == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(errors) == 1 and message in errors[0], errors

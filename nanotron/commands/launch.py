@@ -140,8 +140,10 @@ def _launch(argv: list[str]) -> int:
     check_slurm_flags(args)
     cfg, notes = resolve_config(args, passthrough)
     from nanotron.checkpoint.manager import resolve_source  # torch: only once the flags are good
+    from nanotron.optim.muon import check_adamw_names
 
     resolve_source(cfg.checkpoint_dir, cfg.checkpoint)  # what the job would refuse at start, on the shared filesystem
+    check_adamw_names(cfg.optimizer, cfg.model)
     nodes, procs, layout_notes = plan_nodes(cfg, args)
     plan = plan_before_submit(cfg, args, procs)
     python = "python" if args.container_image or args.container_exec else checks.job_python()  # the image's

@@ -18,6 +18,7 @@ from nanotron.commands.args import Once, Parser
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
 from nanotron.gpu import GPU_FORMS, PLANNED
+from nanotron.optim.muon import check_adamw_names
 from nanotron.parallel.layout import layout_product
 from nanotron.plan.report import check_table, describe, search_table
 from nanotron.plan.timing import UNCALIBRATED_EFFICIENCY, Efficiency, parse_gpu
@@ -82,6 +83,7 @@ def _plan(argv: list[str]) -> int:
         gpu = dataclasses.replace(gpu, efficiency=Efficiency(args.efficiency, source="--efficiency"))
     args.efficiency = gpu.efficiency.default
     cfg = load_config(args.config, overrides)
+    check_adamw_names(cfg.optimizer, cfg.model)
     capacity = args.nodes * args.gpus_per_node
     layout = f"{layout_product(cfg)} GPUs"
     if cfg.world_size <= capacity:

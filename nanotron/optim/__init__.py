@@ -61,8 +61,8 @@ def build_optimizer(
         decay = cfg.weight_decay * param_muon_weight_decay_scale(model, name, cfg.weight_decay_mode)
         return decay, param_muon_lr_scale(model, name)
 
+    check_adamw_names(cfg, model)
     if cfg.name == "muon":
-        check_adamw_names(cfg.muon_adamw_names, model)
         optimizer = build_muon(module, cfg, groups, adamw, group, muon_settings)
     else:
         optimizer = adamw(groups.items())

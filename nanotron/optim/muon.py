@@ -49,12 +49,15 @@ def is_muon_matrix(name: str, ndim: int, adamw_names: list[str]) -> bool:
     return name.startswith("model.layers.") and ndim >= 2 and not any(part in name for part in adamw_names)
 
 
-def check_adamw_names(adamw_names: list[str], model: ModelConfig) -> None:
-    """Each entry must be part of some parameter's name of the whole model (every pipeline stage's): a typo would
-    leave its matrices to Muon without a word. The default's routers are absent from a dense model: no typo."""
+def check_adamw_names(cfg: OptimizerConfig, model: ModelConfig) -> None:
+    """Under Muon, each `muon_adamw_names` entry must be part of some parameter's name of the whole model (every
+    pipeline stage's): a typo would leave its matrices to Muon without a word. The default's routers are absent from
+    a dense model: no typo. Checked where the optimizer is built, and by plan and launch before anything is planned."""
+    if cfg.name != "muon":
+        return
     params = all_shapes(model)
     default = OptimizerConfig().muon_adamw_names
-    for entry in adamw_names:
+    for entry in cfg.muon_adamw_names:
         if entry in default or any(entry in name for name in params):
             continue
         inner = sorted({name.split(".", 3)[-1] for name in params if name.startswith("model.layers.")})
