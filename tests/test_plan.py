@@ -22,7 +22,7 @@ from nanotron.commands.plan import MAX_GPUS_PER_NODE, MAX_NODES, build_parser
 from nanotron.commands.plan import main as plan_main
 from nanotron.config import load_config
 from nanotron.errors import ConfigError
-from nanotron.gpu import MEMORY_GIB, PEAK_TFLOPS, PLANNED
+from nanotron.gpu import LINK_GBPS, MEMORY_GIB, PEAK_TFLOPS, PLANNED
 from nanotron.launch import checks
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import apply_context_parallel
@@ -288,6 +288,9 @@ def test_the_gpu_flags_help_states_the_ranges_it_is_checked_against():
         assert (
             f"memory in [{MEMORY_GIB[0]}, {MEMORY_GIB[1]}] GiB and peak in [{PEAK_TFLOPS[0]}, {PEAK_TFLOPS[1]}]" in help
         )
+    for flag in ("--nvlink_gbps", "--ib_gbps"):  # plan's link figures
+        help = next(a.help for a in build_parser()._actions if flag in a.option_strings)
+        assert f"GB/s, {LINK_GBPS[0]:g} to {LINK_GBPS[1]:g}" in help, help
 
 
 def test_launch_refuses_an_infinite_gpu_peak_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):

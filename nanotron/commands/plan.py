@@ -17,7 +17,7 @@ import sys
 from nanotron.commands.args import Once, Parser
 from nanotron.config import load_config, parse_overrides
 from nanotron.errors import ConfigError, run_command
-from nanotron.gpu import GPU_FORMS, PLANNED
+from nanotron.gpu import GPU_FORMS, LINK_GBPS, PLANNED
 from nanotron.optim.muon import check_adamw_names
 from nanotron.parallel.layout import layout_product
 from nanotron.plan.report import check_table, describe, search_table
@@ -56,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"set has them: {', '.join(f'{name} {parse_gpu(name).efficiency.default:g}' for name in PLANNED)}; "
         f"custom GPUs {UNCALIBRATED_EFFICIENCY}, uncalibrated)",
     )
-    p.add_argument("--nvlink_gbps", type=float, help="ring bandwidth per GPU inside a node, GB/s (default: by --gpu)")
-    p.add_argument("--ib_gbps", type=float, help="bandwidth per GPU across nodes, GB/s (default: by --gpu)")
+    links = f"{LINK_GBPS[0]:g} to {LINK_GBPS[1]:g}"
+    p.add_argument(
+        "--nvlink_gbps", type=float, help=f"ring bandwidth per GPU inside a node, GB/s, {links} (default: by --gpu)"
+    )
+    p.add_argument("--ib_gbps", type=float, help=f"bandwidth per GPU across nodes, GB/s, {links} (default: by --gpu)")
     p.add_argument("--search", action="store_true", help="rank every layout that fits this cluster by throughput")
     p.add_argument("--top", type=int, default=15, help="rows of the --search table (default 15)")
     p.add_argument("--check", action="store_true", help="build every distinct rank on a fake process group")
