@@ -777,3 +777,26 @@ def test_mtp_of_a_model_without_latent_attention_is_refused_at_export_in_one_lin
     (step / "config.toml").write_text(toml_text({"model": asdict(cfg.model)}))
     with pytest.raises(CheckpointError, match="multi-token prediction exports only in DeepSeek-V3's format"):
         to_hf(step, tmp_path / "out", allow_unverified=True)
+
+
+def test_a_used_output_folder_is_refused_before_any_weight_is_read(trained, tmp_path, monkeypatch, capsys):
+    """to-hf and from-hf refuse an output folder that holds files before they read weights (minutes at 70B), not
+    after."""
+    import nanotron.hf.export as export
+    import nanotron.hf.importer as importer
+
+    def unread(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(export, "read_model_weights", unread)
+    monkeypatch.setattr(importer, "read_hf_weights", unread)
+    hf_model().save_pretrained(tmp_path / "source")
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    for argv in (["to-hf", str(trained), str(used)], ["from-hf", str(tmp_path / "source"), str(used)]):
+        assert convert_main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "already exists and is not an empty folder" in err[0], err
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]

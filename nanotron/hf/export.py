@@ -66,6 +66,7 @@ def to_hf(
     check_tokenizer_flag(tokenizer)
     step_dir = find_checkpoint(checkpoint)
     check_not_input("OUT_DIR", out, [step_dir, *([tokenizer] if tokenizer else [])])
+    check_new_folder(out)  # before the weights are read (minutes at 70B); again before writing
     step_dir = verified_checkpoint(step_dir, allow_unverified)
     model = read_model_config(step_dir / "config.toml")
     expected = expected_shapes(model)

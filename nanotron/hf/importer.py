@@ -91,6 +91,7 @@ def stored_names(hf_dir: Path) -> set[str]:
 def from_hf(hf_dir: Path, out: Path) -> ModelConfig:
     """Writes a weights-only DCP checkpoint (fp32, for training) plus config.toml and the tokenizer."""
     check_not_input("CKPT_DIR", out, [hf_dir])
+    check_new_folder(out)  # before the weights are read (minutes at 70B); again before writing
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"'{config_file}' not found: '{hf_dir}' is not a Hugging Face model dir")
