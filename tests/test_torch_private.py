@@ -276,3 +276,22 @@ def test_stager_keeps_its_buffers_says_whether_a_dcp_stager_stages_a_second_time
                 stager.stage(state)
     finally:
         stager.close()
+
+
+def test_forward_only_keeps_the_forward_sends_and_their_waits():
+    """Evaluation runs a runtime schedule's forward actions alone. torch 2.15 pairs each send with a wait action
+    and fails a step with a send left unwaited; the backward actions and their communication go."""
+    from types import SimpleNamespace
+
+    from nanotron.parallel.pipeline import forward_only
+
+    def act(kind: str, sub_actions=None):
+        return SimpleNamespace(computation_type=SimpleNamespace(value=kind), sub_actions=sub_actions)
+
+    kinds = ["UNSHARD", "RECV_F", "F", "SEND_F", "WAIT_SEND_F", "RECV_B", "B", "SEND_B", "WAIT_SEND_B", "RESHARD"]
+    overlapped = act("OVERLAP_F_B", [act("F"), act("B")])
+    schedule = SimpleNamespace(pipeline_order_with_comms={0: [act(k) for k in kinds] + [overlapped, None]})
+    with forward_only(schedule):
+        kept = [a.computation_type.value for a in schedule.pipeline_order_with_comms[0]]
+    assert kept == ["UNSHARD", "RECV_F", "F", "SEND_F", "WAIT_SEND_F", "RESHARD", "F"]
+    assert len(schedule.pipeline_order_with_comms[0]) == len(kinds) + 2  # the training order is back
