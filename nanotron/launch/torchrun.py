@@ -138,6 +138,19 @@ def check_torchrun_args(config: argparse.Namespace) -> None:
         raise ConfigError(
             f"training_script '{script}': no such file; give a Python script, or -m MODULE (-m nanotron.train)"
         )
+    if config.log_dir:
+        try:
+            os.makedirs(config.log_dir, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"--log_dir '{config.log_dir}': cannot make it ({error.strerror})") from None
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import config_from_args
+
+    try:  # the rest of torchrun's reading of its flags (--rdzv_conf, --tee, ...), whose own messages are clear
+        config_from_args(argparse.Namespace(**{**vars(config), "log_dir": os.devnull}))  # devnull: no log dir made
+        parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
+    except ValueError as error:
+        raise ConfigError(f"torchrun: {error}") from None
 
 
 def _run_once(config: argparse.Namespace) -> tuple[int, dict | None]:
