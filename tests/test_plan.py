@@ -480,6 +480,35 @@ def test_the_plan_counts_the_rope_tables_the_model_allocates(layout):
     assert stage_memory(cfg, 0)["rope"] == sum(b.numel() * b.element_size() for b in built)
 
 
+def test_a_context_parallel_rank_builds_only_its_rope_rows():
+    """Under cp a rank keeps seq_len / cp rows of the RoPE table (what the plan counts); it built the whole
+    max_seq_len table first, a start-up transient the plan did not count (16 GiB at 2**24 positions). Its rows
+    are the whole table's, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from nanotron.models.llama import rope_cache
+    from nanotron.parallel.context import zigzag_positions
+
+    cfg = load_config("configs/tiny.toml", [("training.seq_len", "64"), ("parallelism.cp", "2")])
+    model = LlamaForCausalLM(cfg.model)
+    apply_context_parallel(model, None, 2, 1, 64)
+    rows: list[int] = []
+
+    class Rows(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            rows.extend(t.shape[-2] for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() >= 2)
+            return out
+
+    with Rows():
+        model.init_buffers()
+    m = cfg.model
+    assert rows and max(rows) == 32 < m.max_seq_len, rows
+    whole = rope_cache(m.rope_dim, m.max_seq_len, m.rope_theta)[:, zigzag_positions(64, 2, 1)]
+    assert torch.equal(model.model.rope, whole)
+
+
 @pytest.mark.slow
 def test_a_search_reuses_each_ranks_stages_without_changing_a_result(monkeypatch):
     """--search builds each rank's stages once per (model, sequence, pipeline split, rank) while it plans one

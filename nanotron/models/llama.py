@@ -80,10 +80,19 @@ class _Normalization(torch.autograd.Function):
         return along.add_(through_rms).to(x.dtype), None, grad_weight, None
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """cos and sin tables, stacked as [2, max_seq_len, head_dim]."""
+def rope_cache(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """cos and sin tables, stacked as [2, max_seq_len, head_dim]; with `positions`, only their rows (the same
+    values: each row depends on its position alone)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    if positions is None:
+        positions = torch.arange(max_seq_len, device=device)
+    angles = torch.outer(positions.to(device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return torch.stack([angles.cos(), angles.sin()])
 
@@ -339,9 +348,8 @@ class LlamaForCausalLM(nn.Module):
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recomputes the RoPE table and zeroes the MoE buffers (a model built on the meta device has none)."""
         cfg = self.config
-        rope = rope_cache(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
-        positions = self.model.positions
-        self.model.rope = rope if positions is None else rope[:, positions.to(rope.device)].contiguous()
+        # under cp only this rank's rows: the whole table first would be a start-up peak (16 GiB at 2**24 positions)
+        self.model.rope = rope_cache(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device, self.model.positions)
         for module in self.modules():
             if isinstance(module, MoE):  # a routing bias starts at zero (a checkpoint load then overwrites it)
                 for buffer in (
