@@ -173,6 +173,8 @@ def test_a_run_that_repeats_its_corpus_or_outlasts_its_time_limit_is_warned_of(i
     ]
     assert launch.main([*small, "--max_epochs", "10"]) == 0
     assert "passes over" not in capsys.readouterr().err
+    assert launch.main([*small, "--max_epochs", "0"]) == 0  # 0: no warning (it warned on every run)
+    assert "passes over" not in capsys.readouterr().err
 
     long = ["--run_name", "long", "--model_size", "large", "--nodes", "4", "--time_limit", "2:00:00", "--dry_run"]
     assert launch.main([*long, "--max_epochs", "1e9"]) == 0

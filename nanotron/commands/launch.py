@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_epochs",
         type=number_at_least(0),
         default=4.0,
-        help="warn when the run passes over its corpus more often (default 4: Muennighoff et al. 2023 found up to "
-        "~4 repeated epochs cost little)",
+        help="warn when the run passes over its corpus more often; 0: never (default 4: Muennighoff et al. 2023 "
+        "found up to ~4 repeated epochs cost little)",
     )
     return p
 

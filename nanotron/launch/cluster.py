@@ -174,7 +174,7 @@ def run_length_notes(
     exceeds the time limit (how many requeues that takes): both are fine on purpose and costly by mistake."""
     t, notes = cfg.training, []
     epochs = t.steps * t.global_batch_size / max(train_samples, 1)
-    if epochs > max_epochs:
+    if max_epochs and epochs > max_epochs:  # 0: no limit to warn of
         notes.append(
             f"warning: {t.steps} steps x {t.global_batch_size} samples = {epochs:,.1f} passes over the corpus's "
             f"{train_samples:,} training samples (more than --max_epochs {max_epochs:g}): lower training.steps, "
