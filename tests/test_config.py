@@ -566,3 +566,17 @@ def test_the_timeouts_reach_init_process_group_and_every_mesh_group(tmp_path, fo
         seen = json.loads((tmp_path / f"{rank}.json").read_text())
         assert seen["init"] == 7.0 and len(seen["startup"]) >= 2  # the world, and the tp/pp groups torch made itself
         assert seen["startup"] == [7.0] * len(seen["startup"]) and seen["after"] == [3.0] * len(seen["startup"])
+
+
+@pytest.mark.parametrize(
+    ("text", "steps"), [("1e3", 1000), ("1.5e3", 1500), ("2_000", 2000), ("1.5", None), ("1e400", None), ("nan", None)]
+)
+def test_an_integer_written_in_exponent_form_reads_on_the_command_line_as_in_a_toml_file(text, steps):
+    """`steps = 1e3` in a TOML file read as 1000 while `--training.steps=1e3` was refused; a fraction, an overflow
+    or nan stays one line naming the key."""
+    argv = ["--config", "configs/tiny.toml", f"--training.steps={text}"]
+    if steps is None:
+        with pytest.raises(ConfigError, match=f"^training.steps: expected int, got '{text}'$"):
+            load_config(*parse_overrides(argv))
+    else:
+        assert load_config(*parse_overrides(argv)).training.steps == steps

@@ -78,7 +78,15 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
         if hint is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
-            return int(value) if not from_cli else int(value.replace("_", ""))
+            if not from_cli:
+                return int(value)
+            text = value.replace("_", "")
+            if text.strip().lstrip("+-").isdigit():
+                return int(text)
+            exact = float(text)  # 1e3, as a TOML file may write it: integral and exact in a double, else refused
+            if not (exact.is_integer() and abs(exact) < 2**53):
+                raise ValueError
+            return int(exact)
         if hint is float:
             if isinstance(value, bool):
                 raise ValueError
