@@ -84,7 +84,7 @@ def _check(args: argparse.Namespace) -> None:
     check_not_input("--out", args.out, inputs)  # before check_writable_file makes its folder
     if args.command != "tokenizer":
         check_writable_file("--out", args.out)
-    if args.command == "tokenizer" and not _unfinished_tokenizer(args.out):
+    elif not _unfinished_tokenizer(args.out):
         check_new_folder(args.out, "--out")
 
 

@@ -5,6 +5,7 @@ Every key is a schema field; anything else is a `ConfigError` naming the key, wh
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import sys
@@ -81,7 +82,7 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
             if not from_cli:
                 return int(value)
             text = value.replace("_", "")
-            if text.strip().lstrip("+-").isdigit():
+            with contextlib.suppress(ValueError):
                 return int(text)
             exact = float(text)  # 1e3, as a TOML file may write it: integral and exact in a double, else refused
             if not (exact.is_integer() and abs(exact) < 2**53):

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 __all__ = [
-    "PortablePipelineStage",
     "AsyncCollectiveTensor",
+    "PortablePipelineStage",
     "attention_with_lse",
     "attention_with_lse_backward",
     "checkpoint_in_place",
@@ -41,14 +41,14 @@ __all__ = [
     "flatten_mesh",
     "flattened_meshes",
     "flight_recorder_trace",
+    "fsdp_ends_backward",
     "fsdp_param_groups",
     "grouped_mm",
     "in_backward_pass",
     "is_checkpointed",
     "local_block",
-    "pytree_logger",
-    "fsdp_ends_backward",
     "pipeline_keeps_receive_buffers",
+    "pytree_logger",
     "reduce_accumulated_gradients",
     "replicate",
     "scale_in_place",
